@@ -1,0 +1,171 @@
+"""Logical axis names -> mesh axes: the one table that maps model axes onto devices.
+
+Model code names tensor axes logically ("embed", "mlp", "heads", "exp", "act_batch", ...) and
+calls :func:`constrain` on activations; parameters carry their logical names as Flax NNX
+sharding metadata. Only this module (and the rest of ``parallelism/``) knows about meshes.
+
+Rules follow Flax/MaxText semantics: a list of ``(logical_name, mesh_axes)`` pairs, where
+``mesh_axes`` is a mesh axis name, a tuple of them, or ``None``. A logical name may appear in
+several rules; for each dimension the first rule whose mesh axes are not already used by an
+earlier dimension of the same tensor wins, so a tensor never uses a mesh axis twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+LogicalAxes = Sequence[str | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingContext:
+    """The active mesh and logical-axis rules."""
+
+    mesh: Mesh
+    rules: Rules
+
+
+_CONTEXT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVar(
+    "moevlm_sharding_context", default=None
+)
+_MANUAL: contextvars.ContextVar[bool] = contextvars.ContextVar("moevlm_manual", default=False)
+
+
+def normalize_rules(rules: Sequence[Sequence[Any]]) -> Rules:
+    """Rules from YAML-ish lists (``[name, axes]`` with axes a str, list or null) to tuples."""
+    out = []
+    for rule in rules:
+        if len(rule) != 2:
+            raise ValueError(f"a logical-axis rule is [logical_name, mesh_axes], got {rule!r}")
+        name, axes = rule
+        if isinstance(axes, list):
+            axes = tuple(axes)
+        if isinstance(axes, tuple) and len(axes) == 1:
+            axes = axes[0]
+        out.append((str(name), axes))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def sharding_context(mesh: Mesh, rules: Sequence[Sequence[Any]]) -> Iterator[ShardingContext]:
+    """Make ``mesh`` and ``rules`` the ones :func:`constrain` and the dispatchers use."""
+    ctx = ShardingContext(mesh, normalize_rules(rules))
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current() -> ShardingContext | None:
+    """The active sharding context, or None when running unsharded."""
+    return _CONTEXT.get()
+
+
+@contextlib.contextmanager
+def manual_region() -> Iterator[None]:
+    """Mark code running inside ``shard_map`` so :func:`constrain` leaves its values alone."""
+    token = _MANUAL.set(True)
+    try:
+        yield
+    finally:
+        _MANUAL.reset(token)
+
+
+def mesh_axes_for(name: str | None, rules: Rules, used: set[str] | None = None) -> MeshAxes:
+    """The mesh axes a logical name maps to, skipping rules whose axes are in ``used``."""
+    if name is None:
+        return None
+    used = used or set()
+    for logical, axes in rules:
+        if logical != name:
+            continue
+        if axes is None:
+            return None
+        flat = (axes,) if isinstance(axes, str) else tuple(axes)
+        if any(a in used for a in flat):
+            continue
+        return axes
+    return None
+
+
+def logical_to_spec(axes: LogicalAxes | None, rules: Rules, mesh: Mesh | None = None) -> PartitionSpec:
+    """PartitionSpec over mesh axes for a tensor whose dimensions carry logical ``axes``.
+
+    Mesh axes of size 1 are dropped when ``mesh`` is given, so specs stay readable.
+    """
+    if axes is None:
+        return PartitionSpec()
+    used: set[str] = set()
+    out: list[MeshAxes] = []
+    for name in axes:
+        mapped = mesh_axes_for(name, rules, used)
+        if mapped is not None:
+            flat = (mapped,) if isinstance(mapped, str) else tuple(mapped)
+            if mesh is not None:
+                flat = tuple(a for a in flat if mesh.shape[a] > 1)
+            used.update(flat)
+            mapped = None if not flat else (flat[0] if len(flat) == 1 else flat)
+        out.append(mapped)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def axis_size(mesh: Mesh, axes: MeshAxes) -> int:
+    """Number of devices a dimension mapped to ``axes`` is split over."""
+    if axes is None:
+        return 1
+    flat = (axes,) if isinstance(axes, str) else tuple(axes)
+    size = 1
+    for a in flat:
+        size *= mesh.shape[a]
+    return size
+
+
+def logical_axis_size(name: str, ctx: ShardingContext | None = None) -> int:
+    """How many shards the logical axis ``name`` has under the active (or given) context."""
+    ctx = ctx or current()
+    if ctx is None:
+        return 1
+    return axis_size(ctx.mesh, mesh_axes_for(name, ctx.rules))
+
+
+def named_sharding(axes: LogicalAxes | None, ctx: ShardingContext | None = None) -> NamedSharding:
+    """NamedSharding for logical ``axes`` under the active (or given) context."""
+    ctx = ctx or current()
+    if ctx is None:
+        raise RuntimeError("named_sharding() needs an active sharding_context(mesh, rules)")
+    return NamedSharding(ctx.mesh, logical_to_spec(axes, ctx.rules, ctx.mesh))
+
+
+def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+    """Constrain activation ``x`` to the sharding its logical ``axes`` map to; identity when no
+    mesh is active or inside a manual (shard_map) region."""
+    ctx = _CONTEXT.get()
+    if ctx is None or _MANUAL.get():
+        return x
+    if len(axes) != x.ndim:
+        raise ValueError(f"constrain: {len(axes)} logical axes {tuple(axes)} for a rank-{x.ndim} array")
+    spec = logical_to_spec(axes, ctx.rules, ctx.mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
+
+
+def check_divisible(name: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> None:
+    """Raise a clear error when a dimension does not divide by the devices it is split over."""
+    for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
+        n = axis_size(mesh, axes)
+        if n > 1 and size % n:
+            raise ValueError(
+                f"{name}: dimension {dim} of size {size} is split over mesh axes {axes} "
+                f"({n} devices) and does not divide; change the layout or the model config"
+            )
