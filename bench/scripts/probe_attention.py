@@ -1,0 +1,168 @@
+"""GPU probe: environment versions + packed (segment) attention paths through cuDNN vs XLA.
+
+Run on the H200: python bench/scripts/probe_attention.py --out $OUT/attn.json
+Checks each variant against an XLA float32 reference, then times forward and forward+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def segment_offsets(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """seqlens [B, M] and start offsets [B, M+1] (-1 padded) of segments 1..M in each row."""
+    ids = jnp.arange(1, max_segments + 1, dtype=segment_ids.dtype)
+    onehot = segment_ids[:, :, None] == ids[None, None, :]  # [B, S, M]
+    seqlens = onehot.sum(axis=1).astype(jnp.int32)  # [B, M]
+    first = jnp.argmax(onehot, axis=1).astype(jnp.int32)  # [B, M]
+    present = seqlens > 0
+    offsets = jnp.where(present, first, -1)
+    seqlens = jnp.where(present, seqlens, -1)
+    offsets = jnp.concatenate([offsets, jnp.full_like(offsets[:, :1], -1)], axis=1)
+    return seqlens, offsets
+
+
+def ref_attention(q, k, v, segment_ids, causal):
+    """XLA reference in float32 with a dense segment (+causal) mask. q [B,S,N,D], k/v [B,S,Nk,D]."""
+    b, s, n, d = q.shape
+    nk = k.shape[2]
+    qf, kf, vf = (x.astype(jnp.float32) for x in (q, k, v))
+    kf = jnp.repeat(kf, n // nk, axis=2)
+    vf = jnp.repeat(vf, n // nk, axis=2)
+    logits = jnp.einsum("bqnd,bknd->bnqk", qf, kf) / np.sqrt(d)
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0)
+    if causal:
+        mask &= jnp.tril(jnp.ones((s, s), bool))[None]
+    logits = jnp.where(mask[:, None], logits, -1e30)
+    p = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bnqk,bknd->bqnd", p, vf)
+    return jnp.where((segment_ids > 0)[:, :, None, None], out, 0.0)
+
+
+def cudnn_packed(q, k, v, segment_ids, causal, max_segments):
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    seqlens, offsets = segment_offsets(segment_ids, max_segments)
+    out = dot_product_attention(
+        q, k, v, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets, kv_offsets=offsets,
+        scale=1.0 / np.sqrt(q.shape[-1]),
+        mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK, qkv_layout="BTNH")
+    return jnp.where((segment_ids > 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def cudnn_dense_mask(q, k, v, segment_ids, causal):
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn")
+
+
+def xla_dense_mask(q, k, v, segment_ids, causal):
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
+
+
+def cudnn_per_image(q, k, v, segment_ids, causal, images_per_row):
+    b, s, n, d = q.shape
+    r = lambda x: x.reshape(b * images_per_row, s // images_per_row, x.shape[2], d)
+    out = jax.nn.dot_product_attention(r(q), r(k), r(v), is_causal=causal, implementation="cudnn")
+    return out.reshape(b, s, n, d)
+
+
+def timeit(f, *args, iters=20):
+    out = f(*args)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def make_segments(b, s, lens):
+    seg = np.zeros((b, s), np.int32)
+    for r in range(b):
+        pos = 0
+        for i, L in enumerate(lens):
+            seg[r, pos:pos + L] = i + 1
+            pos += L
+    return jnp.asarray(seg)
+
+
+def run_case(name, b, s, n, nk, d, lens, causal, variants, results):
+    key = jax.random.PRNGKey(0)
+    kq, kk, kv, kg = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (b, s, n, d), jnp.bfloat16)
+    k = jax.random.normal(kk, (b, s, nk, d), jnp.bfloat16)
+    v = jax.random.normal(kv, (b, s, nk, d), jnp.bfloat16)
+    g = jax.random.normal(kg, (b, s, n, d), jnp.bfloat16)
+    seg = make_segments(b, s, lens)
+    useful = sum(L * L for L in lens) * (0.5 if causal else 1.0)
+    flops_fwd = 4 * b * n * d * useful
+    ref = jax.jit(lambda q, k, v: ref_attention(q, k, v, seg, causal))(q, k, v)
+    for vname, fn in variants.items():
+        row = {"case": name, "variant": vname}
+        try:
+            f = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, seg, causal))
+            out = f(q, k, v)
+            valid = (seg > 0)[:, :, None, None]
+            err = jnp.linalg.norm(jnp.where(valid, out.astype(jnp.float32) - ref, 0)) / jnp.linalg.norm(ref)
+            row["rel_err"] = float(err)
+            t = timeit(f, q, k, v)
+
+            def loss(q, k, v, fn=fn):
+                o = fn(q, k, v, seg, causal)
+                return jnp.sum((o * g).astype(jnp.float32))
+
+            fb = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+            tb = timeit(fb, q, k, v)
+            row.update(fwd_ms=t * 1e3, fwdbwd_ms=tb * 1e3,
+                       fwd_tflops=flops_fwd / t / 1e12, fwdbwd_tflops=3.5 * flops_fwd / tb / 1e12)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="attn.json")
+    args = ap.parse_args()
+    env = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
+    for mod in ("flax", "optax", "orbax.checkpoint", "transformers", "torch", "grain", "tokamax"):
+        try:
+            m = __import__(mod, fromlist=["_"])
+            env[mod] = getattr(m, "__version__", "?")
+        except Exception as e:  # noqa: BLE001
+            env[mod] = f"missing: {type(e).__name__}: {str(e)[:120]}"
+    print(json.dumps(env), flush=True)
+    results = []
+    dec = {
+        "cudnn_packed_M8": lambda q, k, v, s, c: cudnn_packed(q, k, v, s, c, 8),
+        "cudnn_packed_M64": lambda q, k, v, s, c: cudnn_packed(q, k, v, s, c, 64),
+        "cudnn_dense_mask": cudnn_dense_mask,
+        "cudnn_causal_nomask": lambda q, k, v, s, c: jax.nn.dot_product_attention(
+            q, k, v, is_causal=c, implementation="cudnn"),
+        "xla_dense_mask": xla_dense_mask,
+    }
+    # decoder: B=2, S=4096, 32 q / 4 kv heads, hd 128; one doc a row, then 4 docs of ~1k + padding
+    run_case("dec_1doc", 2, 4096, 32, 4, 128, [4096], True, dec, results)
+    run_case("dec_4docs", 2, 4096, 32, 4, 128, [1500, 1200, 800, 500], True, dec, results)
+    vis = {
+        "cudnn_packed_M8": lambda q, k, v, s, c: cudnn_packed(q, k, v, s, c, 8),
+        "cudnn_per_image": lambda q, k, v, s, c: cudnn_per_image(q, k, v, s, c, 4),
+        "xla_dense_mask": xla_dense_mask,
+    }
+    # vision: 4 images of 784 patches per row, 16 heads, hd 72, bidirectional
+    run_case("vis_4img", 4, 3136, 16, 16, 72, [784] * 4, False, vis, results)
+    with open(args.out, "w") as f:
+        json.dump({"env": env, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
