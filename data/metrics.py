@@ -1,0 +1,56 @@
+"""Held-out answer accuracy from eval batches (teacher-forced exact match of the answer tokens)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from data.sample import QUESTION_TYPES
+
+
+def answer_accuracy(batch: Mapping[str, Any], predictions: np.ndarray) -> dict[str, dict[str, float]]:
+    """Per question type: answers, exact-match correct, accuracy, chance; ``predictions`` [B, S] = argmax ids.
+
+    ``predictions[b, s]`` is the model's prediction for ``targets[b, s]``. An answer (one
+    ``answer_group`` of a row) counts as correct when every one of its tokens is predicted. Types
+    come from ``answer_type`` (index into ``QUESTION_TYPES``); answers of unknown type (-1) go to
+    ``other``. ``all`` aggregates every answer.
+    """
+    from data.vqa import CHANCE
+
+    groups = np.asarray(batch["answer_group"])
+    types = np.asarray(batch["answer_type"])
+    mask = np.asarray(batch["loss_mask"]) > 0
+    hit = np.asarray(predictions) == np.asarray(batch["targets"])
+    out: dict[str, dict[str, float]] = {}
+    for r in range(groups.shape[0]):
+        for g in np.unique(groups[r][mask[r] & (groups[r] > 0)]):
+            sel = mask[r] & (groups[r] == g)
+            t = int(types[r][sel][0])
+            name = QUESTION_TYPES[t] if 0 <= t < len(QUESTION_TYPES) else "other"
+            for key in (name, "all"):
+                entry = out.setdefault(key, {"answers": 0, "correct": 0})
+                entry["answers"] += 1
+                entry["correct"] += int(hit[r][sel].all())
+    for key, entry in out.items():
+        entry["accuracy"] = entry["correct"] / entry["answers"]
+        entry["chance"] = CHANCE.get(key, float("nan"))
+    return out
+
+
+def merge_accuracy(parts: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Sum ``answer_accuracy`` results over batches."""
+    from data.vqa import CHANCE
+
+    out: dict[str, dict[str, float]] = {}
+    for part in parts:
+        for key, e in part.items():
+            entry = out.setdefault(key, {"answers": 0, "correct": 0})
+            entry["answers"] += e["answers"]
+            entry["correct"] += e["correct"]
+    for key, entry in out.items():
+        entry["accuracy"] = entry["correct"] / entry["answers"]
+        entry["chance"] = CHANCE.get(key, float("nan"))
+    return out

@@ -1,0 +1,127 @@
+"""Built-in VQA set: answers read back from the JPEGs by an independent analysis; determinism; accuracy."""
+
+import collections
+import io
+import json
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+from scipy import ndimage
+from scipy.spatial import ConvexHull
+
+from data.loader import build_loader
+from data.metrics import answer_accuracy, merge_accuracy
+from data.photos import PhotoSource, photo_count
+from data.records import decode_record
+from data.vqa import ANSWERS, CHANCE, COLOURS, dataset_dir, ensure_vqa, make_record, vqa_params
+
+
+def read_answer(jpeg: bytes, qtype: str) -> str | None:
+    """Answer a question from the pixels alone (no access to the generator's scene)."""
+    a = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB")).astype(int)
+    mask = (a.max(-1) - a.min(-1) > 60) | (a.max(-1) < 110)  # saturated or dark: shapes and words
+    mask = ndimage.binary_opening(mask)
+    labels, n = ndimage.label(mask)
+    sizes = ndimage.sum(mask, labels, range(1, n + 1))
+    parts = [i + 1 for i, s in enumerate(sizes) if s >= 6]
+    if qtype == "count":
+        return str(len(parts))
+    if qtype == "colour":
+        mean = a[mask].mean(0)
+        return min(COLOURS, key=lambda c: np.sum((np.array(COLOURS[c]) - mean) ** 2))
+    if qtype == "position":
+        return "left" if np.nonzero(mask)[1].mean() < a.shape[1] / 2 else "right"
+    if qtype == "shape":
+        ys, xs = np.nonzero(labels == max(parts, key=lambda i: (labels == i).sum()))
+        fill = len(xs) / ((np.ptp(xs) + 1) * (np.ptp(ys) + 1))
+        pts = np.stack([xs, ys], 1).astype(float)
+        hull = ConvexHull(np.concatenate([pts + d for d in ([-.5, -.5], [-.5, .5], [.5, -.5], [.5, .5])]))
+        solidity = len(xs) / hull.volume
+        return "star" if solidity < 0.8 else "square" if fill > 0.9 else "circle" if fill > 0.66 else "triangle"
+    return None
+
+
+def test_answers_match_the_drawing():
+    params = vqa_params({"image_size": [128, 320]})
+    checked = collections.Counter()
+    for i in range(250):
+        rec = decode_record(make_record(params, "train", i))
+        qtype, answer = rec["meta"]["qtypes"][0], rec["meta"]["answers"][0]
+        assert answer in ANSWERS[qtype]
+        assert rec["messages"][1] == {"role": "assistant", "content": answer}
+        seen = read_answer(rec["images"][0], qtype)
+        if seen is not None:
+            assert seen == answer, (i, qtype)
+            checked[qtype] += 1
+    assert min(checked[q] for q in ("colour", "shape", "count", "position")) >= 30
+
+
+def test_sizes_aspects_and_answer_coverage():
+    params = vqa_params({})
+    sizes, answers = [], collections.defaultdict(set)
+    for i in range(400):
+        rec = decode_record(make_record(params, "train", i))
+        img = Image.open(io.BytesIO(rec["images"][0]))
+        assert img.format == "JPEG"
+        sizes.append(img.size)
+        answers[rec["meta"]["qtypes"][0]].add(rec["meta"]["answers"][0])
+    w, h = np.array(sizes).T
+    assert np.maximum(w, h).min() >= 60 and np.maximum(w, h).max() <= 320
+    aspect = w / h
+    assert aspect.min() < 0.6 and aspect.max() > 1.7 and (np.abs(aspect - 1) < 0.05).mean() < 0.2  # not squares
+    for q, values in answers.items():  # every answer occurs, so chance is 1/len(ANSWERS[q])
+        assert values == set(ANSWERS[q]), q
+        assert CHANCE[q] == pytest.approx(1 / len(ANSWERS[q]))
+
+
+def test_generation_is_deterministic_fast_and_cached(tmp_path):
+    params = vqa_params({"num_train": 300, "num_heldout": 50})
+    assert make_record(params, "train", 7) == make_record(params, "train", 7)
+    assert make_record(params, "train", 7) != make_record(params, "heldout", 7)
+    start = time.time()
+    paths = ensure_vqa({"num_train": 300, "num_heldout": 50}, tmp_path, "train")
+    assert time.time() - start < 15  # a few ms per sample
+    heldout = ensure_vqa({"num_train": 300, "num_heldout": 50}, tmp_path, "heldout")
+    root = dataset_dir(params, tmp_path)
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["chance"] == CHANCE and manifest["params"]["num_train"] == 300
+    from data.sources import ArrayRecordSource
+
+    assert len(ArrayRecordSource(paths)) == 300 and len(ArrayRecordSource(heldout)) == 50
+    assert ArrayRecordSource(paths)[5] == make_record(params, "train", 5)
+
+
+def test_answer_accuracy_exact_match(tmp_path):
+    loader = build_loader("vqa", split="heldout", overrides=[
+        "source.num_train=60", "source.num_heldout=30", "seq_len=512", "batch_size=2", f"cache_dir={tmp_path}"])
+    batches = list(loader)
+    perfect = merge_accuracy([answer_accuracy(b, b["targets"]) for b in batches])
+    assert perfect["all"]["answers"] == 30 and perfect["all"]["accuracy"] == 1.0
+    wrong = merge_accuracy([answer_accuracy(b, b["targets"] + 1) for b in batches])
+    assert wrong["all"]["correct"] == 0
+    # one wrong token in one answer: exactly that answer fails
+    b = batches[0]
+    pred = b["targets"].copy()
+    r, s = np.argwhere(b["answer_group"] > 0)[0]
+    pred[r, s] += 1
+    acc = answer_accuracy(b, pred)
+    assert acc["all"]["correct"] == acc["all"]["answers"] - 1
+    assert {k: v["chance"] for k, v in acc.items() if k != "all"} == {k: CHANCE[k] for k in acc if k != "all"}
+
+
+def test_photos_are_real_shipped_photographs():
+    assert photo_count() >= 15
+    src = PhotoSource({"num_train": 40}, "train")
+    names = set()
+    for i in range(40):
+        rec = src[i]
+        img = Image.open(io.BytesIO(rec["images"][0]))
+        assert img.format == "JPEG" and 224 * 0.7 <= max(img.size) <= 640
+        assert rec["messages"][1]["role"] == "assistant" and len(rec["messages"][1]["content"]) > 20
+        names.add(rec["meta"]["photos"][0])
+    assert len(names) >= 15
+    loader = build_loader("photos", overrides=["seq_len=1024", "batch_size=2", "source.num_train=40"])
+    batch = next(loader)
+    assert batch["stats"]["images"] >= 2 and batch["stats"]["trained_tokens"] > 20
