@@ -1,0 +1,138 @@
+"""The text decoder: GQA attention with per-head q/k RMSNorm and interleaved MRoPE, MoE or dense
+MLP layers, final RMSNorm.
+
+Layers are stacked for scan over depth. Consecutive layers of the same kind (MoE / dense) form one
+stack (``stacks[g]``, leading axis ``layers``), each run by one ``lax.scan``, so compile time does
+not grow with depth. DeepStack features ``[n_ds, B, S, H]`` (already scattered to the image-token
+rows, zero elsewhere) are added after decoder layers ``0 .. n_ds - 1`` inside the same scan.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from moevlm_jax.config import ComputeConfig, TextConfig
+from moevlm_jax.model.attention import dot_product_attention
+from moevlm_jax.model.layers import Linear, RMSNorm, dtype_of, param, run_stack, stack_modules
+from moevlm_jax.model.moe import MLP, SparseMoeBlock
+from moevlm_jax.model.rotary import apply_rotary, mrope_cos_sin
+from parallelism.logical import constrain
+
+ACT = ("act_batch", "act_seq", "act_embed")
+
+
+class TextAttention(nnx.Module):
+    """q/k/v projections ``[embed, heads, head_dim]``, per-head RMSNorm on q and k, rotary, causal
+    attention within a segment, out-projection ``[heads, head_dim, embed]``."""
+
+    def __init__(self, cfg: TextConfig, compute: ComputeConfig, rngs: nnx.Rngs):
+        pd, h, n, k, d = (dtype_of(compute.param_dtype), cfg.hidden_size, cfg.num_attention_heads,
+                          cfg.num_key_value_heads, cfg.head_dim)
+        kw = dict(use_bias=cfg.attention_bias, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
+        self.impl = compute.attention
+        self.q_proj = Linear((h,), (n, d), ("embed",), ("q_heads", "head_dim"), **kw)
+        self.k_proj = Linear((h,), (k, d), ("embed",), ("kv_heads", "head_dim"), **kw)
+        self.v_proj = Linear((h,), (k, d), ("embed",), ("kv_heads", "head_dim"), **kw)
+        self.o_proj = Linear((n, d), (h,), ("q_heads", "head_dim"), ("embed",), **kw)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=pd)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=pd)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """x ``[B, S, H]``, cos/sin ``[B, S, D]``, segment_ids ``[B, S]`` -> ``[B, S, H]``."""
+        q = checkpoint_name(self.q_proj(x), "qkv_proj")
+        k = checkpoint_name(self.k_proj(x), "qkv_proj")
+        v = checkpoint_name(self.v_proj(x), "qkv_proj")
+        q = apply_rotary(checkpoint_name(self.q_norm(q), "layernorm"), cos, sin)
+        k = apply_rotary(checkpoint_name(self.k_norm(k), "layernorm"), cos, sin)
+        q = constrain(q, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+        k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        out = dot_product_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                                    causal=True, impl=self.impl)
+        out = checkpoint_name(out, "core_attn")
+        return checkpoint_name(self.o_proj(out), "attn_out")
+
+
+class DecoderLayer(nnx.Module):
+    """x + attn(norm(x)); x + mlp(norm(x)), the MLP a SparseMoeBlock ("moe") or an MLP ("dense")."""
+
+    def __init__(self, cfg: TextConfig, compute: ComputeConfig, kind: str, rngs: nnx.Rngs):
+        pd = dtype_of(compute.param_dtype)
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
+        self.self_attn = TextAttention(cfg, compute, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
+        self.mlp = SparseMoeBlock(cfg, compute, rngs) if kind == "moe" else MLP(cfg, compute, rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict | None]:
+        """x ``[B, S, H]`` -> ``[B, S, H]`` and router stats (MoE layers) or None."""
+        x = x + self.self_attn(checkpoint_name(self.input_layernorm(x), "layernorm"), cos, sin, segment_ids)
+        h = checkpoint_name(self.post_attention_layernorm(x), "layernorm")
+        if self.kind == "moe":
+            y, stats = self.mlp(h, segment_ids > 0)
+        else:
+            y, stats = self.mlp(h), None
+        return constrain(x + y, ACT), stats
+
+
+def layer_groups(kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """Runs of consecutive layers of one kind: ``(kind, first_layer, count)``."""
+    out, start = [], 0
+    for kind, run in itertools.groupby(kinds):
+        n = len(list(run))
+        out.append((kind, start, n))
+        start += n
+    return out
+
+
+class TextModel(nnx.Module):
+    """Token embedding, stacked decoder layers, final norm."""
+
+    def __init__(self, cfg: TextConfig, compute: ComputeConfig, rngs: nnx.Rngs):
+        pd = dtype_of(compute.param_dtype)
+        self.cfg = cfg
+        self.compute = compute
+        self.groups = tuple(layer_groups(cfg.layer_kinds))
+        self.embed_tokens = param(rngs, "normal", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd,
+                                  cfg.initializer_range)
+        self.stacks = nnx.List([
+            stack_modules(lambda r, kind=kind: DecoderLayer(cfg, compute, kind, r), n, rngs, "layers")
+            for kind, _, n in self.groups
+        ])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """input_ids ``[B, S]`` -> embeddings ``[B, S, H]`` in the compute dtype."""
+        rows = jnp.take(self.embed_tokens[...], input_ids, axis=0)  # gather first, cast only the rows
+        return constrain(rows.astype(dtype_of(self.compute.dtype)), ACT)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 deepstack: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+        """x ``[B, S, H]`` input embeddings, positions ``[3, B, S]``, segment_ids ``[B, S]``, deepstack
+        ``[n_ds, B, S, H]`` or None -> normed hidden ``[B, S, H]`` and router stats with a leading
+        axis over the MoE layers (in layer order), or None when there are none."""
+        cfg = self.cfg
+        cos, sin = mrope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        n_ds = 0 if deepstack is None else deepstack.shape[0]
+
+        def body(layer, h, layer_idx, with_ds):
+            h, stats = layer(h, cos, sin, segment_ids)
+            if with_ds:
+                add = jax.lax.dynamic_index_in_dim(deepstack, jnp.minimum(layer_idx, n_ds - 1), keepdims=False)
+                h = h + jnp.where(layer_idx < n_ds, add.astype(h.dtype), jnp.zeros_like(h))
+            return h, stats
+
+        stats = []
+        for (kind, first, n), stack in zip(self.groups, self.stacks):
+            with_ds = first < n_ds
+            x, s = run_stack(stack, lambda layer, h, i, w=with_ds: body(layer, h, i, w), x,
+                             jnp.arange(first, first + n, dtype=jnp.int32), self.compute)
+            if kind == "moe":
+                stats.append(s)
+        router = jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
+        return self.norm(x), router

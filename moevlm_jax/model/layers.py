@@ -1,0 +1,191 @@
+"""Building blocks shared by the vision tower and the decoder: parameters with logical axes,
+linear layers, norms, activations, layer stacks and the scan-over-depth runner with remat.
+
+Parameters are stored in ``param_dtype`` and cast to the compute dtype where they are used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moevlm_jax.config import ComputeConfig
+
+Axes = tuple[str | None, ...]
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    """jnp dtype for a config dtype name ("float32", "bfloat16", ...)."""
+    return jnp.dtype(name)
+
+
+def param(rngs: nnx.Rngs | None, init: str, shape: Sequence[int], axes: Axes, dtype: Any, std: float = 0.02) -> nnx.Param:
+    """An ``nnx.Param`` of ``shape`` with logical ``axes``; init "normal" (std), "ones" or "zeros"."""
+    shape = tuple(int(s) for s in shape)
+    if len(axes) != len(shape):
+        raise ValueError(f"param of shape {shape} needs {len(shape)} logical axes, got {axes}")
+    if init == "normal":
+        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        raise ValueError(f"unknown init {init!r}")
+    return nnx.Param(value.astype(dtype), out_sharding=tuple(axes))
+
+
+class Linear(nnx.Module):
+    """y = x . kernel (+ bias), contracting the trailing ``len(in_shape)`` dims of x.
+
+    kernel ``[*in_shape, *out_shape]`` with logical axes ``in_axes + out_axes``; bias ``out_shape``.
+    """
+
+    def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], in_axes: Axes, out_axes: Axes, *,
+                 use_bias: bool, param_dtype: Any, rngs: nnx.Rngs, std: float = 0.02):
+        self.n_in = len(in_shape)
+        self.kernel = param(rngs, "normal", (*in_shape, *out_shape), (*in_axes, *out_axes), param_dtype, std)
+        self.bias = param(rngs, "zeros", out_shape, out_axes, param_dtype) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x ``[..., *in_shape]`` -> ``[..., *out_shape]`` in x's dtype."""
+        k = self.kernel[...].astype(x.dtype)
+        n = self.n_in
+        y = jax.lax.dot_general(x, k, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """HF Qwen3 RMSNorm: normalise in float32, cast back, multiply by the weight."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype: Any):
+        self.eps = eps
+        self.scale = param(None, "ones", (dim,), ("norm",), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x ``[..., dim]`` -> same shape and dtype."""
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * xf.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with weight and bias, computed in float32."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype: Any):
+        self.eps = eps
+        self.scale = param(None, "ones", (dim,), ("norm",), param_dtype)
+        self.bias = param(None, "zeros", (dim,), ("norm",), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x ``[..., dim]`` -> same shape and dtype."""
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """The activation HF names ``name`` (ACT2FN)."""
+    table = {
+        "silu": jax.nn.silu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    }
+    if name not in table:
+        raise ValueError(f"unsupported activation {name!r}; known: {sorted(table)}")
+    return table[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer stacks: one module whose parameters carry a leading stacked axis
+# ----------------------------------------------------------------------------------------------
+
+
+def stack_modules(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs, axis_name: str | None) -> nnx.Module:
+    """``n`` independently initialised copies of ``make(rngs)`` as one module whose Params have a
+    leading axis of size ``n`` named ``axis_name`` (a plain leading axis: a pipeline can reshape it)."""
+    keys = jax.random.split(rngs.params(), n)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+    state = jax.vmap(lambda key: nnx.state(make(nnx.Rngs(params=key))))(keys)
+
+    def add_axis(v: nnx.Variable) -> nnx.Variable:
+        names = v.get_metadata().get("out_sharding")
+        if names is not None:
+            v.set_metadata(out_sharding=(axis_name, *names))
+        return v
+
+    state = jax.tree.map(add_axis, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, state)
+
+
+# Checkpoint names a remat policy chooses among (``jax.ad_checkpoint.checkpoint_name``):
+#   layernorm  norm outputs                core_attn  attention output before the out-projection
+#   qkv_proj   q/k/v projections           attn_out   attention out-projection output
+#   mlp_hidden MLP hidden (decoder: gate/up projections; vision: fc1 + activation)
+#   mlp        dense / vision MLP output
+#   moe_router router logits               moe        MoE block output
+#   moe_act    expert activation (inside parallelism.experts.experts_forward)
+CHECKPOINT_NAMES = ("layernorm", "qkv_proj", "core_attn", "attn_out", "mlp_hidden", "mlp", "moe_router", "moe", "moe_act")
+_REMAT_MODULE_NAMES = {
+    "core_attn": ("core_attn",),
+    "moe_act": ("moe_act",),
+    "layernorm": ("layernorm",),
+    "mlp": ("mlp_hidden", "mlp"),
+    "moe": ("moe_router", "moe", "moe_act"),
+}
+
+
+def remat_policy(compute: ComputeConfig) -> Callable[..., Any] | None:
+    """The ``jax.checkpoint`` policy for one scanned layer, or None for no remat.
+
+    full: save nothing (recompute the whole layer). selective: save the named tensors above except
+    those of ``compute.remat_modules`` (Megatron's recompute modules), recompute everything else.
+    """
+    if compute.remat == "none":
+        return None
+    if compute.remat == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    dropped = {n for m in compute.remat_modules for n in _REMAT_MODULE_NAMES[m]}
+    return jax.checkpoint_policies.save_only_these_names(*[n for n in CHECKPOINT_NAMES if n not in dropped])
+
+
+def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any], tuple[Any, Any]], carry: Any, xs: Any,
+              compute: ComputeConfig, start: int = 0, stop: int | None = None) -> tuple[Any, Any]:
+    """Run layers ``start:stop`` of ``stack``: ``carry, y = body(layer, carry, x)`` per layer, with
+    ``xs`` (a pytree with a leading layer axis, or None) sliced alongside. Returns the final carry and
+    the per-layer ``y`` stacked on a leading axis. Scans (one compiled body) when
+    ``compute.scan_layers``, else unrolls; the remat policy wraps the body either way."""
+    graphdef, state = nnx.split(stack)
+    n = jax.tree.leaves(state)[0].shape[0]
+    stop = n if stop is None else stop
+    if stop <= start:
+        return carry, None
+    if start != 0 or stop != n:
+        state = jax.tree.map(lambda a: a[start:stop], state)
+
+    def step(c, inputs):
+        layer_state, x = inputs
+        return body(nnx.merge(graphdef, layer_state), c, x)
+
+    policy = remat_policy(compute)
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy, prevent_cse=not compute.scan_layers)
+    if compute.scan_layers:
+        return jax.lax.scan(step, carry, (state, xs))
+    ys = []
+    for i in range(stop - start):
+        carry, y = step(carry, jax.tree.map(lambda a, i=i: a[i], (state, xs)))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys and ys[0] is not None else None
+

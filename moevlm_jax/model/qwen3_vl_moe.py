@@ -1,0 +1,120 @@
+"""Qwen3-VL-MoE: vision tower + projector + DeepStack + MoE decoder + LM head (Flax NNX).
+
+``Qwen3VLMoe.hidden_states(batch)`` is the jit-able core on the per-row batch of ARCHITECTURE.md;
+``Qwen3VLMoe.__call__`` is the eager Hugging Face style entry (HF input conventions, returns
+logits). Parameter names mirror HF's module names (see ``moevlm_jax.hf``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moevlm_jax.config import ComputeConfig, ModelConfig
+from moevlm_jax.model.batch import hf_inputs_to_batch
+from moevlm_jax.model.decoder import TextModel
+from moevlm_jax.model.layers import Linear, dtype_of
+from moevlm_jax.model.vision import VisionModel
+from parallelism.logical import constrain
+
+
+def scatter_visual_tokens(tokens: jax.Array, is_image: jax.Array, token_valid: jax.Array) -> jax.Array:
+    """Place the k-th valid visual token of each row on the row's k-th image token:
+    tokens ``[..., B, V, H]``, is_image ``[B, S]``, token_valid ``[B, V]`` -> ``[..., B, S, H]``
+    (zero on non-image rows). Static shapes; cumsum-based gather."""
+    b, v = token_valid.shape
+    rank = jnp.cumsum(token_valid, axis=1) - 1
+    slot = jnp.where(token_valid, rank, v)  # invalid tokens scatter out of range (dropped)
+    source = jnp.zeros((b, v), jnp.int32).at[jnp.arange(b)[:, None], slot].set(
+        jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (b, v)), mode="drop")
+    k = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, v - 1)
+    idx = jnp.take_along_axis(source, k, axis=1)  # [B, S]
+    lead = tokens.shape[:-3]
+    gathered = jnp.take_along_axis(tokens, jnp.broadcast_to(idx[..., None], (*lead, b, idx.shape[1], 1)), axis=-2)
+    return jnp.where(is_image[..., None], gathered, jnp.zeros((), tokens.dtype))
+
+
+class Qwen3VLMoe(nnx.Module):
+    """Qwen3VLMoeForConditionalGeneration in Flax NNX."""
+
+    def __init__(self, config: ModelConfig, compute: ComputeConfig | None = None, rngs: nnx.Rngs | None = None):
+        compute = compute or ComputeConfig()
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.compute = compute
+        self.visual = VisionModel(config.vision_config, compute, rngs)
+        self.language_model = TextModel(config.text_config, compute, rngs)
+        t = config.text_config
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            (t.hidden_size,), (t.vocab_size,), ("embed",), ("vocab",), use_bias=False,
+            param_dtype=dtype_of(compute.param_dtype), rngs=rngs, std=t.initializer_range)
+
+    def lm_head_kernel(self) -> jax.Array:
+        """The LM head as ``[H, vocab]`` (the embedding transposed when tied)."""
+        if self.lm_head is None:
+            return self.language_model.embed_tokens[...].T
+        return self.lm_head.kernel[...]
+
+    def hidden_states(self, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:
+        """batch (ARCHITECTURE.md) -> final-normed hidden ``[B, S, H]`` (compute dtype) and aux:
+        ``aux["router"]``: expert_counts ``[L, B, E]``, prob_sums ``[L, B, E]``, tokens ``[L, B]``,
+        z_sums ``[L, B]`` over the L MoE layers (valid tokens only), or None without MoE layers."""
+        input_ids = jnp.asarray(batch["input_ids"])
+        segment_ids = jnp.asarray(batch["segment_ids"])
+        positions = jnp.asarray(batch["positions"])
+        x = self.language_model.embed(input_ids)
+        deepstack = None
+        pixels = batch.get("pixel_values")
+        if pixels is not None and pixels.shape[1] > 0:
+            merged, ds = self.visual(jnp.asarray(pixels), jnp.asarray(batch["patch_rc"]), jnp.asarray(batch["patch_hw"]),
+                                     jnp.asarray(batch["patch_segment_ids"]))
+            unit = self.config.vision_config.spatial_merge_size**2
+            token_valid = jnp.asarray(batch["patch_segment_ids"])[:, ::unit] > 0
+            is_image = input_ids == self.config.image_token_id
+            x = jnp.where(is_image[..., None], scatter_visual_tokens(merged.astype(x.dtype), is_image, token_valid), x)
+            x = constrain(x, ("act_batch", "act_seq", "act_embed"))
+            if ds is not None:
+                deepstack = scatter_visual_tokens(ds.astype(x.dtype), is_image, token_valid)
+        hidden, router = self.language_model(x, positions, segment_ids, deepstack)
+        return hidden, {"router": router}
+
+    def forward(self, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:
+        """batch -> logits ``[B, S, vocab]`` (float32) and aux (see hidden_states)."""
+        hidden, aux = self.hidden_states(batch)
+        kernel = self.lm_head_kernel().astype(hidden.dtype)
+        logits = jnp.einsum("bsh,hv->bsv", hidden, kernel, preferred_element_type=jnp.float32)
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab")), aux
+
+    def __call__(self, input_ids: Any, pixel_values: Any = None, image_grid_thw: Any = None,
+                 attention_mask: Any = None) -> jax.Array:
+        """HF-style eager call: input_ids ``[B, S]``, pixel_values ``[N, patch_dim]``, image_grid_thw
+        ``[n, 3]``, attention_mask ``[B, S]`` -> logits ``[B, S, vocab]`` float32."""
+        batch = hf_inputs_to_batch(self.config, _np(input_ids), _np(pixel_values), _np(image_grid_thw),
+                                   _np(attention_mask))
+        graphdef, state = nnx.split(self)
+        return _jit_forward(graphdef, state, batch)[0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_forward(graphdef: nnx.GraphDef, state: nnx.State, batch: dict) -> tuple[jax.Array, dict]:
+    return nnx.merge(graphdef, state).forward(batch)
+
+
+def jit_forward(model: Qwen3VLMoe, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:
+    """``model.forward(batch)`` compiled (once per graph and batch shapes)."""
+    graphdef, state = nnx.split(model)
+    return _jit_forward(graphdef, state, dict(batch))
+
+
+def _np(x: Any) -> np.ndarray | None:
+    if x is None:
+        return None
+    if hasattr(x, "detach"):  # torch tensor
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)

@@ -1,0 +1,84 @@
+"""Model configs round-trip through HF's Qwen3VLMoeConfig; compute configs validate with clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from transformers import Qwen3VLMoeConfig
+
+from moevlm_jax.config import ComputeConfig, ModelConfig, load_model_config
+
+
+@pytest.mark.parametrize("name", ["tiny", "proxy", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"])
+def test_yaml_configs_round_trip_through_hf(name):
+    ours = load_model_config(name)
+    hf = Qwen3VLMoeConfig(**ours.to_hf_dict())
+    t, v = hf.text_config, hf.vision_config
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.head_dim) == (
+        ours.text_config.hidden_size, ours.text_config.num_hidden_layers, ours.text_config.num_attention_heads,
+        ours.text_config.num_key_value_heads, ours.text_config.head_dim)
+    assert (t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size) == (
+        ours.text_config.num_experts, ours.text_config.num_experts_per_tok, ours.text_config.moe_intermediate_size)
+    assert t.rope_parameters["mrope_section"] == list(ours.text_config.mrope_section)
+    assert list(v.deepstack_visual_indexes) == list(ours.vision_config.deepstack_visual_indexes)
+    assert hf.image_token_id == ours.image_token_id and hf.tie_word_embeddings == ours.tie_word_embeddings
+    again = ModelConfig.from_hf_dict(hf.to_dict())
+    assert again.text_config.to_hf_dict()["num_experts"] == ours.text_config.num_experts
+    assert again.text_config.layer_kinds == ours.text_config.layer_kinds
+    for a, b in ((again.text_config, ours.text_config), (again.vision_config, ours.vision_config)):
+        fields = [f for f in a.__dataclass_fields__ if f not in ("extra", "rope_parameters")]
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+        assert a.rope_theta == b.rope_theta
+
+
+def test_hub_style_config_json():
+    """A transformers-4.57 style config.json: rope_theta + rope_scaling, num_experts, old vision model_type."""
+    d = {
+        "model_type": "qwen3_vl_moe", "image_token_id": 151655,
+        "text_config": {"rope_theta": 5000000, "num_experts": 128, "norm_topk_prob": True,
+                        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"}},
+        "vision_config": {"model_type": "qwen3_vl_moe", "depth": 27, "out_hidden_size": 2048},
+    }
+    c = ModelConfig.from_hf_dict(d)
+    assert c.text_config.rope_theta == 5e6 and c.text_config.mrope_section == (24, 20, 20)
+    assert c.text_config.extra["norm_topk_prob"] is True
+    assert c.text_config.layer_kinds == ("moe",) * 48
+
+
+def test_layer_kinds_follow_hf_rule():
+    c = load_model_config("tiny")
+    assert c.replace_text(mlp_only_layers=[0, 3]).text_config.layer_kinds == ("dense", "moe", "moe", "dense")
+    assert c.replace_text(decoder_sparse_step=2).text_config.layer_kinds == ("dense", "moe", "dense", "moe")
+
+
+def test_yaml_typos_are_errors(tmp_path):
+    raw = yaml.safe_load(open(load_model_config.__globals__["MODEL_CONFIG_DIR"] / "tiny.yaml"))
+    raw["text_config"]["num_expert"] = 4
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="unknown key 'text_config.num_expert'; did you mean 'num_experts'"):
+        load_model_config(tmp_path / "bad.yaml")
+    with pytest.raises(ValueError, match="mrope_section"):
+        load_model_config("tiny").replace_text(head_dim=32)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dtype": "fp8"}, "compute.dtype must be one of"),
+    ({"attention": "flash"}, "compute.attention must be one of"),
+    ({"remat": "some"}, "compute.remat must be one of"),
+    ({"remat_modules": ["attn"]}, "compute.remat_modules"),
+    ({"router": {"aux_loss": "seq"}}, "compute.router.aux_loss"),
+    ({"router": {"z_loss": 1}}, "unknown options"),
+    ({"loss_chunk_size": 0}, "loss_chunk_size"),
+])
+def test_compute_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ComputeConfig(**kwargs)
+
+
+def test_compute_config_is_hashable_and_from_dict():
+    c = ComputeConfig.from_dict({"dtype": "float32", "moe": {"capacity_factor": 1.25}, "remat_modules": ["moe"]})
+    assert hash(c) == hash(ComputeConfig.from_dict({"dtype": "float32", "moe": {"capacity_factor": 1.25},
+                                                    "remat_modules": ("moe",)}))
+    assert c.moe_options == {"capacity_factor": 1.25}
+    with pytest.raises(ValueError, match="unknown keys"):
+        ComputeConfig.from_dict({"dtyp": "float32"})

@@ -1,0 +1,148 @@
+"""Pieces against hand-computed references: attention masking, chunked LM loss, router losses
+(vs HF's load_balancing_loss_func), MRoPE layout, logical axis names on every parameter."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+
+import parallelism
+from moevlm_jax.config import ComputeConfig, load_model_config
+from moevlm_jax.model.attention import dot_product_attention
+from moevlm_jax.model.layers import CHECKPOINT_NAMES, remat_policy
+from moevlm_jax.model.loss import lm_loss, load_balancing_loss, router_z_loss
+from moevlm_jax.model.moe import route, router_stats
+from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+from moevlm_jax.model.rotary import mrope_section_index
+
+
+def test_attention_segments_causal_gqa():
+    rng = np.random.default_rng(0)
+    b, s, n, k, d = 2, 7, 4, 2, 8
+    q, kk, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((b, s, n, d), (b, s, k, d), (b, s, k, d)))
+    seg = np.array([[0, 0, 1, 1, 1, 2, 2], [1, 1, 1, 1, 2, 2, 0]])
+    for causal in (True, False):
+        out = np.asarray(dot_product_attention(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v), q_segment_ids=jnp.asarray(seg),
+                                               kv_segment_ids=jnp.asarray(seg), causal=causal, impl="xla"))
+        ref = np.zeros_like(out)
+        for bi in range(b):
+            for i in range(s):
+                keys = [j for j in range(s) if seg[bi, j] == seg[bi, i] and (j <= i or not causal)]
+                for h in range(n):
+                    kh = h // (n // k)
+                    logits = np.array([q[bi, i, h] @ kk[bi, j, kh] for j in keys]) / np.sqrt(d)
+                    p = np.exp(logits - logits.max())
+                    ref[bi, i, h] = (p / p.sum()) @ v[bi, keys, kh]
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_lm_loss_and_grad_match_dense():
+    rng = np.random.default_rng(1)
+    b, s, h, vocab = 2, 11, 8, 13
+    hidden = jnp.asarray(rng.standard_normal((b, s, h)), jnp.float32)
+    kernel = jnp.asarray(rng.standard_normal((h, vocab)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, vocab, (b, s)), jnp.int32)
+    mask = jnp.asarray(rng.random((b, s)) < 0.7, jnp.float32)
+
+    def dense(hd, kn):
+        logp = jax.nn.log_softmax(hd @ kn, axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], -1)[..., 0] * mask)
+
+    total, count = lm_loss(hidden, kernel, targets, mask, chunk_size=4)  # 11 = 4 + 4 + 3 (padded)
+    logits = np.asarray(hidden @ kernel, np.float64)
+    lse = np.log(np.exp(logits).sum(-1))
+    ref = ((lse - np.take_along_axis(logits, np.asarray(targets)[..., None], -1)[..., 0]) * np.asarray(mask)).sum()
+    np.testing.assert_allclose(total, ref, rtol=1e-5)
+    assert count == mask.sum()
+    g = jax.grad(lambda hd, kn: lm_loss(hd, kn, targets, mask, chunk_size=4)[0], argnums=(0, 1))(hidden, kernel)
+    g_ref = jax.grad(dense, argnums=(0, 1))(hidden, kernel)
+    for a, r in zip(g, g_ref):
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5)
+
+
+def test_router_losses_match_hf_load_balancing():
+    rng = np.random.default_rng(2)
+    layers, b, s, e, k = 3, 2, 5, 6, 2
+    logits = rng.standard_normal((layers, b, s, e)).astype(np.float32) * 2
+    mask = np.ones((b, s), np.int64)
+    mask[1, :2] = 0
+    stats = []
+    for layer_logits in logits:
+        probs, _, top_i = route(jnp.asarray(layer_logits), k)
+        stats.append(router_stats(jnp.asarray(layer_logits), probs, top_i, jnp.asarray(mask > 0), e))
+    router = jax.tree.map(lambda *a: jnp.stack(a), *stats)
+    ref = load_balancing_loss_func(tuple(torch.tensor(x.reshape(b * s, e)) for x in logits), e, k, torch.tensor(mask))
+    np.testing.assert_allclose(load_balancing_loss(router, e), ref.item(), rtol=1e-5)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    z_ref = np.mean([(lse[i] ** 2 * mask).sum() / mask.sum() for i in range(layers)])
+    np.testing.assert_allclose(router_z_loss(router), z_ref, rtol=1e-5)
+
+
+def test_route_renormalises_top_k():
+    logits = jnp.asarray([[0.0, 1.0, 2.0, 3.0]])
+    probs, w, i = route(logits, 2)
+    p = np.exp([0.0, 1.0, 2.0, 3.0]) / np.exp([0.0, 1.0, 2.0, 3.0]).sum()
+    np.testing.assert_allclose(probs[0], p, rtol=1e-6)
+    np.testing.assert_array_equal(i[0], [3, 2])
+    np.testing.assert_allclose(w[0], p[[3, 2]] / p[[3, 2]].sum(), rtol=1e-6)
+
+
+def test_mrope_interleaved_layout():
+    """HF Qwen3-VL: frequency j uses h if j % 3 == 1 and j < 3*sec_h, w if j % 3 == 2 and j < 3*sec_w, else t."""
+    sel = mrope_section_index(128, (24, 20, 20))
+    expect = [1 if j % 3 == 1 and j < 60 else 2 if j % 3 == 2 and j < 60 else 0 for j in range(64)]
+    np.testing.assert_array_equal(sel, expect)
+
+
+def test_remat_policy_names():
+    assert remat_policy(ComputeConfig(remat="none")) is None
+    assert remat_policy(ComputeConfig(remat="full")) is jax.checkpoint_policies.nothing_saveable
+    assert set(CHECKPOINT_NAMES) >= {"core_attn", "moe_act", "layernorm", "mlp", "moe", "moe_router"}
+    with pytest.raises(ValueError, match="remat_modules"):
+        ComputeConfig(remat="selective", remat_modules=("attention",))
+
+
+def test_every_parameter_has_logical_axes():
+    vocab = set(re.findall(r"\w+", parallelism.__doc__.split("activations")[0].split("parameters")[1]))
+    model = nnx.eval_shape(lambda: Qwen3VLMoe(load_model_config("tiny"), ComputeConfig(), nnx.Rngs(0)))
+    specs = nnx.get_partition_spec(nnx.state(model))
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        names = var.get_metadata()["out_sharding"]
+        assert len(names) == len(var.get_value().shape), path
+        assert {n for n in names if n is not None} <= vocab, (path, names)
+        if "blocks" in path:
+            assert names[0] == "vis_layers", path
+        if "stacks" in path:
+            assert names[0] == "layers", path
+    lm = dict(nnx.to_flat_state(specs))
+    assert tuple(lm[("language_model", "stacks", 0, "mlp", "gate_up_proj")].get_value()) == ("layers", "exp", "embed", "moe_mlp")
+    assert tuple(lm[("language_model", "stacks", 0, "self_attn", "q_proj", "kernel")].get_value()) == (
+        "layers", "embed", "q_heads", "head_dim")
+
+
+def test_activation_constraints_trace_under_a_layout():
+    """Every ``constrain`` call names as many axes as its tensor has (traced under the fsdp layout
+    on 8 CPU devices; shapes only, nothing compiled)."""
+    from moevlm_jax.model.batch import hf_inputs_to_batch
+    from parallelism.layout import load_layout
+    from parallelism.logical import sharding_context
+
+    config = load_model_config("tiny")
+    model = nnx.eval_shape(lambda: Qwen3VLMoe(config, ComputeConfig(dtype="float32"), nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    ids = np.full((8, 16), 7)
+    ids[:, 2], ids[:, 3:7], ids[:, 7] = 502, 500, 503
+    grids = np.tile([[1, 4, 4]], (8, 1))
+    batch = hf_inputs_to_batch(config, ids, np.zeros((128, 1536), np.float32), grids)
+    layout = load_layout("fsdp")
+    with sharding_context(layout.make_mesh(), layout.rules):
+        logits, aux = jax.eval_shape(lambda st: nnx.merge(graphdef, st).forward(batch), state)
+    assert logits.shape == (8, 16, 512)
+    assert aux["router"]["expert_counts"].shape == (4, 8, 8)
