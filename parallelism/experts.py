@@ -1,15 +1,156 @@
 """Expert computation entry point: ``experts_forward`` (dispatch + grouped matmul + combine).
 
-PLACEHOLDER reference version (sort + jax.lax.ragged_dot, single device). The dispatch/grouped
-matmul work replaces the body while keeping the signature.
+The dispatcher (``parallelism.dispatch``) and grouped-matmul backend (``parallelism.grouped_matmul``)
+are chosen from the options and the active sharding context (``parallelism.logical.current()``).
+
+Options (all optional):
+- ``backend``: ``"auto"`` (GPU: tokamax if importable else ragged_dot; else ragged_dot),
+  ``"tokamax"``, ``"ragged_dot"``, ``"dense"`` (masked per-expert einsum reference), or
+  ``"capacity"`` (drop-and-pad batched einsum ``[E, C, H] x [E, H, 2I]``; needs a capacity factor).
+- ``dispatcher``: ``"auto"`` (alltoall when the layout shards ``exp``, else local), ``"local"``,
+  ``"alltoall"``, ``"allgather"``.
+- ``capacity_factor``: None (dropless) or > 0: each expert keeps at most
+  ``ceil(T_group * K / E * factor)`` assignments of one device's token group (Megatron's
+  per-device capacity); dropped assignments contribute zero.
+- ``drop_policy``: ``"probs"`` (keep the highest routing weights) or ``"position"`` (earliest tokens).
+- ``a2a_impl``: ``"auto"`` (GPU: ragged, else dense), ``"ragged"`` (``jax.lax.ragged_all_to_all``;
+  not implemented on XLA:CPU) or ``"dense"`` (fixed-size ``all_to_all``, worst-case buffers).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from parallelism import logical
+from parallelism.dispatch import A2A_IMPLS, DISPATCHERS, ExpertTopology, MoeOptions, resolve_topology, run_experts
+from parallelism.grouped_matmul import GPU_PLATFORMS, resolve_backend
+from parallelism.permute import DROP_POLICIES
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "backend": "auto",
+    "dispatcher": "auto",
+    "capacity_factor": None,
+    "drop_policy": "probs",
+    "a2a_impl": "auto",
+}
+
+
+def _platform(topo: ExpertTopology) -> str:
+    if topo.mesh is not None:
+        return topo.mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
+def resolve_options(topo: ExpertTopology, **options: Any) -> MoeOptions:
+    """Validate ``options`` against the topology and fill the ``"auto"`` choices."""
+    unknown = sorted(set(options) - set(DEFAULT_OPTIONS))
+    if unknown:
+        raise ValueError(f"experts_forward: unknown options {unknown}; known: {sorted(DEFAULT_OPTIONS)}")
+    o = {**DEFAULT_OPTIONS, **options}
+    platform = _platform(topo)
+    factor = o["capacity_factor"]
+    if factor is not None and not float(factor) > 0:
+        raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {factor!r}")
+    if o["drop_policy"] not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {o['drop_policy']!r}")
+    if o["backend"] == "capacity":
+        if factor is None:
+            raise ValueError("backend 'capacity' (drop-and-pad einsum) needs capacity_factor, e.g. 1.25")
+        backend = "capacity"
+    else:
+        backend = resolve_backend(o["backend"], platform)
+    dispatcher = o["dispatcher"]
+    if dispatcher == "auto":
+        dispatcher = "alltoall" if topo.ep > 1 else "local"
+    elif dispatcher not in DISPATCHERS:
+        raise ValueError(f"unknown dispatcher {dispatcher!r}; choose one of {('auto',) + DISPATCHERS}")
+    if dispatcher != "local" and topo.ep == 1:
+        raise ValueError(
+            f"dispatcher {dispatcher!r} needs expert parallelism, but the layout maps logical axis 'exp' "
+            f"to no mesh axis of size > 1; use dispatcher 'local' or 'auto'"
+        )
+    if dispatcher == "local" and topo.ep > 1:
+        log.warning("dispatcher 'local' with 'exp' sharded over %s: every device gathers all experts", topo.expert_axes)
+    a2a = o["a2a_impl"]
+    if a2a == "auto":
+        a2a = "ragged" if platform in GPU_PLATFORMS else "dense"
+    elif a2a not in A2A_IMPLS:
+        raise ValueError(f"unknown a2a_impl {a2a!r}; choose one of {('auto',) + A2A_IMPLS}")
+    if a2a == "ragged" and platform == "cpu" and dispatcher == "alltoall" and factor is None:
+        raise ValueError("a2a_impl 'ragged' uses jax.lax.ragged_all_to_all, not implemented on XLA:CPU; use 'dense'")
+    return MoeOptions(backend, dispatcher, None if factor is None else float(factor), o["drop_policy"], a2a)
+
+
+def _validate(x, topk_idx, topk_weights, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions) -> jax.Array:
+    """Check shapes and divisibility; return w_gate_up as ``[E, H, 2, I]``."""
+    if x.ndim != 2:
+        raise ValueError(f"experts_forward: x must be [T, H], got {x.shape}")
+    t, h = x.shape
+    if topk_idx.shape != topk_weights.shape or topk_idx.ndim != 2 or topk_idx.shape[0] != t:
+        raise ValueError(
+            f"topk_idx and topk_weights must both be [T={t}, K], got {topk_idx.shape} and {topk_weights.shape}"
+        )
+    if w_down.ndim != 3:
+        raise ValueError(f"w_down must be [E, I, H], got {w_down.shape}")
+    e, i, hd = w_down.shape
+    if w_gate_up.shape == (e, h, 2 * i):
+        w_gate_up = w_gate_up.reshape(e, h, 2, i)
+    elif w_gate_up.shape != (e, h, 2, i):
+        raise ValueError(f"w_gate_up must be [E={e}, H={h}, 2I={2 * i}] (or [E, H, 2, I]), got {w_gate_up.shape}")
+    if hd != h:
+        raise ValueError(f"w_down [E, I, H] has H={hd} but x has H={h}")
+    if topk_idx.shape[1] > e:
+        raise ValueError(f"top-k {topk_idx.shape[1]} exceeds the {e} experts")
+    if topo.mesh is None:
+        return w_gate_up
+    if opts.dispatcher != "local" and e % topo.ep:
+        raise ValueError(
+            f"{e} experts do not divide over the expert-parallel mesh axes {topo.expert_axes} "
+            f"({topo.ep} devices); change the layout's 'exp' rule or the expert count"
+        )
+    if i % topo.etp:
+        raise ValueError(
+            f"moe intermediate size {i} does not divide over the expert-tensor-parallel mesh axes "
+            f"{topo.etp_axes} ({topo.etp} devices) that 'moe_mlp' maps to"
+        )
+    n_tok = topo.size(topo.token_axes)
+    if t % n_tok:
+        raise ValueError(f"{t} token rows do not divide over the 'act_tokens' mesh axes {topo.token_axes} ({n_tok})")
+    rep = topo.ep_replicated_axes
+    group = t // n_tok * topo.size(topo.etp_token_axes)
+    if opts.dispatcher == "alltoall" and rep and group % topo.size(rep):
+        raise ValueError(
+            f"tokens are replicated over the expert axes {rep}; the all-to-all dispatcher splits each "
+            f"device's {group} rows over them and needs them to divide by {topo.size(rep)}"
+        )
+    return w_gate_up
+
+
+def experts_forward_with_stats(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    **options: Any,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Like :func:`experts_forward`, also returning ``{"dropped": [] int32, "assignments": [] int32}``
+    (global counts of dropped and of all (token, expert) assignments)."""
+    topo = resolve_topology(None if logical.in_manual_region() else logical.current())
+    opts = resolve_options(topo, **options)
+    w4 = _validate(x, topk_idx, topk_weights, w_gate_up, w_down, topo, opts)
+    log.debug("experts: %s on %s", opts, topo)
+    out, dropped = run_experts(
+        x, topk_idx.astype(jnp.int32), topk_weights, w4.astype(x.dtype), w_down.astype(x.dtype), topo, opts
+    )
+    stats = {"dropped": dropped, "assignments": jnp.asarray(topk_idx.size, jnp.int32)}
+    return out, stats
 
 
 def experts_forward(
@@ -21,17 +162,6 @@ def experts_forward(
     **options: Any,
 ) -> jax.Array:
     """SwiGLU experts: x ``[T, H]``, topk_idx/topk_weights ``[T, K]``, w_gate_up ``[E, H, 2I]``
-    (gate half first), w_down ``[E, I, H]`` -> ``[T, H]`` = sum_k w_k * expert_{idx_k}(x)."""
-    t, k = topk_idx.shape
-    e = w_gate_up.shape[0]
-    flat = topk_idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    xs = x[token]
-    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    h = jax.lax.ragged_dot(xs, w_gate_up.astype(xs.dtype), group_sizes)
-    gate, up = jnp.split(h, 2, axis=-1)
-    act = jax.nn.silu(gate) * up
-    y = jax.lax.ragged_dot(act, w_down.astype(act.dtype), group_sizes)
-    y = y * topk_weights.reshape(-1)[order][:, None].astype(y.dtype)
-    return jnp.zeros_like(x).at[token].add(y)
+    (gate half first; or ``[E, H, 2, I]``), w_down ``[E, I, H]`` -> ``[T, H]`` =
+    sum_k w_k * expert_{idx_k}(x)."""
+    return experts_forward_with_stats(x, topk_idx, topk_weights, w_gate_up, w_down, **options)[0]

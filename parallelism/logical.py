@@ -81,6 +81,11 @@ def manual_region() -> Iterator[None]:
         _MANUAL.reset(token)
 
 
+def in_manual_region() -> bool:
+    """Whether the caller runs inside ``shard_map`` (marked by :func:`manual_region`)."""
+    return _MANUAL.get()
+
+
 def mesh_axes_for(name: str | None, rules: Rules, used: set[str] | None = None) -> MeshAxes:
     """The mesh axes a logical name maps to, skipping rules whose axes are in ``used``."""
     if name is None:

@@ -1,0 +1,377 @@
+"""Dispatchers: where tokens are sent to experts and how expert outputs come back.
+
+All dispatchers run one device's share inside ``jax.shard_map`` over the active mesh (or on the
+whole arrays when no sharding context is active). Mesh axes come from the logical-axis rules:
+``act_tokens`` -> token-row axes, ``exp`` -> expert-parallel (EP) axes, ``moe_mlp`` -> expert
+tensor-parallel (ETP) axes. Per device:
+
+1. ETP: token rows sharded over an ETP axis are all-gathered over it (each tensor rank needs
+   every token of its group); at the end the partial down projections are reduce-scattered back
+   (or all-reduced when tokens are replicated over the ETP axis).
+2. The dispatcher on the device's token rows ``[T, H]``:
+   - ``local``: all experts on this device; sort, gather, grouped matmul, combine.
+   - ``alltoall``: rows go to the EP rank owning their expert and come back. Dropless: the
+     sender's rows sorted by expert are exchanged with a ragged all-to-all whose offsets (from
+     the all-gathered ``[EP, E]`` count matrix) land them on the receiver already sorted by
+     (local expert, source), so no second permutation is needed. ``a2a_impl="ragged"`` uses
+     ``jax.lax.ragged_all_to_all`` (GPU); ``"dense"`` emulates it with a fixed-size
+     ``jax.lax.all_to_all`` over worst-case buffers (any backend, CPU tests). With a capacity
+     factor the layout is drop-and-pad ``[E, C]`` and the exchange a plain all-to-all.
+     Tokens replicated over some EP axes are split over them first and all-gathered after.
+   - ``allgather``: token rows all-gathered over the EP axes, each device runs its own experts
+     on all of them, partial outputs reduce-scattered back (Megatron's allgather dispatcher).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from parallelism import logical
+from parallelism.permute import (
+    RoutePlan,
+    capacity_ffn,
+    combine_rows,
+    dispatch_rows,
+    exclusive_cumsum,
+    expert_capacity,
+    expert_ffn,
+    inverse_slots,
+    padded_slots,
+    route_plan,
+    sorted_slots,
+)
+
+DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather")
+A2A_IMPLS: tuple[str, ...] = ("ragged", "dense")
+Axes = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeOptions:
+    """Resolved expert options (see ``parallelism.experts.experts_forward``)."""
+
+    backend: str  # grouped-matmul backend, or "capacity" for the padded batched einsum
+    dispatcher: str
+    capacity_factor: float | None
+    drop_policy: str
+    a2a_impl: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertTopology:
+    """Mesh axes (size > 1 only) that shard token rows, experts (EP) and expert columns (ETP)."""
+
+    mesh: Mesh | None = None
+    token_axes: Axes = ()
+    expert_axes: Axes = ()
+    etp_axes: Axes = ()
+
+    def size(self, axes: Axes) -> int:
+        """Devices along ``axes``."""
+        return math.prod(self.mesh.shape[a] for a in axes) if self.mesh is not None else 1
+
+    @property
+    def ep(self) -> int:
+        return self.size(self.expert_axes)
+
+    @property
+    def etp(self) -> int:
+        return self.size(self.etp_axes)
+
+    @property
+    def etp_token_axes(self) -> Axes:
+        """ETP axes the tokens are sharded over: gathered before, reduce-scattered after."""
+        return tuple(a for a in self.etp_axes if a in self.token_axes)
+
+    @property
+    def etp_replicated_axes(self) -> Axes:
+        return tuple(a for a in self.etp_axes if a not in self.token_axes)
+
+    @property
+    def ep_token_axes(self) -> Axes:
+        """EP axes the tokens are sharded over."""
+        return tuple(a for a in self.expert_axes if a in self.token_axes)
+
+    @property
+    def ep_replicated_axes(self) -> Axes:
+        """EP axes the tokens are replicated over."""
+        return tuple(a for a in self.expert_axes if a not in self.token_axes)
+
+
+def _flat(entry: Any) -> Axes:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: Axes) -> Any:
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def resolve_topology(ctx: logical.ShardingContext | None) -> ExpertTopology:
+    """Token / EP / ETP mesh axes under ``ctx`` (all empty without a context)."""
+    if ctx is None:
+        return ExpertTopology()
+    tok = logical.logical_to_spec(("act_tokens", None), ctx.rules, ctx.mesh)
+    wgt = logical.logical_to_spec(("exp", None, None, "moe_mlp"), ctx.rules, ctx.mesh)
+    wgt = tuple(wgt) + (None,) * (4 - len(wgt))
+    return ExpertTopology(
+        mesh=ctx.mesh,
+        token_axes=_flat(tok[0] if len(tok) else None),
+        expert_axes=_flat(wgt[0]),
+        etp_axes=_flat(wgt[3]),
+    )
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def _locate(sizes: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For rows ``q`` of P packed buffers made of slices ``sizes [P, n]``: slice, offset, valid."""
+    ends = jnp.cumsum(sizes, axis=1)
+    j = jax.vmap(lambda e: jnp.searchsorted(e, q, side="right"))(ends)
+    valid = q[None, :] < ends[:, -1:]
+    j = jnp.minimum(j, sizes.shape[1] - 1)
+    within = q[None, :] - jnp.take_along_axis(ends - sizes, j, axis=1)
+    return j, within, valid
+
+
+def ragged_all_to_all_dense(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    axis_name: Axes,
+    axis_size: int,
+) -> jax.Array:
+    """``jax.lax.ragged_all_to_all`` semantics (operand ``[N, H]`` -> output ``[M, H]``) from a
+    fixed-size ``all_to_all`` of worst-case ``[P, N, H]`` buffers; works on every backend."""
+    del recv_sizes  # equal to the senders' send_sizes by contract; those travel with the data
+    p, n = axis_size, operand.shape[0]
+    spd = input_offsets.shape[0] // p
+    q = jnp.arange(n, dtype=jnp.int32)
+    sizes = send_sizes.reshape(p, spd)
+    j, within, valid = _locate(sizes, q)
+    src_row = jnp.take_along_axis(input_offsets.reshape(p, spd), j, axis=1) + within
+    send = jnp.take(operand, jnp.where(valid, src_row, n), axis=0, mode="fill", fill_value=0)
+    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [P(source), N, H]
+    meta = jnp.stack([sizes, output_offsets.reshape(p, spd)], axis=1)
+    meta = jax.lax.all_to_all(meta, axis_name, 0, 0, tiled=True)  # [P(source), 2, spd]
+    rj, rwithin, rvalid = _locate(meta[:, 0], q)
+    target = jnp.take_along_axis(meta[:, 1], rj, axis=1) + rwithin
+    target = jnp.where(rvalid, target, output.shape[0]).reshape(-1)
+    return output.at[target].set(recv.reshape((p * n,) + operand.shape[1:]), mode="drop")
+
+
+def exchange_offsets(counts: jax.Array, me: jax.Array, local_experts: int) -> tuple[tuple, tuple, jax.Array]:
+    """Ragged all-to-all arguments from the ``[P, E]`` count matrix (row = source EP rank).
+
+    Returns ``(forward, backward, group_sizes)``: forward/backward are ``(input_offsets,
+    send_sizes, output_offsets, recv_sizes)`` for sending sorted rows to the expert owners (landing
+    sorted by (local expert, source)) and sending results back; group_sizes ``[E_local]``.
+    """
+    p = counts.shape[0]
+    el = local_experts
+    per_owner = counts.reshape(p, p, el).transpose(1, 2, 0)  # [owner r, local expert j, source s]
+    owner_off = exclusive_cumsum(per_owner.reshape(p, el * p), axis=1).reshape(p, el, p)
+    src_starts = exclusive_cumsum(counts, axis=1)  # [source, E]: where each expert starts there
+    mine = jax.lax.dynamic_slice_in_dim(counts, me * el, el, axis=1)  # [source, j]
+    forward = (src_starts[me], counts[me], owner_off[:, :, me].reshape(-1), mine.reshape(-1))
+    backward = (
+        owner_off[me].T.reshape(-1),
+        mine.reshape(-1),
+        jax.lax.dynamic_slice_in_dim(src_starts, me * el, el, axis=1).reshape(-1),
+        counts[me],
+    )
+    return forward, backward, jnp.sum(mine, axis=0)
+
+
+# ----------------------------------------------------------------------------- dispatchers
+
+
+def _ffn_padded(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, backend: str) -> jax.Array:
+    """Experts on a padded ``[G, C, H]`` buffer (batched einsum, or uniform-group grouped matmul)."""
+    if backend == "capacity":
+        return capacity_ffn(rows, w_gate_up, w_down)
+    g, c, h = rows.shape
+    sizes = jnp.full((g,), c, jnp.int32)
+    return expert_ffn(rows.reshape(g * c, h), sizes, w_gate_up, w_down, backend).reshape(g, c, h)
+
+
+def _capacity(opts: MoeOptions, tokens: int, top_k: int, experts: int) -> int | None:
+    if opts.capacity_factor is None:
+        return None
+    return expert_capacity(tokens, top_k, experts, opts.capacity_factor)
+
+
+def _plan(idx: jax.Array, w: jax.Array, experts: int, opts: MoeOptions) -> tuple[RoutePlan, int | None]:
+    cap = _capacity(opts, idx.shape[0], idx.shape[1], experts)
+    return route_plan(idx, w, experts, cap, opts.drop_policy), cap
+
+
+def local_experts(x, idx, w, w_gate_up, w_down, opts: MoeOptions) -> tuple[jax.Array, jax.Array]:
+    """All E experts on this device: x ``[T, H]``, idx/w ``[T, K]`` -> (``[T, H]``, dropped)."""
+    e, k, h = w_gate_up.shape[0], idx.shape[1], x.shape[1]
+    plan, cap = _plan(idx, w, e, opts)
+    if opts.backend == "capacity":
+        slot = padded_slots(plan, cap)
+        src = inverse_slots(slot, e * cap)
+        rows = dispatch_rows(x, src, slot, k).reshape(e, cap, h)
+        y = capacity_ffn(rows, w_gate_up, w_down).reshape(e * cap, h)
+    else:
+        slot = sorted_slots(plan)
+        src = inverse_slots(slot, slot.shape[0])
+        y = expert_ffn(dispatch_rows(x, src, slot, k), plan.counts, w_gate_up, w_down, opts.backend)
+    return combine_rows(y, w, slot, src), plan.dropped
+
+
+def _alltoall(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions):
+    axes, p = topo.expert_axes, topo.ep
+    el, k, h = w_gate_up.shape[0], idx.shape[1], x.shape[1]
+    e = el * p
+    rep = topo.ep_replicated_axes
+    if rep:  # tokens replicated over these EP axes: each rank takes its part
+        n = topo.size(rep)
+        chunk = x.shape[0] // n
+        start = jax.lax.axis_index(rep) * chunk
+        x, idx, w = (jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=0) for a in (x, idx, w))
+    plan, cap = _plan(idx, w, e, opts)
+    if cap is not None:  # drop-and-pad: fixed [E, C] buffers, plain all-to-all
+        slot = padded_slots(plan, cap)
+        src = inverse_slots(slot, e * cap)
+        rows = dispatch_rows(x, src, slot, k)  # [P * El * C, H], destination-major
+        recv = jax.lax.all_to_all(rows, axes, 0, 0, tiled=True)  # source-major
+        recv = recv.reshape(p, el, cap, h).swapaxes(0, 1).reshape(el, p * cap, h)
+        y = _ffn_padded(recv, w_gate_up, w_down, opts.backend)
+        y = y.reshape(el, p, cap, h).swapaxes(0, 1).reshape(p * el * cap, h)
+        back = jax.lax.all_to_all(y, axes, 0, 0, tiled=True)
+    else:  # dropless: ragged exchange of expert-sorted rows
+        slot = sorted_slots(plan)
+        a = slot.shape[0]
+        src = inverse_slots(slot, a)
+        rows = dispatch_rows(x, src, slot, k)
+        counts = jax.lax.all_gather(plan.counts, axes)  # [P, E]
+        fwd, bwd, sizes = exchange_offsets(counts, jax.lax.axis_index(axes), el)
+        exchange = exchange_fn(opts.a2a_impl, axes, p)
+        recv = exchange(rows, jnp.zeros((p * a, h), rows.dtype), *fwd)
+        y = expert_ffn(recv, sizes, w_gate_up, w_down, opts.backend)
+        back = exchange(y, jnp.zeros((a, h), y.dtype), *bwd)
+    out = combine_rows(back, w, slot, src)
+    if rep:
+        out = jax.lax.all_gather(out, rep, axis=0, tiled=True)
+    return out, plan.dropped
+
+
+def exchange_fn(impl: str, axes: Axes, p: int) -> Callable[..., jax.Array]:
+    """The ragged exchange: ``jax.lax.ragged_all_to_all`` or its fixed-size emulation."""
+    if impl == "ragged":
+        return lambda *args: jax.lax.ragged_all_to_all(*args, axis_name=axes)
+    return lambda *args: ragged_all_to_all_dense(*args, axis_name=axes, axis_size=p)
+
+
+def _allgather(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions):
+    axes, gather = topo.expert_axes, topo.ep_token_axes
+    el, k, h = w_gate_up.shape[0], idx.shape[1], x.shape[1]
+    plan, cap = _plan(idx, w, el * topo.ep, opts)  # drops decided where the tokens live
+    expert, rank, counts = plan.expert, plan.rank, plan.counts[None]
+    if gather:
+        x, w, expert, rank = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, w, expert, rank))
+        counts = jax.lax.all_gather(plan.counts, gather)  # [sources, E]
+    sources, a = counts.shape[0], idx.shape[0] * k
+    me = jax.lax.axis_index(axes)
+    local = expert - me * el
+    is_local = (local >= 0) & (local < el)
+    local = jnp.clip(local, 0, el - 1)
+    source = jnp.arange(sources * a, dtype=jnp.int32) // a
+    if opts.backend == "capacity":
+        per = sources * cap
+        slot = jnp.where(is_local, local * per + source * cap + rank, -1)
+        src = inverse_slots(slot, el * per)
+        rows = dispatch_rows(x, src, slot, k).reshape(el, per, h)
+        y = capacity_ffn(rows, w_gate_up, w_down).reshape(el * per, h)
+    else:
+        mine = jax.lax.dynamic_slice_in_dim(counts, me * el, el, axis=1)  # [source, j]
+        offsets = exclusive_cumsum(mine.T.reshape(-1)).reshape(el, sources)
+        slot = jnp.where(is_local, offsets[local, source] + rank, -1)
+        src = inverse_slots(slot, sources * a)
+        rows = dispatch_rows(x, src, slot, k)
+        y = expert_ffn(rows, jnp.sum(mine, axis=0), w_gate_up, w_down, opts.backend)
+    out = combine_rows(y, w, slot, src)
+    if gather:
+        out = jax.lax.psum_scatter(out, gather, scatter_dimension=0, tiled=True)
+    if topo.ep_replicated_axes:
+        out = jax.lax.psum(out, topo.ep_replicated_axes)
+    return out, plan.dropped
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _device_fn(topo: ExpertTopology, opts: MoeOptions) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """The per-device body: ETP gather, dispatcher, ETP reduction, global dropped count."""
+
+    def body(x, idx, w, w_gate_up, w_down):
+        with logical.manual_region():
+            w_gate_up = w_gate_up.reshape(*w_gate_up.shape[:2], -1)  # this shard's gate and up halves
+            gathered = topo.etp_token_axes
+            if gathered:
+                x, idx, w = (jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (x, idx, w))
+            if opts.dispatcher == "alltoall":
+                out, dropped = _alltoall(x, idx, w, w_gate_up, w_down, topo, opts)
+            elif opts.dispatcher == "allgather":
+                out, dropped = _allgather(x, idx, w, w_gate_up, w_down, topo, opts)
+            else:
+                out, dropped = local_experts(x, idx, w, w_gate_up, w_down, opts)
+            if topo.etp_replicated_axes:
+                out = jax.lax.psum(out, topo.etp_replicated_axes)
+            if gathered:
+                out = jax.lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
+            owners = tuple(a for a in topo.token_axes if a not in gathered)
+            if opts.dispatcher == "alltoall":
+                owners += topo.ep_replicated_axes
+            if owners:
+                dropped = jax.lax.psum(dropped, owners)
+            return out, dropped
+
+    return body
+
+
+def shard_map_unchecked(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable:
+    """``jax.shard_map`` without replication checks (collectives here are placed by hand)."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map  # jax < 0.7
+
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def run_experts(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    topo: ExpertTopology,
+    opts: MoeOptions,
+) -> tuple[jax.Array, jax.Array]:
+    """x ``[T, H]``, topk ``[T, K]``, w_gate_up ``[E, H, 2, I]``, w_down ``[E, I, H]`` ->
+    (``[T, H]``, dropped assignments ``[]``); validated inputs, resolved options."""
+    body = _device_fn(topo, opts)
+    if topo.mesh is None:
+        return body(x, topk_idx, topk_weights, w_gate_up, w_down)
+    tok = PartitionSpec(_entry(topo.token_axes), None)
+    ep = _entry(topo.expert_axes) if opts.dispatcher != "local" else None
+    etp = _entry(topo.etp_axes)
+    specs = (tok, tok, tok, PartitionSpec(ep, None, None, etp), PartitionSpec(ep, etp, None))
+    fn = shard_map_unchecked(body, topo.mesh, specs, (tok, PartitionSpec()))
+    return fn(x, topk_idx, topk_weights, w_gate_up, w_down)

@@ -1,0 +1,170 @@
+"""Grouped matmul backends for the experts: rows sorted by group times one weight matrix per group.
+
+``grouped_matmul(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]``: rows
+``[sum(group_sizes[:g]), sum(group_sizes[:g+1]))`` of ``lhs`` are multiplied by ``rhs[g]``; rows past
+``sum(group_sizes)`` (padding) give zero rows, and zero gradients, under every backend.
+
+Backends:
+- ``"ragged_dot"``: ``jax.lax.ragged_dot``; the CPU/TPU path and the reference. On GPU (jax 0.11.2)
+  it is a masked dense expansion: ~5 TFLOP/s, and it materialises ``[M, G*K]`` / ``[G, M, N]``
+  buffers, so it runs out of memory at training sizes (128 experts, 131k rows).
+- ``"tokamax"``: ``tokamax.ragged_dot`` (Pallas Mosaic-GPU kernels with their own VJP), imported
+  lazily; the GPU path. Its kernels leave rows past ``sum(group_sizes)`` uninitialised in the
+  output and in d(lhs), so both are masked here. Measured on an H200 (tokamax 0.0.16): forward and
+  d(lhs) match a float32 reference to bf16 rounding, but the expert-weight gradients d(rhs) were
+  3-7% off (XLA's einsum 0.5%); ``python -m parallelism.bench_moe`` checks this.
+- ``"dense"``: a masked per-group einsum over ``[G, M, K]``; a reference for tests, O(G) memory.
+And for drop-and-pad: :func:`capacity_matmul` ``[G, C, K] x [G, K, N] -> [G, C, N]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+BACKENDS: tuple[str, ...] = ("ragged_dot", "tokamax", "dense")
+GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+
+_TOKAMAX: dict[str, Any] = {}
+
+
+def _install_xprof_stub() -> None:
+    """tokamax imports ``xprof.cli.tools`` only for its benchmarking helpers; stand in for it."""
+    for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+        if name not in sys.modules:
+            sys.modules[name] = types.ModuleType(name)
+    sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None  # type: ignore[attr-defined]
+    sys.modules["xprof"].cli = sys.modules["xprof.cli"]  # type: ignore[attr-defined]
+    sys.modules["xprof.cli"].tools = sys.modules["xprof.cli.tools"]  # type: ignore[attr-defined]
+
+
+def import_tokamax() -> Any | None:
+    """The ``tokamax`` module, or None when it cannot be imported (the reason is logged once)."""
+    if "module" in _TOKAMAX:
+        return _TOKAMAX["module"]
+    module = None
+    try:
+        import tokamax as module  # type: ignore[no-redef]
+    except ModuleNotFoundError as err:
+        if (err.name or "").startswith("xprof"):
+            log.warning("tokamax needs xprof only for benchmarking helpers; using an empty stand-in")
+            _install_xprof_stub()
+            try:
+                import tokamax as module  # type: ignore[no-redef]
+            except Exception as err2:  # noqa: BLE001 - any import failure means "not available"
+                _TOKAMAX["error"] = repr(err2)
+        else:
+            _TOKAMAX["error"] = repr(err)
+    except Exception as err:  # noqa: BLE001
+        _TOKAMAX["error"] = repr(err)
+    if module is None:
+        log.info("tokamax is not importable: %s", _TOKAMAX.get("error"))
+    _TOKAMAX["module"] = module
+    return module
+
+
+def tokamax_available() -> bool:
+    """Whether ``tokamax.ragged_dot`` can be used here."""
+    return import_tokamax() is not None
+
+
+def default_backend(platform: str | None = None) -> str:
+    """The grouped-matmul backend for ``platform`` (default: jax's default backend)."""
+    platform = platform or jax.default_backend()
+    if platform in GPU_PLATFORMS:
+        if tokamax_available():
+            return "tokamax"
+        if not _TOKAMAX.get("warned"):
+            _TOKAMAX["warned"] = True
+            log.warning(
+                "grouped matmul on GPU without tokamax falls back to jax.lax.ragged_dot, a masked dense "
+                "expansion ~60x slower than a batched einsum that runs out of memory at training sizes; "
+                "install tokamax or use backend='capacity' (%s)",
+                _TOKAMAX.get("error"),
+            )
+        return "ragged_dot"
+    return "ragged_dot"
+
+
+def resolve_backend(backend: str | None, platform: str | None = None) -> str:
+    """Check a backend name; ``None``/``"auto"`` picks :func:`default_backend`."""
+    if backend in (None, "auto"):
+        return default_backend(platform)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown grouped-matmul backend {backend!r}; choose one of {('auto',) + BACKENDS}")
+    if backend == "tokamax" and not tokamax_available():
+        raise ImportError(
+            f"backend 'tokamax' needs the tokamax package (GPU, jax>=0.11.1, Python>=3.12): {_TOKAMAX.get('error')}"
+        )
+    return backend
+
+
+def _valid_rows(m: int, group_sizes: jax.Array) -> jax.Array:
+    return jnp.arange(m, dtype=jnp.int32) < jnp.sum(group_sizes)
+
+
+@jax.custom_vjp
+def _mask_rows_grad(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """Identity forward; zeroes the gradient of rows where ``valid`` is False."""
+    return x
+
+
+def _mask_rows_grad_fwd(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return x, valid
+
+
+def _mask_rows_grad_bwd(valid: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
+    return jnp.where(valid[:, None], g, jnp.zeros((), g.dtype)), None
+
+
+_mask_rows_grad.defvjp(_mask_rows_grad_fwd, _mask_rows_grad_bwd)
+
+
+def _tokamax_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    tokamax = import_tokamax()
+    if tokamax is None:
+        raise ImportError(f"backend 'tokamax' is not available: {_TOKAMAX.get('error')}")
+    valid = _valid_rows(lhs.shape[0], group_sizes)
+    lhs = _mask_rows_grad(lhs, valid)
+    out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _dense_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    g = rhs.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    group_of_row = jnp.searchsorted(ends, jnp.arange(lhs.shape[0]), side="right")
+    member = group_of_row[None, :] == jnp.arange(g)[:, None]  # [G, M]
+    masked = jnp.where(member[:, :, None], lhs[None], jnp.zeros((), lhs.dtype))  # [G, M, K]
+    return jnp.einsum("gmk,gkn->mn", masked, rhs, preferred_element_type=out_dtype).astype(out_dtype)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: str | None = None) -> jax.Array:
+    """lhs ``[M, K]`` (rows sorted by group), rhs ``[G, K, N]``, group_sizes ``[G]`` -> ``[M, N]``."""
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(f"grouped_matmul: lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
+    if group_sizes.shape != (rhs.shape[0],):
+        raise ValueError(f"grouped_matmul: group_sizes must be [{rhs.shape[0]}], got {group_sizes.shape}")
+    backend = resolve_backend(backend)
+    out_dtype = lhs.dtype
+    rhs = rhs.astype(lhs.dtype)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if backend == "ragged_dot":
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    if backend == "tokamax":
+        return _tokamax_matmul(lhs, rhs, group_sizes, out_dtype)
+    return _dense_matmul(lhs, rhs, group_sizes, out_dtype)
+
+
+def capacity_matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """Drop-and-pad expert matmul: lhs ``[G, C, K]`` x rhs ``[G, K, N]`` -> ``[G, C, N]``."""
+    if lhs.ndim != 3 or rhs.ndim != 3 or lhs.shape[0] != rhs.shape[0] or lhs.shape[2] != rhs.shape[1]:
+        raise ValueError(f"capacity_matmul: lhs [G, C, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
+    return jnp.einsum("gck,gkn->gcn", lhs, rhs.astype(lhs.dtype), preferred_element_type=lhs.dtype).astype(lhs.dtype)

@@ -1,0 +1,181 @@
+"""Token permutation for the experts: sort the (token, expert) assignments once, gather each token
+row once into the experts' layout, and gather it back with the routing-weight multiply fused into
+the combine.
+
+Vocabulary: ``A = T * K`` assignments, assignment ``a`` is token ``a // K``'s ``a % K``-th choice.
+A *slot map* ``slot [A]`` says where each assignment's row sits in an expert-side buffer of ``S``
+rows (``-1``: dropped), and ``src [S]`` is its inverse (``-1``: an empty padding row). Every
+dispatcher only differs in how it computes ``slot``; moving rows is always
+:func:`dispatch_rows` (a gather, whose backward is a gather plus a sum over ``K``) and
+:func:`combine_rows` (a gather times the routing weights summed over ``K``, whose backward is two
+gathers). Gathers need no atomics and are deterministic; the scatter-add alternative needs atomics
+on GPU and a separate weight multiply pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from parallelism.grouped_matmul import capacity_matmul, grouped_matmul
+
+MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input)
+MOE_ACT = "moe_act"  # SwiGLU output (the down projection's input)
+MOE_EXPERT_OUT = "moe_expert_out"  # down projection output, before the combine
+CHECKPOINT_NAMES: tuple[str, ...] = (MOE_PERMUTED, MOE_ACT, MOE_EXPERT_OUT)
+DROP_POLICIES: tuple[str, ...] = ("probs", "position")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutePlan:
+    """Per-assignment routing after capacity dropping (one device's tokens)."""
+
+    expert: jax.Array  # [A] int32 expert of each assignment, E where dropped
+    rank: jax.Array  # [A] int32 rank of the assignment within its expert (policy order)
+    counts: jax.Array  # [E] int32 kept assignments per expert
+    dropped: jax.Array  # [] int32 number of dropped assignments
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Megatron's per-expert capacity ``ceil(tokens * top_k / num_experts * factor)`` (at least 1)."""
+    return max(1, math.ceil(tokens * top_k / num_experts * factor))
+
+
+def exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Exclusive prefix sum along ``axis`` (same shape)."""
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def route_plan(
+    topk_idx: jax.Array,
+    topk_weights: jax.Array,
+    num_experts: int,
+    capacity: int | None = None,
+    drop_policy: str = "probs",
+) -> RoutePlan:
+    """Sort the ``[T, K]`` assignments once by expert; keep at most ``capacity`` per expert.
+
+    ``drop_policy="probs"`` keeps the highest routing weights (ties: earlier token first);
+    ``"position"`` keeps the earliest tokens. Without a capacity nothing is dropped.
+    """
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    expert = topk_idx.reshape(-1).astype(jnp.int32)
+    a = expert.shape[0]
+    iota = jnp.arange(a, dtype=jnp.int32)
+    if capacity is not None and drop_policy == "probs":
+        neg_w = -topk_weights.reshape(-1).astype(jnp.float32)
+        sorted_e, _, order = jax.lax.sort((expert, neg_w, iota), num_keys=3)
+    else:
+        sorted_e, order = jax.lax.sort((expert, iota), num_keys=2)
+    # counts from the sorted ids by binary search: no scatter-add (atomics into E bins on GPU)
+    bounds = jnp.searchsorted(sorted_e, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left")
+    counts = jnp.diff(bounds).astype(jnp.int32)
+    starts = bounds[:-1].astype(jnp.int32)
+    rank_sorted = iota - jnp.take(starts, sorted_e, mode="clip")
+    rank = jnp.zeros((a,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
+    if capacity is None:
+        return RoutePlan(expert, rank, counts, jnp.zeros((), jnp.int32))
+    keep = rank < capacity
+    kept = jnp.minimum(counts, capacity)
+    return RoutePlan(jnp.where(keep, expert, num_experts), rank, kept, jnp.sum(counts - kept))
+
+
+def sorted_slots(plan: RoutePlan) -> jax.Array:
+    """Slots ``[A]`` in the expert-sorted layout of the kept assignments (``S = A``; -1 dropped)."""
+    e = plan.counts.shape[0]
+    starts = jnp.concatenate([exclusive_cumsum(plan.counts), jnp.sum(plan.counts, keepdims=True)])
+    return jnp.where(plan.expert < e, starts[plan.expert] + plan.rank, -1)
+
+
+def padded_slots(plan: RoutePlan, capacity: int) -> jax.Array:
+    """Slots ``[A]`` in the drop-and-pad layout ``[E, capacity]`` (``S = E * capacity``; -1 dropped)."""
+    e = plan.counts.shape[0]
+    return jnp.where(plan.expert < e, plan.expert * capacity + plan.rank, -1)
+
+
+def inverse_slots(slot: jax.Array, size: int) -> jax.Array:
+    """``src [size]``: the assignment held by each buffer row, -1 for empty rows."""
+    target = jnp.where(slot >= 0, slot, size)
+    values = jnp.arange(slot.shape[0], dtype=jnp.int32)
+    return jnp.full((size,), -1, jnp.int32).at[target].set(values, mode="drop", unique_indices=True)
+
+
+def _take_rows(x: jax.Array, idx: jax.Array, valid: jax.Array) -> jax.Array:
+    return jnp.take(x, jnp.where(valid, idx, x.shape[0]), axis=0, mode="fill", fill_value=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch_rows(x: jax.Array, src: jax.Array, slot: jax.Array, top_k: int) -> jax.Array:
+    """Gather token rows x ``[T, H]`` into the buffer ``[S, H]`` (``src [S]``; empty rows zero)."""
+    return _take_rows(x, src // top_k, src >= 0)
+
+
+def _dispatch_fwd(x, src, slot, top_k):
+    return dispatch_rows(x, src, slot, top_k), slot
+
+
+def _dispatch_bwd(top_k, slot, g):
+    rows = _take_rows(g, slot, slot >= 0).reshape(-1, top_k, g.shape[-1])
+    dx = jnp.sum(rows.astype(jnp.float32), axis=1).astype(g.dtype)
+    return dx, None, None
+
+
+dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def combine_rows(y: jax.Array, weights: jax.Array, slot: jax.Array, src: jax.Array) -> jax.Array:
+    """``out[t] = sum_k weights[t, k] * y[slot[t*K + k]]``: y ``[S, H]``, weights ``[T, K]`` -> ``[T, H]``."""
+    t, k = weights.shape
+    rows = _take_rows(y, slot, slot >= 0).reshape(t, k, y.shape[-1])
+    out = jnp.einsum("tkh,tk->th", rows, weights, preferred_element_type=jnp.float32)
+    return out.astype(y.dtype)
+
+
+def _combine_fwd(y, weights, slot, src):
+    return combine_rows(y, weights, slot, src), (y, weights, slot, src)
+
+
+def _combine_bwd(res, g):
+    y, weights, slot, src = res
+    t, k = weights.shape
+    rows = _take_rows(y, slot, slot >= 0).reshape(t, k, y.shape[-1])
+    dw = jnp.einsum("tkh,th->tk", rows, g, preferred_element_type=jnp.float32).astype(weights.dtype)
+    valid = src >= 0
+    g_rows = _take_rows(g, src // k, valid).astype(jnp.float32)
+    w_rows = jnp.take(weights.reshape(-1), jnp.where(valid, src, 0)).astype(jnp.float32)
+    dy = (g_rows * jnp.where(valid, w_rows, 0.0)[:, None]).astype(y.dtype)
+    return dy, dw, None, None
+
+
+combine_rows.defvjp(_combine_fwd, _combine_bwd)
+
+
+def swiglu(h: jax.Array) -> jax.Array:
+    """``[..., 2I]`` (gate half first) -> ``[..., I]`` = silu(gate) * up, computed in float32."""
+    gate, up = jnp.split(h, 2, axis=-1)
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
+
+
+def expert_ffn(
+    rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, backend: str | None
+) -> jax.Array:
+    """SwiGLU experts on expert-sorted rows ``[M, H]``; w_gate_up ``[G, H, 2I]``, w_down ``[G, I, H]``."""
+    rows = checkpoint_name(rows, MOE_PERMUTED)
+    h = grouped_matmul(rows, w_gate_up, group_sizes, backend=backend)
+    act = checkpoint_name(swiglu(h), MOE_ACT)
+    y = grouped_matmul(act, w_down, group_sizes, backend=backend)
+    return checkpoint_name(y, MOE_EXPERT_OUT)
+
+
+def capacity_ffn(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU experts on the drop-and-pad buffer ``[G, C, H]`` -> ``[G, C, H]`` (batched einsum)."""
+    rows = checkpoint_name(rows, MOE_PERMUTED)
+    act = checkpoint_name(swiglu(capacity_matmul(rows, w_gate_up)), MOE_ACT)
+    return checkpoint_name(capacity_matmul(act, w_down), MOE_EXPERT_OUT)

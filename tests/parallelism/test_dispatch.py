@@ -1,0 +1,203 @@
+"""Expert-parallel dispatchers on 8 CPU devices equal the single-device experts, forward and backward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+from parallelism import logical
+from parallelism.dispatch import ragged_all_to_all_dense, resolve_topology
+from parallelism.experts import experts_forward, experts_forward_with_stats
+from parallelism.layout import layout_from_dict
+from tests.parallelism.moe_reference import assert_close, make_problem, value_and_grads
+
+TOKENS_ALL = ["act_tokens", ["data", "fsdp", "expert"]]
+LAYOUTS = {
+    "expert8": dict(mesh={"expert": 8}, rules=[TOKENS_ALL, ["exp", "expert"]]),
+    "expert4_fsdp2": dict(mesh={"fsdp": 2, "expert": 4}, rules=[TOKENS_ALL, ["exp", "expert"], ["embed", "fsdp"]]),
+    # ETP: tokens replicated over the tensor axis
+    "expert2_tensor2_fsdp2": dict(
+        mesh={"fsdp": 2, "expert": 2, "tensor": 2},
+        rules=[TOKENS_ALL, ["exp", "expert"], ["moe_mlp", "tensor"], ["embed", "fsdp"]],
+    ),
+    # ETP with token rows also sharded over the tensor axis (gathered, then reduce-scattered)
+    "expert2_tensor2_fsdp2_tokens_on_tensor": dict(
+        mesh={"fsdp": 2, "expert": 2, "tensor": 2},
+        rules=[["act_tokens", ["fsdp", "expert", "tensor"]], ["exp", "expert"], ["moe_mlp", "tensor"]],
+    ),
+    # EP not folded into data parallelism: tokens replicated over the expert axis
+    "expert4_fsdp2_tokens_replicated": dict(
+        mesh={"fsdp": 2, "expert": 4}, rules=[["act_tokens", ["data", "fsdp"]], ["exp", "expert"]]
+    ),
+    # no expert parallelism: experts FSDP-sharded at rest, gathered for the local dispatcher
+    "fsdp8": dict(mesh={"fsdp": -1}, rules=[["act_tokens", ["data", "fsdp"]], ["embed", "fsdp"]]),
+    # experts over two mesh axes
+    "experts_on_fsdp_and_expert": dict(mesh={"fsdp": 2, "expert": 4}, rules=[TOKENS_ALL, ["exp", ["fsdp", "expert"]]]),
+}
+
+
+def _mesh_and_rules(name):
+    layout = layout_from_dict(LAYOUTS[name], default_name=name)
+    return layout.make_mesh(), layout.rules
+
+
+def _place(mesh, rules, x, idx, w, w_gate_up, w_down, split_gate_up=False):
+    """Put inputs on the mesh the way the model would hold them (weights sharded at rest)."""
+    with logical.sharding_context(mesh, rules):
+        tok = logical.named_sharding(("act_tokens", None))
+        if split_gate_up:  # [E, H, 2, I] keeps each tensor shard's gate and up columns aligned
+            e, h, two_i = w_gate_up.shape
+            w_gate_up = jax.device_put(
+                w_gate_up.reshape(e, h, 2, two_i // 2), logical.named_sharding(("exp", "embed", None, "moe_mlp"))
+            )
+        else:
+            w_gate_up = jax.device_put(w_gate_up, logical.named_sharding(("exp", "embed", "moe_mlp")))
+        w_down = jax.device_put(w_down, logical.named_sharding(("exp", "moe_mlp", "embed")))
+        return (jax.device_put(x, tok), jax.device_put(idx, tok), jax.device_put(w, tok), w_gate_up, w_down)
+
+
+def _sharded_value_and_grads(name, problem, split_gate_up=False, **opts):
+    mesh, rules = _mesh_and_rules(name)
+    args = _place(mesh, rules, *problem, split_gate_up=split_gate_up)
+    with logical.sharding_context(mesh, rules):
+        out, grads = value_and_grads(lambda *a: experts_forward(*a, **opts), *args)
+    if split_gate_up:
+        grads = grads[:2] + (grads[2].reshape(problem[3].shape),) + grads[3:]
+    return out, grads
+
+
+CASES = [
+    ("expert8", "alltoall", "random"),
+    ("expert8", "allgather", "skewed"),
+    ("expert4_fsdp2", "alltoall", "one"),
+    ("expert4_fsdp2", "allgather", "random"),
+    ("expert2_tensor2_fsdp2", "alltoall", "skewed"),
+    ("expert2_tensor2_fsdp2", "allgather", "random"),
+    ("expert2_tensor2_fsdp2_tokens_on_tensor", "alltoall", "random"),
+    ("expert2_tensor2_fsdp2_tokens_on_tensor", "allgather", "one"),
+    ("expert4_fsdp2_tokens_replicated", "alltoall", "random"),
+    ("expert4_fsdp2_tokens_replicated", "allgather", "skewed"),
+    ("experts_on_fsdp_and_expert", "alltoall", "skewed"),
+    ("experts_on_fsdp_and_expert", "allgather", "random"),
+]
+
+
+@pytest.mark.parametrize(("layout", "dispatcher", "routing"), CASES)
+def test_dropless_dispatch_equals_single_device(layout, dispatcher, routing):
+    problem = make_problem(seed=11, routing=routing)
+    want = value_and_grads(lambda *a: experts_forward(*a, backend="ragged_dot"), *problem)
+    split = layout.endswith("tokens_on_tensor")  # [E, H, 2, I] weights; the others pass [E, H, 2I]
+    got = _sharded_value_and_grads(layout, problem, split_gate_up=split, dispatcher=dispatcher)
+    assert_close(got[0], want[0], what=f"{layout}/{dispatcher} forward")
+    assert_close(got[1], want[1], what=f"{layout}/{dispatcher}")
+
+
+def test_local_dispatcher_on_fsdp_mesh_equals_single_device():
+    problem = make_problem(seed=12)
+    want = value_and_grads(experts_forward, *problem)
+    got = _sharded_value_and_grads("fsdp8", problem)
+    assert_close(got[0], want[0], what="forward")
+    assert_close(got[1], want[1], what="fsdp8 local")
+
+
+def _per_group_reference(problem, groups, **opts):
+    """Single-device experts on each device's token group (capacity is per device group)."""
+    x, idx, w, w_gate_up, w_down = problem
+
+    def fn(x, idx, w, a, b):
+        parts = [
+            experts_forward(
+                *(c[g] for c in (jnp.split(x, groups), jnp.split(idx, groups), jnp.split(w, groups))), a, b, **opts
+            )
+            for g in range(groups)
+        ]
+        return jnp.concatenate(parts)
+
+    stats = jax.jit(lambda *a: experts_forward_with_stats(*a, **opts)[1]["dropped"])
+    dropped = sum(
+        int(stats(xs, ids, ws, w_gate_up, w_down))
+        for xs, ids, ws in zip(jnp.split(x, groups), jnp.split(idx, groups), jnp.split(w, groups))
+    )
+    return value_and_grads(fn, *problem), dropped
+
+
+@pytest.mark.parametrize(
+    ("layout", "dispatcher", "backend", "policy"),
+    [
+        ("expert8", "alltoall", "capacity", "probs"),
+        ("expert4_fsdp2", "alltoall", "ragged_dot", "position"),
+        ("expert4_fsdp2", "allgather", "capacity", "position"),
+    ],
+)
+def test_capacity_dispatch_equals_per_group_single_device(layout, dispatcher, backend, policy):
+    problem = make_problem(seed=13, routing="skewed")
+    opts = dict(capacity_factor=1.0, drop_policy=policy, backend=backend)
+    want, want_dropped = _per_group_reference(problem, 8, **opts)
+    assert want_dropped > 0
+    got = _sharded_value_and_grads(layout, problem, dispatcher=dispatcher, **opts)
+    assert_close(got[0], want[0], what="forward")
+    assert_close(got[1], want[1], what=f"{layout}/{dispatcher}/{backend}/{policy}")
+    mesh, rules = _mesh_and_rules(layout)
+    with logical.sharding_context(mesh, rules):
+        stats = jax.jit(lambda *a: experts_forward_with_stats(*a, dispatcher=dispatcher, **opts)[1])(*problem)
+    assert int(stats["dropped"]) == want_dropped
+
+
+def test_topology_reads_the_logical_rules():
+    mesh, rules = _mesh_and_rules("expert2_tensor2_fsdp2_tokens_on_tensor")
+    topo = resolve_topology(logical.ShardingContext(mesh, logical.normalize_rules(rules)))
+    assert (topo.token_axes, topo.expert_axes, topo.etp_axes) == (
+        ("fsdp", "expert", "tensor"),
+        ("expert",),
+        ("tensor",),
+    )
+    assert (topo.ep, topo.etp, topo.etp_token_axes, topo.ep_replicated_axes) == (2, 2, ("tensor",), ())
+    mesh, rules = _mesh_and_rules("expert4_fsdp2_tokens_replicated")
+    topo = resolve_topology(logical.ShardingContext(mesh, logical.normalize_rules(rules)))
+    assert (topo.token_axes, topo.ep_token_axes, topo.ep_replicated_axes) == (("fsdp",), (), ("expert",))
+    assert resolve_topology(None).mesh is None
+
+
+def test_ragged_all_to_all_dense_matches_documented_example():
+    """The example in jax.lax.ragged_all_to_all's docstring, on the fixed-size emulation."""
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("x",))
+    operand = jnp.asarray([[1, 2, 2], [3, 4, 0]], jnp.float32)[..., None]
+    args = dict(
+        input_offsets=[[0, 1], [0, 1]],
+        send_sizes=[[1, 2], [1, 1]],
+        output_offsets=[[0, 0], [1, 2]],
+        recv_sizes=[[1, 1], [2, 1]],
+    )
+    args = {k: jnp.asarray(v, jnp.int32) for k, v in args.items()}
+
+    def body(op, io, ss, oo, rs):
+        out = jnp.zeros((4, 1), jnp.float32)
+        return ragged_all_to_all_dense(op[0], out, io[0], ss[0], oo[0], rs[0], axis_name=("x",), axis_size=2)[None]
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("x"), out_specs=PartitionSpec("x"), check_vma=False)
+    )
+    result = fn(operand, *args.values())[..., 0]
+    np.testing.assert_array_equal(np.asarray(result), [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+def test_layout_errors_name_the_problem():
+    mesh, rules = _mesh_and_rules("expert4_fsdp2")
+    with logical.sharding_context(mesh, rules):
+        with pytest.raises(
+            ValueError, match=r"6 experts do not divide over the expert-parallel mesh axes \('expert',\)"
+        ):
+            experts_forward(*make_problem(e=6))
+        with pytest.raises(ValueError, match="ragged_all_to_all, not implemented on XLA:CPU"):
+            experts_forward(*make_problem(), a2a_impl="ragged")
+        with pytest.raises(ValueError, match="token rows do not divide"):
+            experts_forward(*make_problem(t=12))
+    mesh, rules = _mesh_and_rules("expert2_tensor2_fsdp2")
+    with logical.sharding_context(mesh, rules):
+        with pytest.raises(ValueError, match=r"intermediate size 3 does not divide .* \('tensor',\)"):
+            experts_forward(*make_problem(i=3))
+    mesh, rules = _mesh_and_rules("expert4_fsdp2_tokens_replicated")
+    with logical.sharding_context(mesh, rules):
+        with pytest.raises(ValueError, match="splits each device's 6 rows"):
+            experts_forward(*make_problem(t=12))

@@ -1,0 +1,118 @@
+"""Token permutation, capacity dropping and the single-device experts against dense references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallelism.experts import experts_forward, experts_forward_with_stats
+from parallelism.permute import CHECKPOINT_NAMES, expert_capacity, route_plan
+from tests.parallelism.moe_reference import assert_close, dense_reference, make_problem, value_and_grads
+
+# Six tokens, top-2 of three experts, capacity 2 per expert (capacity_factor 0.5: ceil(12/3*0.5)).
+HAND_IDX = np.array([[0, 1], [0, 2], [1, 0], [0, 1], [2, 0], [1, 2]], np.int32)
+HAND_W = np.array([[0.6, 0.4], [0.7, 0.3], [0.55, 0.45], [0.9, 0.1], [0.8, 0.2], [0.5, 0.5]], np.float32)
+# expert 0 gets tokens 0 (.6), 1 (.7), 2 (.45), 3 (.9), 4 (.2); expert 1: 0 (.4), 2 (.55), 3 (.1),
+# 5 (.5); expert 2: 1 (.3), 4 (.8), 5 (.5).
+HAND_KEEP = {
+    # earliest two tokens of each expert: e0 {0, 1}, e1 {0, 2}, e2 {1, 4}
+    "position": np.array([[1, 1], [1, 1], [1, 0], [0, 0], [1, 0], [0, 0]], bool),
+    # two highest weights: e0 {3 (.9), 1 (.7)}, e1 {2 (.55), 5 (.5)}, e2 {4 (.8), 5 (.5)}
+    "probs": np.array([[0, 0], [1, 0], [1, 0], [1, 0], [1, 0], [1, 1]], bool),
+}
+
+
+@pytest.mark.parametrize("policy", ["position", "probs"])
+def test_route_plan_drops_by_hand(policy):
+    plan = route_plan(jnp.asarray(HAND_IDX), jnp.asarray(HAND_W), 3, capacity=2, drop_policy=policy)
+    kept = np.asarray(plan.expert).reshape(6, 2) < 3
+    np.testing.assert_array_equal(kept, HAND_KEEP[policy])
+    np.testing.assert_array_equal(np.asarray(plan.counts), [2, 2, 2])
+    assert int(plan.dropped) == 6
+
+
+def test_route_plan_ranks_without_capacity():
+    plan = route_plan(jnp.asarray(HAND_IDX), jnp.asarray(HAND_W), 4)
+    np.testing.assert_array_equal(np.asarray(plan.counts), [5, 4, 3, 0])
+    # rank = order of the token among the expert's tokens
+    np.testing.assert_array_equal(np.asarray(plan.rank).reshape(6, 2), [[0, 0], [1, 0], [1, 2], [3, 2], [1, 4], [3, 2]])
+    assert int(plan.dropped) == 0
+
+
+def test_expert_capacity_is_megatrons_formula():
+    assert expert_capacity(16384, 8, 128, 1.0) == 1024
+    assert expert_capacity(6, 2, 3, 0.5) == 2
+    assert expert_capacity(10, 1, 4, 1.1) == 3  # ceil(2.75)
+
+
+@pytest.mark.parametrize("backend", ["capacity", "ragged_dot", "dense"])
+@pytest.mark.parametrize("policy", ["position", "probs"])
+def test_capacity_dropping_matches_hand_computation(backend, policy):
+    _, _, _, w_gate_up, w_down = make_problem(seed=3, t=6, h=8, e=3, i=4, k=2)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((6, 8), np.float32))
+    idx, w = jnp.asarray(HAND_IDX), jnp.asarray(HAND_W)
+    opts = dict(backend=backend, capacity_factor=0.5, drop_policy=policy)
+    out, stats = jax.jit(lambda *a: experts_forward_with_stats(*a, **opts))(x, idx, w, w_gate_up, w_down)
+    assert int(stats["dropped"]) == 6 and int(stats["assignments"]) == 12
+    keep = jnp.asarray(HAND_KEEP[policy])
+    got = value_and_grads(lambda *a: experts_forward(*a, **opts), x, idx, w, w_gate_up, w_down)
+    want = value_and_grads(lambda *a: dense_reference(*a, keep=keep), x, idx, w, w_gate_up, w_down)
+    assert_close(out, want[0], what="forward")
+    assert_close(got[0], want[0], what="forward")
+    assert_close(got[1], want[1], what=f"{backend}/{policy}")
+
+
+@pytest.mark.parametrize("routing", ["random", "one", "skewed"])
+@pytest.mark.parametrize("backend", ["ragged_dot", "dense", "capacity"])
+def test_local_experts_match_dense_reference(backend, routing):
+    x, idx, w, w_gate_up, w_down = make_problem(seed=1, routing=routing)
+    # capacity 8x the mean load is T*K: nothing can drop, so drop-and-pad must equal dropless
+    opts = dict(backend=backend, capacity_factor=8.0 if backend == "capacity" else None)
+    got = value_and_grads(lambda *a: experts_forward(*a, **opts), x, idx, w, w_gate_up, w_down)
+    want = value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)
+    assert_close(got[0], want[0], what=f"{backend}/{routing} forward")
+    assert_close(got[1], want[1], what=f"{backend}/{routing}")
+
+
+def test_gate_up_accepts_split_layout():
+    x, idx, w, w_gate_up, w_down = make_problem(seed=2)
+    e, h, two_i = w_gate_up.shape
+    split = w_gate_up.reshape(e, h, 2, two_i // 2)
+    got = jax.jit(experts_forward)(x, idx, w, split, w_down)
+    assert_close(got, dense_reference(x, idx, w, w_gate_up, w_down))
+
+
+def test_bfloat16_inputs_keep_dtype_and_agree():
+    x, idx, w, w_gate_up, w_down = make_problem(seed=4)
+    out = jax.jit(experts_forward)(x.astype(jnp.bfloat16), idx, w, w_gate_up, w_down)
+    assert out.dtype == jnp.bfloat16
+    want = dense_reference(x, idx, w, w_gate_up, w_down)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=0.05, rtol=0.05)
+
+
+def test_remat_names_are_on_the_expert_activations():
+    x, idx, w, w_gate_up, w_down = make_problem()
+    text = str(jax.make_jaxpr(lambda *a: experts_forward(*a))(x, idx, w, w_gate_up, w_down))
+    for name in CHECKPOINT_NAMES:
+        assert f"name={name}" in text
+    policy = jax.checkpoint_policies.save_only_these_names("moe_act")
+    f = jax.checkpoint(lambda *a: experts_forward(*a), policy=policy)
+    got = value_and_grads(f, x, idx, w, w_gate_up, w_down)
+    assert_close(got[1], value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)[1])
+
+
+def test_option_errors_name_the_problem():
+    x, idx, w, w_gate_up, w_down = make_problem()
+    cases = [
+        (dict(backend="capacity"), "needs capacity_factor"),
+        (dict(capacity_factor=0.0), "capacity_factor must be"),
+        (dict(drop_policy="random"), "drop_policy must be"),
+        (dict(dispatcher="alltoall"), "needs expert parallelism"),
+        (dict(backend="cutlass"), "unknown grouped-matmul backend"),
+        (dict(capacity=2), "unknown options"),
+    ]
+    for opts, message in cases:
+        with pytest.raises(ValueError, match=message):
+            experts_forward(x, idx, w, w_gate_up, w_down, **opts)
+    with pytest.raises(ValueError, match=r"w_gate_up must be \[E=8, H=16, 2I=16\]"):
+        experts_forward(x, idx, w, w_gate_up[:, :, :10], w_down)
