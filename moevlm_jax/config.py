@@ -5,9 +5,9 @@
 ``config.json`` and :func:`ModelConfig.from_hf_dict` / :meth:`ModelConfig.to_hf_dict` are a
 rename-free round trip (keys we do not model are kept in ``extra``).
 
-``ComputeConfig`` holds how the model runs (dtypes, attention kernel, scan, remat, MoE and router
-options); it is validated once at construction. All configs are frozen and hashable, so they can
-live inside Flax modules that go through ``jax.jit`` as static structure.
+``ComputeConfig`` holds how the model runs (dtypes, attention kernel, scan, recompute / offload,
+capture, MoE and router options); it is validated once at construction. All configs are frozen and
+hashable, so they can live inside Flax modules that go through ``jax.jit`` as static structure.
 """
 
 from __future__ import annotations
@@ -21,6 +21,17 @@ from typing import Any
 
 import yaml
 from flax.core import FrozenDict
+
+from moevlm_jax.compute_options import (  # noqa: F401 - re-exported: the names belong to ComputeConfig
+    CAPTURE_MODES,
+    CAPTURE_SCOPES,
+    CHECKPOINT_NAMES,
+    RECOMPUTE_MODES,
+    RECOMPUTE_MODULES,
+    RENAMED,
+    check_recompute_and_capture,
+    checkpoint_names_of,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 MODEL_CONFIG_DIR = CONFIG_DIR / "models"
@@ -115,6 +126,12 @@ class TextConfig:
     def mrope_section(self) -> tuple[int, int, int]:
         """(t, h, w) split of the rotary frequencies (interleaved, as HF Qwen3-VL)."""
         return tuple(self.rope_parameters.get("mrope_section", (24, 20, 20)))
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        """Renormalise the top-k router weights to sum 1 (HF field, kept in ``extra``; default true,
+        which HF's Qwen3-VL-MoE router always does)."""
+        return bool(self.extra.get("norm_topk_prob", True))
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
@@ -342,32 +359,94 @@ def load_model_config(name_or_path: str | Path) -> ModelConfig:
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-REMAT_MODES = ("none", "full", "selective")
-REMAT_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe")
-ROUTER_OPTIONS = {
-    "aux_loss": ("global", "none"),  # global: HF load_balancing_loss_func over all layers and tokens
-    "aux_loss_coef": None,  # None: text_config.router_aux_loss_coef
-    "z_loss_coef": None,  # float >= 0
-}
+AUX_LOSSES = ("hf", "aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+ROUTER_DTYPES = ("float32", "compute")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Router / load-balancing options (Megatron's knobs; formulas in ``moevlm_jax.model.router``).
+
+    ``aux_loss``: "hf" (HF ``load_balancing_loss_func`` over all layers and tokens: the parity
+    default) | "aux_loss" (per micro-batch per data-parallel rank) | "seq_aux_loss" (per sequence)
+    | "global_aux_loss" (over the whole micro-batch, all data-parallel ranks) | "none".
+    ``aux_loss_coef``: None = the model config's ``router_aux_loss_coef``. ``z_loss_coef`` >= 0.
+    ``expert_bias``: aux-loss-free balancing (a per-layer bias added to the scores for top-k
+    selection only), updated after each step by ``expert_bias_update_rate * sign(mean load - load)``.
+    ``dtype``: router logits in "float32" (Megatron ``moe_router_dtype: fp32``) or the "compute" dtype.
+    """
+
+    aux_loss: str = "hf"
+    aux_loss_coef: float | None = None
+    z_loss_coef: float = 0.0
+    expert_bias: bool = False
+    expert_bias_update_rate: float = 1e-3
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.aux_loss == "global":
+            raise ValueError("compute.router.aux_loss 'global' is now 'hf' (HF's load_balancing_loss_func); "
+                             "Megatron's global-batch loss is 'global_aux_loss'")
+        _check(self.aux_loss in AUX_LOSSES, f"compute.router.aux_loss must be one of {AUX_LOSSES}, got {self.aux_loss!r}")
+        _check(self.dtype in ROUTER_DTYPES, f"compute.router.dtype must be one of {ROUTER_DTYPES}, got {self.dtype!r}")
+        for key in ("aux_loss_coef", "z_loss_coef", "expert_bias_update_rate"):
+            v = getattr(self, key)
+            ok = (v is None and key == "aux_loss_coef") or (
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)
+            _check(ok, f"compute.router.{key} must be a number >= 0, got {v!r}")
+            if v is not None:
+                object.__setattr__(self, key, float(v))
+        _check(isinstance(self.expert_bias, bool), f"compute.router.expert_bias must be true or false, got {self.expert_bias!r}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> RouterConfig:
+        """From a YAML/CLI mapping; unknown keys are an error (``z_loss_coef: null`` means 0)."""
+        d = dict(d or {})
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        _check(not unknown, f"compute.router has unknown options {unknown}; known: {names}")
+        if d.get("z_loss_coef", 0.0) is None:
+            d["z_loss_coef"] = 0.0
+        return cls(**d)
+
+    def coef(self, model_default: float) -> float:
+        """The aux-loss coefficient in use (0 when ``aux_loss`` is "none")."""
+        if self.aux_loss == "none":
+            return 0.0
+        return float(model_default if self.aux_loss_coef is None else self.aux_loss_coef)
 
 
 @dataclasses.dataclass(frozen=True)
 class ComputeConfig:
-    """How the model computes: dtypes, attention kernel, scan over depth, remat, MoE/router options.
+    """How the model computes: dtypes, attention kernel, scan over depth, recompute, capture, MoE/router.
 
     ``moe`` is passed through as ``**options`` to ``parallelism.experts.experts_forward``.
-    ``router``: ``aux_loss`` ("global" = HF's load-balancing loss | "none"), ``aux_loss_coef``
-    (None = the model config's ``router_aux_loss_coef``), ``z_loss_coef`` (default 0).
+    ``router`` is a :class:`RouterConfig` (given as a mapping of its fields in YAML).
+
+    Recompute (``moevlm_jax.model.layers.remat_policy``, per scanned layer): ``recompute`` none |
+    full (save only each layer's input) | selective (save the CHECKPOINT_NAMES tensors except those
+    of ``recompute_modules``, Megatron's module names, and recompute the rest). ``offload``: module
+    or checkpoint names whose saved tensors go to pinned host memory instead of being kept on the
+    device or recomputed (any mode). ``vision_recompute`` / ``vision_recompute_modules``: the vision
+    tower's own policy (None = the decoder's). ``capture`` none | step | scopes with
+    ``capture_scopes`` (Megatron's CUDA-graph scope names): XLA GPU command-buffer flags, see
+    ``moevlm_jax.capture`` (set before the backend starts; no effect on the traced program). Names and
+    checks: ``moevlm_jax.compute_options``.
     """
 
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     attention: str = "auto"
     scan_layers: bool = True
-    remat: str = "none"
-    remat_modules: tuple[str, ...] = ("core_attn",)
+    recompute: str = "none"
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    offload: tuple[str, ...] = ()
+    vision_recompute: str | None = None
+    vision_recompute_modules: tuple[str, ...] | None = None
+    capture: str = "step"
+    capture_scopes: tuple[str, ...] = ("attn", "moe_router", "moe_preprocess")
     moe: Any = FrozenDict()
-    router: Any = FrozenDict()
+    router: Any = RouterConfig()
     loss_chunk_size: int = 2048
 
     def __post_init__(self) -> None:
@@ -376,19 +455,22 @@ class ComputeConfig:
         for field in ("dtype", "param_dtype"):
             _check(getattr(self, field) in DTYPES, f"compute.{field} must be one of {DTYPES}, got {getattr(self, field)!r}")
         _check(self.attention in ATTENTION_IMPLS, f"compute.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
-        _check(self.remat in REMAT_MODES, f"compute.remat must be one of {REMAT_MODES}, got {self.remat!r}")
-        bad = [m for m in self.remat_modules if m not in REMAT_MODULES]
-        _check(not bad, f"compute.remat_modules {bad} are not in {REMAT_MODULES}")
+        check_recompute_and_capture(self)  # moevlm_jax.compute_options
         _check(isinstance(self.scan_layers, bool), "compute.scan_layers must be true or false")
         _check(isinstance(self.loss_chunk_size, int) and self.loss_chunk_size > 0,
                f"compute.loss_chunk_size must be a positive int, got {self.loss_chunk_size!r}")
-        unknown = sorted(set(self.router) - set(ROUTER_OPTIONS))
-        _check(not unknown, f"compute.router has unknown options {unknown}; known: {sorted(ROUTER_OPTIONS)}")
-        aux = self.router.get("aux_loss", "global")
-        _check(aux in ROUTER_OPTIONS["aux_loss"], f"compute.router.aux_loss must be one of {ROUTER_OPTIONS['aux_loss']}, got {aux!r}")
-        for key in ("aux_loss_coef", "z_loss_coef"):
-            v = self.router.get(key)
-            _check(v is None or (isinstance(v, (int, float)) and v >= 0), f"compute.router.{key} must be a number >= 0, got {v!r}")
+        if not isinstance(self.router, RouterConfig):
+            _check(self.router is None or isinstance(self.router, Mapping),
+                   f"compute.router must be a mapping of router options, got {self.router!r}")
+            object.__setattr__(self, "router", RouterConfig.from_dict(self.router))
+
+    def stack_recompute(self, tower: str = "text") -> tuple[str, tuple[str, ...]]:
+        """(mode, recompute modules) for the decoder ("text") or the vision tower ("vision")."""
+        if tower == "vision":
+            mode = self.recompute if self.vision_recompute is None else self.vision_recompute
+            mods = self.recompute_modules if self.vision_recompute_modules is None else self.vision_recompute_modules
+            return mode, mods
+        return self.recompute, self.recompute_modules
 
     @property
     def moe_options(self) -> dict[str, Any]:
@@ -396,13 +478,15 @@ class ComputeConfig:
         return thaw(self.moe)
 
     def router_option(self, key: str, default: Any = None) -> Any:
-        """One router option (see the class docstring)."""
-        return self.router.get(key, default)
+        """One router option (a :class:`RouterConfig` field; ``default`` for unknown keys)."""
+        return getattr(self.router, key, default)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> ComputeConfig:
         """From a YAML/CLI mapping; unknown keys are an error."""
         d = dict(d or {})
+        renamed = [f"compute.{k} is now compute.{RENAMED[k]}" for k in d if k in RENAMED]
+        _check(not renamed, "; ".join(renamed))
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         _check(not unknown, f"compute config has unknown keys {unknown}; known: {sorted(names)}")

@@ -7,9 +7,10 @@ directory that ``transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained
 
 The name mapping is a table (:func:`checkpoint_entries`): one row per HF tensor with our parameter
 path, the layer index inside a stacked parameter, and how the layout changes. Fused experts are
-accepted in either layout: the hub's ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` (ours) or
-transformers v5's in-memory ``[E, 2I, H]`` / ``[E, H, I]``; where both have the same shape
-(H == 2I, or I == H) the tensor is read as transformers does, i.e. in its v5 layout.
+accepted in either layout: the hub's ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` (ours,
+with gate_up as ``[E, H, 2, I]``) or transformers v5's in-memory ``[E, 2I, H]`` / ``[E, H, I]``;
+where both have the same shape (H == 2I, or I == H) the tensor is read as transformers does, i.e.
+in its v5 layout.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from flax import nnx
 from moevlm_jax.config import ComputeConfig, ModelConfig, load_model_config
 from moevlm_jax.model.decoder import layer_groups
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+from moevlm_jax.model.router import ExpertBias
 
 log = logging.getLogger(__name__)
 
@@ -216,12 +218,12 @@ def _transformers_shape(e: Entry) -> tuple[int, ...]:
 
 def _to_ours(e: Entry, w: np.ndarray, target: tuple[int, ...], expert_layout: str) -> np.ndarray:
     """HF tensor -> our layout (shape ``target``); raises CheckpointError on a shape mismatch."""
-    if e.kind in ("gate_up", "down"):
+    if e.kind in ("gate_up", "down"):  # our gate_up is [E, H, 2, I]: the hub's [E, H, 2I] split
         hub, tf = e.hf_shape, _transformers_shape(e)
         if w.shape == hub and (hub != tf or expert_layout == "hub"):
-            return w
+            return w.reshape(target)
         if w.shape == tf:
-            return w.transpose(0, 2, 1)
+            return w.transpose(0, 2, 1).reshape(target)
         raise CheckpointError(f"tensor {e.hf_key} has shape {list(w.shape)}, expected {list(hub)} (hub layout) "
                               f"or {list(tf)} (transformers layout)")
     if w.shape != e.hf_shape:
@@ -234,6 +236,7 @@ def _to_ours(e: Entry, w: np.ndarray, target: tuple[int, ...], expert_layout: st
 def _to_hf(e: Entry, a: np.ndarray, expert_layout: str) -> np.ndarray:
     """Our array (one layer) -> the HF tensor."""
     if e.kind in ("gate_up", "down"):
+        a = a.reshape(e.hf_shape)  # [E, H, 2, I] -> the hub's [E, H, 2I]
         return a if _hub_layout(e, expert_layout) else a.transpose(0, 2, 1)
     if e.kind == "linear":
         return a.reshape(-1, e.hf_shape[0]).T.reshape(e.hf_shape)
@@ -298,6 +301,10 @@ def load_pretrained(path: str | Path, dtype: Any = jnp.float32, *, compute: Comp
     model = abstract_model(config, compute)
     graphdef, state = nnx.split(model)
     variables = dict(nnx.to_flat_state(state))
+    for vpath, var in list(variables.items()):
+        if isinstance(var, ExpertBias):  # router state HF checkpoints do not have: starts at zero
+            var.set_value(jnp.zeros(var.get_value().shape, var.get_value().dtype))
+            del variables[vpath]
     entries = {e.hf_key: e for e in checkpoint_entries(config)}
     unmapped = set(variables) - {e.path for e in entries.values()}
     if unmapped:  # the name table must cover every parameter of the model
@@ -349,6 +356,10 @@ def save_pretrained(model: Qwen3VLMoe, config: ModelConfig, path: str | Path, *,
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     variables = dict(nnx.to_flat_state(nnx.state(model)))
+    if any(isinstance(v, ExpertBias) and bool(np.any(np.asarray(jax.device_get(v[...])) != 0))
+           for v in variables.values()):
+        log.warning("save_pretrained: the model's expert_bias (aux-loss-free routing) is not part of the HF "
+                    "format and is dropped; HF routing of these weights differs from this model's")
     tensors = []
     for e in checkpoint_entries(config):
         if e.path not in variables:

@@ -196,11 +196,11 @@ def progress_postfix(record: Mapping[str, Any]) -> str:
     loss = record.get("loss")
     if isinstance(loss, (int, float)):
         parts.append(f"loss {loss:.4f}" if math.isfinite(loss) else f"loss {loss}")
-    if "tokens_per_s" in record:
+    if record.get("tokens_per_s") is not None:
         parts.append(f"{_fmt_rate(record['tokens_per_s'])} tok/s")
-    if "useful_fraction" in record:
+    if record.get("useful_fraction") is not None:
         parts.append(f"useful {100 * record['useful_fraction']:.0f}%")
-    if "mfu" in record:
+    if record.get("mfu") is not None:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
     for key in ("skipped", "data_skipped"):
         if record.get(key):

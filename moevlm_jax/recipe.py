@@ -150,7 +150,7 @@ def find_config(kind: str, name_or_path: str | Path) -> Path:
     text = str(name_or_path)
     path = Path(text)
     if path.suffix not in (".yaml", ".yml") and "/" not in text:
-        path = CONFIG_DIR / kind / f"{text}.yaml"
+        path = CONFIG_DIR / kind / f"{text.replace('+', '_')}.yaml"  # layout aliases: tp+ep = tp_ep
     if not path.exists():
         names = sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
         raise ConfigError(f"no {kind} config '{text}'{near_miss(text, names)} "
@@ -281,9 +281,10 @@ def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, dp: int, errors: list[s
     if not 0.0 <= opt.min_lr_ratio <= 1.0:
         errors.append(f"optimizer.min_lr_ratio must be in [0, 1], got {opt.min_lr_ratio}")
     decay = opt.decay_steps if opt.decay_steps is not None else tr.steps
-    if opt.warmup_steps > decay:
-        errors.append(f"optimizer.warmup_steps={opt.warmup_steps} exceeds the decay length {decay} "
-                      f"(optimizer.decay_steps, default train.steps); lower warmup_steps or raise decay_steps")
+    if opt.warmup_steps > decay:  # e.g. a `--steps 3` smoke run of a recipe: allowed, but said
+        log.warning("optimizer.warmup_steps=%d exceeds the decay length %d (optimizer.decay_steps, default "
+                    "train.steps): the learning rate stays in warmup and never reaches optimizer.lr",
+                    opt.warmup_steps, decay)
     gbs = tr.micro_batch_size * tr.grad_accum * dp
     if tr.global_batch_size is not None and tr.global_batch_size != gbs:
         per = tr.micro_batch_size * dp

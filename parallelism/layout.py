@@ -81,11 +81,17 @@ def resolve_mesh_shape(mesh: dict[str, int], num_devices: int, name: str = "layo
     return shape
 
 
+def preset_name(name: str) -> str:
+    """A preset name as its file is named: '+' reads as '_' (``tp+ep`` is ``tp_ep``)."""
+    return name.replace("+", "_")
+
+
 def load_layout(name_or_path: str | Path) -> Layout:
-    """Load a layout preset by name (``configs/layouts/NAME.yaml``) or from a YAML path."""
+    """Load a layout preset by name (``configs/layouts/NAME.yaml``; ``tp+ep`` = ``tp_ep``) or from a
+    YAML path."""
     path = Path(name_or_path)
     if not path.suffix:
-        path = CONFIG_DIR / "layouts" / f"{name_or_path}.yaml"
+        path = CONFIG_DIR / "layouts" / f"{preset_name(str(name_or_path))}.yaml"
     if not path.exists():
         presets = sorted(p.stem for p in (CONFIG_DIR / "layouts").glob("*.yaml"))
         raise FileNotFoundError(f"no layout '{name_or_path}'; presets: {presets}, or give a .yaml path")

@@ -28,10 +28,11 @@ LogicalAxes = Sequence[str | None]
 
 @dataclasses.dataclass(frozen=True)
 class ShardingContext:
-    """The active mesh and logical-axis rules."""
+    """The active mesh, logical-axis rules and the layout's free-form options (e.g. ``pipeline``)."""
 
     mesh: Mesh
     rules: Rules
+    options: Any = None
 
 
 _CONTEXT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVar(
@@ -56,9 +57,10 @@ def normalize_rules(rules: Sequence[Sequence[Any]]) -> Rules:
 
 
 @contextlib.contextmanager
-def sharding_context(mesh: Mesh, rules: Sequence[Sequence[Any]]) -> Iterator[ShardingContext]:
-    """Make ``mesh`` and ``rules`` the ones :func:`constrain` and the dispatchers use."""
-    ctx = ShardingContext(mesh, normalize_rules(rules))
+def sharding_context(mesh: Mesh, rules: Sequence[Sequence[Any]], options: Any = None) -> Iterator[ShardingContext]:
+    """Make ``mesh`` and ``rules`` the ones :func:`constrain` and the dispatchers use; ``options``
+    (a layout's ``options`` mapping) reach e.g. ``parallelism.pipeline``."""
+    ctx = ShardingContext(mesh, normalize_rules(rules), options)
     token = _CONTEXT.set(ctx)
     try:
         yield ctx

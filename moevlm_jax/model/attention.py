@@ -9,12 +9,22 @@ row) are never computed. A dense boolean mask through cuDNN computes every block
 H200: 4 packed documents a row ran ~3.5x slower, see bench/attention.md). The ragged form needs a
 static bound on segments per row (``MAX_PACKED_SEGMENTS``); a row with more falls back, inside the
 same compiled step, to the dense-mask kernel (``lax.cond``), so the result is always right.
+
+Context parallelism: given the logical axes of q and k/v, the op asks ``parallelism.context``
+whether the layout splits their sequence; if so it runs over the sequence shards there (K/V
+gathered or passed around a ring, masks from global positions). No mesh logic lives here.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from parallelism import context
+
+Axes = tuple[str | None, ...]
 
 # Static bound on packed segments per row for cuDNN's ragged form. Its cost grows with the bound
 # (H200, B=2 S=4096: 8 -> 383, 64 -> 253 TFLOP/s forward+backward), so keep it small.
@@ -30,29 +40,44 @@ def resolve_impl(impl: str, dtype: jnp.dtype, head_dim: int) -> str:
     return "cudnn" if ok and jax.default_backend() == "gpu" else "xla"
 
 
-def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, causal: bool) -> jax.Array:
-    """Boolean ``[B, Sq, Sk]``: same segment id (0 = padding attends to padding), and k <= q if causal."""
+def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, causal: bool,
+                 q_offset: jax.Array | int = 0) -> jax.Array:
+    """Boolean ``[B, Sq, Sk]``: same segment id (0 = padding attends to padding), and k <= q if causal;
+    query i sits at sequence index ``q_offset + i`` (a context-parallel shard's start)."""
     mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     if causal:
         sq, sk = q_segment_ids.shape[1], kv_segment_ids.shape[1]
-        mask = mask & (jnp.arange(sq)[:, None] >= jnp.arange(sk)[None, :])[None]
+        mask = mask & ((jnp.arange(sq) + q_offset)[:, None] >= jnp.arange(sk)[None, :])[None]
     return mask
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array,
                           kv_segment_ids: jax.Array, causal: bool, impl: str = "xla",
-                          scale: float | None = None) -> jax.Array:
+                          scale: float | None = None, logical_axes: tuple[Axes, Axes] | None = None) -> jax.Array:
     """q ``[B, Sq, N, D]``, k/v ``[B, Sk, K, D]`` (N a multiple of K), segment ids ``[B, S]`` ->
-    ``[B, Sq, N, D]``. Each query attends to keys with its segment id (and at or before it if causal)."""
+    ``[B, Sq, N, D]``. Each query attends to keys with its segment id (and at or before it if causal).
+    ``logical_axes`` (q's, k/v's): when the layout splits that sequence axis (context parallelism),
+    ``parallelism.context`` runs this attention over the sequence shards."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if logical_axes is not None and context.sequence_axes(logical_axes[0]):
+        attend = functools.partial(_attention, causal=causal, impl=impl, scale=scale)
+        return context.context_parallel_attention(attend, q, k, v, q_segment_ids, kv_segment_ids,
+                                                  q_axes=logical_axes[0], kv_axes=logical_axes[1],
+                                                  causal=causal, scale=scale)
+    return _attention(q, k, v, q_segment_ids, kv_segment_ids, 0, causal=causal, impl=impl, scale=scale)
+
+
+def _attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, *, causal, impl, scale):
+    """The local attention; query i sits at sequence index ``q_offset + i`` of k/v."""
     b, sq, n, d = q.shape
     kh = k.shape[2]
-    scale = d**-0.5 if scale is None else scale
     impl = resolve_impl(impl, q.dtype, d)
     if impl == "cudnn":
         if q_segment_ids is kv_segment_ids and sq == k.shape[1]:
             return _cudnn_packed(q, k, v, q_segment_ids, causal, scale)
-        return _cudnn_dense(q, k, v, segment_mask(q_segment_ids, kv_segment_ids, causal), causal, scale)
-    mask = segment_mask(q_segment_ids, kv_segment_ids, causal)
+        mask = segment_mask(q_segment_ids, kv_segment_ids, causal, q_offset)
+        return _cudnn_dense(q, k, v, mask, causal and sq == k.shape[1], scale)
+    mask = segment_mask(q_segment_ids, kv_segment_ids, causal, q_offset)
     if impl != "xla":
         raise ValueError(f"unknown attention implementation {impl!r}")
     qg = q.reshape(b, sq, kh, n // kh, d)

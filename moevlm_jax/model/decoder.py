@@ -22,8 +22,12 @@ from moevlm_jax.model.layers import Linear, RMSNorm, dtype_of, param, run_stack,
 from moevlm_jax.model.moe import MLP, SparseMoeBlock
 from moevlm_jax.model.rotary import apply_rotary, mrope_cos_sin
 from parallelism.logical import constrain
+from parallelism.vocab import embed_lookup
 
-ACT = ("act_batch", "act_seq", "act_embed")
+ACT = ("act_batch", "act_norm_seq", "act_embed")  # the residual stream (sequence parallel under TP)
+INNER = ("act_batch", "act_seq", "act_embed")  # attention's input / output (sequence gathered under SP)
+Q_AXES = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+KV_AXES = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
 
 class TextAttention(nnx.Module):
@@ -44,18 +48,17 @@ class TextAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """x ``[B, S, H]``, cos/sin ``[B, S, D]``, segment_ids ``[B, S]`` -> ``[B, S, H]``."""
+        x = constrain(x, INNER)  # SP: all-gather the sequence (not the column-parallel weights)
         q = checkpoint_name(self.q_proj(x), "qkv_proj")
         k = checkpoint_name(self.k_proj(x), "qkv_proj")
         v = checkpoint_name(self.v_proj(x), "qkv_proj")
         q = apply_rotary(checkpoint_name(self.q_norm(q), "layernorm"), cos, sin)
         k = apply_rotary(checkpoint_name(self.k_norm(k), "layernorm"), cos, sin)
-        q = constrain(q, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
-        v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        q, k, v = constrain(q, Q_AXES), constrain(k, KV_AXES), constrain(v, KV_AXES)
         out = dot_product_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                                    causal=True, impl=self.impl)
+                                    causal=True, impl=self.impl, logical_axes=(Q_AXES, KV_AXES))
         out = checkpoint_name(out, "core_attn")
-        return checkpoint_name(self.o_proj(out), "attn_out")
+        return checkpoint_name(constrain(self.o_proj(out), INNER), "attn_out")  # row-parallel partial sums
 
 
 class DecoderLayer(nnx.Module):
@@ -71,7 +74,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict | None]:
         """x ``[B, S, H]`` -> ``[B, S, H]`` and router stats (MoE layers) or None."""
-        x = x + self.self_attn(checkpoint_name(self.input_layernorm(x), "layernorm"), cos, sin, segment_ids)
+        attn = self.self_attn(checkpoint_name(self.input_layernorm(x), "layernorm"), cos, sin, segment_ids)
+        x = constrain(x + attn, ACT)
         h = checkpoint_name(self.post_attention_layernorm(x), "layernorm")
         if self.kind == "moe":
             y, stats = self.mlp(h, segment_ids > 0)
@@ -108,7 +112,7 @@ class TextModel(nnx.Module):
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
         """input_ids ``[B, S]`` -> embeddings ``[B, S, H]`` in the compute dtype."""
-        rows = jnp.take(self.embed_tokens[...], input_ids, axis=0)  # gather first, cast only the rows
+        rows = embed_lookup(self.embed_tokens[...], input_ids, ("vocab", "embed"), ACT)  # cast only the rows
         return constrain(rows.astype(dtype_of(self.compute.dtype)), ACT)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
@@ -119,8 +123,10 @@ class TextModel(nnx.Module):
         cfg = self.cfg
         cos, sin = mrope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
         n_ds = 0 if deepstack is None else deepstack.shape[0]
+        side = (cos, sin, segment_ids, deepstack)  # batch-dependent: split with the carry when pipelined
 
-        def body(layer, h, layer_idx, with_ds):
+        def body(layer, h, layer_idx, side, with_ds):
+            cos, sin, segment_ids, deepstack = side
             h, stats = layer(h, cos, sin, segment_ids)
             if with_ds:
                 add = jax.lax.dynamic_index_in_dim(deepstack, jnp.minimum(layer_idx, n_ds - 1), keepdims=False)
@@ -130,8 +136,9 @@ class TextModel(nnx.Module):
         stats = []
         for (kind, first, n), stack in zip(self.groups, self.stacks):
             with_ds = first < n_ds
-            x, s = run_stack(stack, lambda layer, h, i, w=with_ds: body(layer, h, i, w), x,
-                             jnp.arange(first, first + n, dtype=jnp.int32), self.compute)
+            x, s = run_stack(stack, lambda layer, h, i, sd, w=with_ds: body(layer, h, i, sd, w), x,
+                             jnp.arange(first, first + n, dtype=jnp.int32), self.compute,
+                             side=side, side_axes=(0, 0, 0, 1), layer_offset=first)
             if kind == "moe":
                 stats.append(s)
         router = jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None

@@ -12,8 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import Offloadable, Saveable
 
-from moevlm_jax.config import ComputeConfig
+from moevlm_jax.config import CHECKPOINT_NAMES, ComputeConfig, checkpoint_names_of
+from parallelism import pipeline
 
 Axes = tuple[str | None, ...]
 
@@ -129,43 +131,72 @@ def stack_modules(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs
     return nnx.merge(graphdef, state)
 
 
-# Checkpoint names a remat policy chooses among (``jax.ad_checkpoint.checkpoint_name``):
-#   layernorm  norm outputs                core_attn  attention output before the out-projection
-#   qkv_proj   q/k/v projections           attn_out   attention out-projection output
-#   mlp_hidden MLP hidden (decoder: gate/up projections; vision: fc1 + activation)
-#   mlp        dense / vision MLP output
-#   moe_router router logits               moe        MoE block output
-#   moe_act    expert activation (inside parallelism.experts.experts_forward)
-CHECKPOINT_NAMES = ("layernorm", "qkv_proj", "core_attn", "attn_out", "mlp_hidden", "mlp", "moe_router", "moe", "moe_act")
-_REMAT_MODULE_NAMES = {
-    "core_attn": ("core_attn",),
-    "moe_act": ("moe_act",),
-    "layernorm": ("layernorm",),
-    "mlp": ("mlp_hidden", "mlp"),
-    "moe": ("moe_router", "moe", "moe_act"),
-}
+# Checkpoint names a recompute policy chooses among and Megatron's module names for them: see
+# moevlm_jax.config (CHECKPOINT_NAMES, RECOMPUTE_MODULES); placed with jax.ad_checkpoint.checkpoint_name
+# in decoder.py, moe.py, vision.py and parallelism/permute.py (moe_act).
+OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"  # memory kinds of compute.offload
 
 
-def remat_policy(compute: ComputeConfig) -> Callable[..., Any] | None:
-    """The ``jax.checkpoint`` policy for one scanned layer, or None for no remat.
+def remat_policy(compute: ComputeConfig, tower: str = "text") -> Callable[..., Any] | None:
+    """The ``jax.checkpoint`` policy for one scanned layer of the decoder (``tower`` "text") or the
+    vision tower ("vision": ``compute.vision_recompute*``, defaulting to the decoder's); None = no
+    checkpoint at all.
 
-    full: save nothing (recompute the whole layer). selective: save the named tensors above except
-    those of ``compute.remat_modules`` (Megatron's recompute modules), recompute everything else.
+    full: save nothing (each layer's input is kept by the scan; everything else is recomputed).
+    selective: save the CHECKPOINT_NAMES tensors except those of the recompute modules, recompute
+    everything else. ``compute.offload`` names are saved to pinned host memory instead, in any mode
+    (under none: everything else stays saved on the device).
     """
-    if compute.remat == "none":
-        return None
-    if compute.remat == "full":
+    mode, modules = compute.stack_recompute(tower)
+    offload = checkpoint_names_of(compute.offload)
+    if mode == "none":
+        return _save_all_offloading(offload) if offload else None
+    dropped = set(checkpoint_names_of(modules)) if mode == "selective" else set(CHECKPOINT_NAMES)
+    saved = tuple(n for n in CHECKPOINT_NAMES if n not in dropped and n not in offload)
+    if offload:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=saved, names_which_can_be_offloaded=offload,
+            offload_src=OFFLOAD_SRC, offload_dst=OFFLOAD_DST)
+    if mode == "full":
         return jax.checkpoint_policies.nothing_saveable
-    dropped = {n for m in compute.remat_modules for n in _REMAT_MODULE_NAMES[m]}
-    return jax.checkpoint_policies.save_only_these_names(*[n for n in CHECKPOINT_NAMES if n not in dropped])
+    return jax.checkpoint_policies.save_only_these_names(*saved)
 
 
-def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any], tuple[Any, Any]], carry: Any, xs: Any,
-              compute: ComputeConfig, start: int = 0, stop: int | None = None) -> tuple[Any, Any]:
-    """Run layers ``start:stop`` of ``stack``: ``carry, y = body(layer, carry, x)`` per layer, with
+def _save_all_offloading(names: tuple[str, ...]) -> Callable[..., Any]:
+    """Save every residual on the device, except the named ones, which go to pinned host memory."""
+    names = frozenset(names)
+
+    def policy(prim: Any, *_: Any, **params: Any) -> Any:
+        if prim.name == "name" and params.get("name") in names:  # a checkpoint_name marker
+            return Offloadable(src=OFFLOAD_SRC, dst=OFFLOAD_DST)
+        return Saveable
+
+    return policy
+
+
+def stack_axis(stack: nnx.Module) -> str | None:
+    """The logical name of a stacked module's leading (layer) axis, e.g. ``layers``."""
+    for v in jax.tree.leaves(nnx.state(stack), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        names = v.get_metadata().get("out_sharding")
+        if names:
+            return names[0]
+    return None
+
+
+def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any, Any], tuple[Any, Any]], carry: Any, xs: Any,
+              compute: ComputeConfig, start: int = 0, stop: int | None = None, *, side: Any = None,
+              side_axes: Any = 0, layer_offset: int = 0) -> tuple[Any, Any]:
+    """Run layers ``start:stop`` of ``stack``: ``carry, y = body(layer, carry, x, side)`` per layer, with
     ``xs`` (a pytree with a leading layer axis, or None) sliced alongside. Returns the final carry and
     the per-layer ``y`` stacked on a leading axis. Scans (one compiled body) when
-    ``compute.scan_layers``, else unrolls; the remat policy wraps the body either way."""
+    ``compute.scan_layers``, else unrolls; the remat policy wraps the body either way (the
+    vision tower's for a ``vis_layers`` stack, else the decoder's; also inside a pipeline stage).
+
+    ``side`` holds the batch-dependent inputs every layer reads (rotary tables, segment ids, ...),
+    with the batch on axis ``side_axes`` (an int or a prefix pytree of ints); the carry and each
+    ``y`` have the batch leading. When the layout maps the stack's layer axis onto the ``stage`` mesh
+    axis, ``parallelism.pipeline`` runs the layers (carry and side split into microbatches);
+    ``layer_offset`` is the stack's first layer in the model (for uneven stage boundaries)."""
     graphdef, state = nnx.split(stack)
     n = jax.tree.leaves(state)[0].shape[0]
     stop = n if stop is None else stop
@@ -174,18 +205,21 @@ def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any], tuple[An
     if start != 0 or stop != n:
         state = jax.tree.map(lambda a: a[start:stop], state)
 
-    def step(c, inputs):
-        layer_state, x = inputs
-        return body(nnx.merge(graphdef, layer_state), c, x)
+    def step(c, layer_state, x, s):
+        return body(nnx.merge(graphdef, layer_state), c, x, s)
 
-    policy = remat_policy(compute)
+    axis = stack_axis(stack)
+    policy = remat_policy(compute, "vision" if axis == "vis_layers" else "text")
     if policy is not None:
         step = jax.checkpoint(step, policy=policy, prevent_cse=not compute.scan_layers)
+    plan = pipeline.active_config(axis) if axis is not None else None
+    if plan is not None:
+        return pipeline.run_pipeline(step, state, carry, xs, side, side_axes, plan, axis=axis,
+                                     offset=layer_offset + start, scan=compute.scan_layers)
     if compute.scan_layers:
-        return jax.lax.scan(step, carry, (state, xs))
+        return jax.lax.scan(lambda c, inputs: step(c, *inputs, side), carry, (state, xs))
     ys = []
     for i in range(stop - start):
-        carry, y = step(carry, jax.tree.map(lambda a, i=i: a[i], (state, xs)))
+        carry, y = step(carry, *jax.tree.map(lambda a, i=i: a[i], (state, xs)), side)
         ys.append(y)
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys and ys[0] is not None else None
-

@@ -5,7 +5,9 @@ HF conventions: ``hf_labels_to_targets`` (moevlm_jax.model.batch) turns HF label
 targets/loss_mask; HF's loss is ``sum / count`` of :func:`lm_loss`; HF's router aux loss is
 :func:`load_balancing_loss` (``load_balancing_loss_func`` over all MoE layers' logits
 concatenated, restricted to attention-mask tokens) and the total is ``lm + router_aux_loss_coef *
-aux`` when HF is asked for router logits.
+aux`` when HF is asked for router logits. Megatron's router losses (aux_loss, seq_aux_loss,
+global_aux_loss, z-loss per layer) and the options that pick them live in
+``moevlm_jax.model.router`` / ``ComputeConfig.router``; :func:`model_loss` adds them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moevlm_jax.model.router import load_balancing_loss, router_losses, router_z_loss
 from parallelism.logical import constrain
+
+__all__ = ["lm_loss", "load_balancing_loss", "model_loss", "router_z_loss"]
 
 
 def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask: jax.Array,
@@ -24,9 +29,13 @@ def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask:
     """hidden ``[B, S, H]``, LM head kernel ``[H, V]``, targets ``[B, S]``, loss_mask ``[B, S]`` ->
     (sum of masked token cross-entropies, sum of the mask), both float32 scalars.
 
-    Scans over sequence chunks of ``chunk_size`` with a rematerialised body, so only one chunk's
-    logits ``[B, chunk, V]`` (float32) are live at a time, forward and backward.
+    Scans over ``n`` sequence chunks of ``chunk_size`` tokens with a rematerialised body, so only one
+    chunk's logits ``[B, chunk, V]`` (float32) are live at a time, forward and backward. Chunk j
+    holds positions ``j, j + n, j + 2n, ...`` (strided): a sequence split into contiguous blocks
+    over devices (context parallelism) keeps each device's share in every chunk, so the scan never
+    slices a sharded axis. The logits are vocabulary-parallel when the layout splits ``act_vocab``.
     """
+    hidden = constrain(hidden, ("act_batch", "act_seq", "act_embed"))  # sequence-parallel stream gathered
     b, s, h = hidden.shape
     c = min(chunk_size, s)
     pad = (-s) % c
@@ -37,9 +46,9 @@ def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask:
     n = (s + pad) // c
     kernel = kernel.astype(hidden.dtype)
     chunks = (
-        hidden.reshape(b, n, c, h).swapaxes(0, 1),
-        targets.reshape(b, n, c).swapaxes(0, 1),
-        loss_mask.astype(jnp.float32).reshape(b, n, c).swapaxes(0, 1),
+        hidden.reshape(b, c, n, h).transpose(2, 0, 1, 3),
+        targets.reshape(b, c, n).transpose(2, 0, 1),
+        loss_mask.astype(jnp.float32).reshape(b, c, n).transpose(2, 0, 1),
     )
 
     @jax.checkpoint
@@ -57,24 +66,11 @@ def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask:
     return total, jnp.sum(chunks[2])
 
 
-def load_balancing_loss(router: Mapping[str, jax.Array], num_experts: int) -> jax.Array:
-    """HF ``load_balancing_loss_func`` from router stats (leading layer axis): ``E * sum_e f_e * P_e``
-    with f_e = top-k assignments to e / (layers * tokens), P_e = summed probability / (layers * tokens)."""
-    total = jnp.sum(router["tokens"])
-    f = jnp.sum(router["expert_counts"], axis=(0, 1)) / total
-    p = jnp.sum(router["prob_sums"], axis=(0, 1)) / total
-    return num_experts * jnp.sum(f * p)
-
-
-def router_z_loss(router: Mapping[str, jax.Array]) -> jax.Array:
-    """ST-MoE z-loss: mean over layers of the token-mean of logsumexp(router logits)^2."""
-    per_layer = jnp.sum(router["z_sums"], axis=1) / jnp.maximum(jnp.sum(router["tokens"], axis=1), 1.0)
-    return jnp.mean(per_layer)
-
-
-def model_loss(model: Any, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Training loss of ``model`` (a Qwen3VLMoe) on ``batch`` (needs targets and loss_mask):
-    mean token cross-entropy + router aux loss (+ z-loss) per ``model.compute.router``."""
+def model_loss(model: Any, batch: Mapping[str, Any], *, dp_size: int | None = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Training loss of ``model`` (a Qwen3VLMoe) on ``batch`` (needs targets and loss_mask): mean
+    token cross-entropy + the router losses per ``model.compute.router`` (``router.router_losses``;
+    ``dp_size`` row groups for "aux_loss", None = from the sharding context)."""
     compute, text = model.compute, model.config.text_config
     hidden, aux = model.hidden_states(batch)
     ce_sum, count = lm_loss(hidden, model.lm_head_kernel(), jnp.asarray(batch["targets"]),
@@ -84,14 +80,9 @@ def model_loss(model: Any, batch: Mapping[str, Any]) -> tuple[jax.Array, dict[st
     loss = ce
     router = aux["router"]
     if router is not None:
-        metrics["router_aux_loss"] = load_balancing_loss(router, text.num_experts)
-        metrics["router_z_loss"] = router_z_loss(router)
-        if compute.router_option("aux_loss", "global") == "global":
-            coef = compute.router_option("aux_loss_coef")
-            coef = text.router_aux_loss_coef if coef is None else coef
-            loss = loss + coef * metrics["router_aux_loss"]
-        z_coef = compute.router_option("z_loss_coef") or 0.0
-        if z_coef:
-            loss = loss + z_coef * metrics["router_z_loss"]
+        term, router_metrics = router_losses(router, compute.router, text.num_experts, text.num_experts_per_tok,
+                                             text.router_aux_loss_coef, dp_size)
+        metrics.update(router_metrics)
+        loss = loss + term
     metrics["loss"] = loss
     return loss, metrics

@@ -1,9 +1,10 @@
 """The MoE block: float32 softmax router over all experts, top-k, renormalisation, SwiGLU experts
 computed by ``parallelism.experts.experts_forward``; and the dense SwiGLU MLP.
 
-The router also returns the per-row statistics every load-balancing loss is computed from
-(see ``moevlm_jax.model.loss``): over valid tokens, top-k assignment counts per expert, summed
-router probabilities per expert, token counts and summed squared logsumexp (z-loss).
+The router (``moevlm_jax.model.router``: ``route``, ``router_stats``, the optional aux-loss-free
+``ExpertBias``) also returns the per-row statistics every router loss is computed from: over valid
+tokens, top-k assignment counts per expert, summed router probabilities per expert, token counts
+and summed squared logsumexp (z-loss).
 """
 
 from __future__ import annotations
@@ -15,35 +16,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moevlm_jax.config import ComputeConfig, TextConfig
 from moevlm_jax.model.layers import Linear, dtype_of, param
-from parallelism.experts import experts_forward
+from moevlm_jax.model.router import ExpertBias, route, router_stats
+from parallelism.experts import experts_forward_with_stats
 from parallelism.logical import constrain
 
-
-def route(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Router logits ``[T, E]`` -> softmax probs ``[T, E]`` f32, top-k weights ``[T, K]`` f32
-    (renormalised to sum 1) and expert ids ``[T, K]`` int32, as HF's Qwen3VLMoeTextTopKRouter."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_w, top_i = jax.lax.top_k(probs, top_k)
-    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    return probs, top_w, top_i.astype(jnp.int32)
-
-
-def router_stats(logits: jax.Array, probs: jax.Array, top_i: jax.Array, valid: jax.Array, num_experts: int) -> dict:
-    """Per-row routing sums over valid tokens: logits/probs ``[B, S, E]``, top_i ``[B, S, K]``,
-    valid ``[B, S]`` -> expert_counts ``[B, E]``, prob_sums ``[B, E]``, tokens ``[B]``, z_sums ``[B]``."""
-    w = valid.astype(jnp.float32)
-    onehot = jax.nn.one_hot(top_i, num_experts, dtype=jnp.float32).sum(axis=-2)  # [B, S, E]
-    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-    return {
-        "expert_counts": jnp.einsum("bse,bs->be", onehot, w),
-        "prob_sums": jnp.einsum("bse,bs->be", probs, w),
-        "tokens": jnp.sum(w, axis=-1),
-        "z_sums": jnp.sum(jnp.square(lse) * w, axis=-1),
-    }
+__all__ = ["MLP", "ExpertBias", "SparseMoeBlock", "route", "router_stats"]
 
 
 class SparseMoeBlock(nnx.Module):
-    """Router ``gate`` [embed, exp] + fused experts: gate_up_proj ``[E, H, 2I]`` (gate half first),
+    """Router ``gate`` [embed, exp] + fused experts: gate_up_proj ``[E, H, 2, I]`` (gate first),
     down_proj ``[E, I, H]``."""
 
     def __init__(self, cfg: TextConfig, compute: ComputeConfig, rngs: nnx.Rngs):
@@ -52,22 +33,37 @@ class SparseMoeBlock(nnx.Module):
         self.top_k = cfg.num_experts_per_tok
         self.num_experts = e
         self.compute = compute
+        self.norm_topk_prob = cfg.norm_topk_prob
+        # aux-loss-free balancing: routing state (not a Param), stacked to [layers, E] with the layer
+        self.expert_bias = (ExpertBias(jnp.zeros((e,), jnp.float32), out_sharding=("exp",))
+                            if compute.router.expert_bias else None)
         self.gate = Linear((h,), (e,), ("embed",), ("exp",), use_bias=False, param_dtype=pd, rngs=rngs, std=std)
-        self.gate_up_proj = param(rngs, "normal", (e, h, 2 * i), ("exp", "embed", "moe_mlp"), pd, std)
+        # [E, H, 2, I]: an expert-tensor-parallel split of I keeps each shard's gate and up columns paired
+        self.gate_up_proj = param(rngs, "normal", (e, h, 2, i), ("exp", "embed", None, "moe_mlp"), pd, std)
         self.down_proj = param(rngs, "normal", (e, i, h), ("exp", "moe_mlp", "embed"), pd, std)
 
     def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict]:
         """x ``[B, S, H]``, valid ``[B, S]`` -> ``[B, S, H]`` and router stats (see router_stats)."""
         b, s, h = x.shape
-        logits = jnp.einsum("bsh,he->bse", x.astype(jnp.float32), self.gate.kernel[...].astype(jnp.float32))
-        logits = checkpoint_name(logits, "moe_router")
-        probs, top_w, top_i = route(logits, self.top_k)
-        stats = router_stats(logits, probs, top_i, valid, self.num_experts)
+        kernel = self.gate.kernel[...]
+        if self.compute.router.dtype == "float32":  # Megatron moe_router_dtype fp32
+            logits = jnp.einsum("bsh,he->bse", x.astype(jnp.float32), kernel.astype(jnp.float32))
+        else:  # HF: logits in the compute dtype, softmax in float32
+            logits = jnp.einsum("bsh,he->bse", x, kernel.astype(x.dtype)).astype(jnp.float32)
+        logits = checkpoint_name(constrain(logits, ("act_batch", "act_norm_seq", "act_exp")), "moe_router")
+        bias = None if self.expert_bias is None else self.expert_bias[...]
+        probs, top_w, top_i = route(logits, self.top_k, bias=bias, norm_topk_prob=self.norm_topk_prob)
+        aux_top_i = None if bias is None else jax.lax.top_k(probs, self.top_k)[1]
+        stats = router_stats(logits, probs, top_i, valid, self.num_experts, aux_top_i=aux_top_i)
         tokens = constrain(x.reshape(b * s, h), ("act_tokens", "act_embed"))
-        y = experts_forward(
+        options = self.compute.moe_options
+        y, drops = experts_forward_with_stats(
             tokens, top_i.reshape(b * s, self.top_k), top_w.reshape(b * s, self.top_k).astype(x.dtype),
-            self.gate_up_proj[...].astype(x.dtype), self.down_proj[...].astype(x.dtype), **self.compute.moe_options,
+            self.gate_up_proj[...].astype(x.dtype), self.down_proj[...].astype(x.dtype), **options,
         )
+        if options.get("capacity_factor") is not None:  # global counts, spread over the rows (sums add up)
+            stats["dropped"] = jnp.full((b,), drops["dropped"].astype(jnp.float32) / b)
+            stats["assignments"] = jnp.full((b,), float(s * self.top_k))
         y = constrain(y, ("act_tokens", "act_embed")).reshape(b, s, h)
         return checkpoint_name(y, "moe"), stats
 
@@ -83,7 +79,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x ``[B, S, H]`` -> ``[B, S, H]``."""
+        x = constrain(x, ("act_batch", "act_seq", "act_embed"))  # SP: all-gather the sequence
         g = checkpoint_name(self.gate_proj(x), "mlp_hidden")
         u = checkpoint_name(self.up_proj(x), "mlp_hidden")
         h = constrain(jax.nn.silu(g) * u, ("act_batch", "act_seq", "act_mlp"))
-        return checkpoint_name(self.down_proj(h), "mlp")
+        return checkpoint_name(constrain(self.down_proj(h), ("act_batch", "act_seq", "act_embed")), "mlp")

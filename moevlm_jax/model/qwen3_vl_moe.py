@@ -78,7 +78,7 @@ class Qwen3VLMoe(nnx.Module):
             token_valid = jnp.asarray(batch["patch_segment_ids"])[:, ::unit] > 0
             is_image = input_ids == self.config.image_token_id
             x = jnp.where(is_image[..., None], scatter_visual_tokens(merged.astype(x.dtype), is_image, token_valid), x)
-            x = constrain(x, ("act_batch", "act_seq", "act_embed"))
+            x = constrain(x, ("act_batch", "act_norm_seq", "act_embed"))
             if ds is not None:
                 deepstack = scatter_visual_tokens(ds.astype(x.dtype), is_image, token_valid)
         hidden, router = self.language_model(x, positions, segment_ids, deepstack)

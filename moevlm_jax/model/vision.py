@@ -153,21 +153,22 @@ class VisionModel(nnx.Module):
         cfg, dt = self.cfg, dtype_of(self.compute.dtype)
         x = self.patch_embed(pixel_values.astype(dt))
         idx, wts = interpolation_taps(patch_rc, patch_hw, self.side)
-        table = self.pos_embed[...].astype(jnp.float32)
+        table = constrain(self.pos_embed[...].astype(jnp.float32), (None, None))  # gathered before the lookup
         pos = jnp.sum(table[idx] * wts[..., None], axis=-2)
         x = constrain(x + pos.astype(dt), ACT)
         cos, sin = vision_rope_cos_sin(patch_rc, cfg.head_dim, cfg.rope_theta)
 
-        def body(block, h, _):
-            return block(h, cos, sin, patch_segment_ids), None
+        def body(block, h, _, side):
+            return block(h, *side), None
 
+        side = (cos, sin, patch_segment_ids)  # batch-dependent inputs of every block
         ds_blocks = sorted(cfg.deepstack_visual_indexes)
         feats, start = [], 0
         for i in ds_blocks:  # split the scan at each DeepStack block: a constant number of scans
-            x, _ = run_stack(self.blocks, body, x, None, self.compute, start, i + 1)
+            x, _ = run_stack(self.blocks, body, x, None, self.compute, start, i + 1, side=side)
             feats.append(x)
             start = i + 1
-        x, _ = run_stack(self.blocks, body, x, None, self.compute, start, cfg.depth)
+        x, _ = run_stack(self.blocks, body, x, None, self.compute, start, cfg.depth, side=side)
         merged = self.merger(x)
         if not feats:
             return merged, None

@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from data.tokenizer import QWEN3_SPECIAL_TOKENS, qwen_ranks_path
+from tests.data.images import jpeg_bytes  # noqa: F401  (fixtures below use it)
 
 
 @pytest.fixture(scope="session")
@@ -26,15 +27,6 @@ def hf_tokenizer():
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
     tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN3_SPECIAL_TOKENS])
     return tok
-
-
-def jpeg_bytes(w: int, h: int, seed: int = 0, quality: int = 90) -> bytes:
-    """A photo-like JPEG of the given size."""
-    rng = np.random.default_rng(seed)
-    arr = np.clip(rng.normal(128, 40, (h, w, 3)), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="JPEG", quality=quality)
-    return buf.getvalue()
 
 
 @pytest.fixture()

@@ -91,7 +91,7 @@ def test_too_many_patches_is_counted():
 
 
 def test_skips_after_the_last_batch_are_still_counted(tmp_path):
-    from conftest import jpeg_bytes
+    from tests.data.images import jpeg_bytes
 
     (tmp_path / "a.jpg").write_bytes(jpeg_bytes(40, 40))
     good = {"conversations": [{"from": "human", "value": "<image>Hi?"}, {"from": "gpt", "value": "Yes."}],

@@ -31,7 +31,7 @@ def test_convert_llava_then_load(llava_dir, tmp_path, capsys):
 
 
 def test_convert_image_folder(tmp_path, capsys):
-    from conftest import jpeg_bytes
+    from tests.data.images import jpeg_bytes
 
     folder = tmp_path / "pics"
     (folder / "sub").mkdir(parents=True)

@@ -24,7 +24,7 @@ def hf_config_dicts() -> dict[str, dict]:
     (GQA 4, 6 experts top-3, dense layers 0 and 2 via mlp_only_layers, square experts H == 2I,
     tied embeddings, deepstack [0]); "sparse_step" (MHA, attention bias, 4 experts top-1,
     decoder_sparse_step 2, unsorted deepstack [2, 0])."""
-    tiny = load_model_config("tiny").to_hf_dict()
+    tiny = load_model_config("tiny-v512").to_hf_dict()
     dense_mix = dict(
         text_config=dict(vocab_size=512, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=1, head_dim=12, rope_parameters=_rope([2, 2, 2]),

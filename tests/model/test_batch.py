@@ -20,7 +20,7 @@ GRIDS = np.array([[1, 4, 6], [1, 10, 4], [1, 2, 2], [2, 4, 4], [1, 16, 12]])
 
 def test_positions_match_hf_get_rope_index(hf_models):
     hf = hf_models["tiny"].model.model
-    config = load_model_config("tiny")
+    config = load_model_config("tiny-v512")
     for name, hb in make_batches().items():
         batch = hf_inputs_to_batch(config, hb.input_ids, hb.pixel_values, hb.image_grid_thw, hb.attention_mask)
         if hb.image_grid_thw is None:  # HF: plain arange positions when there is no image
@@ -35,7 +35,7 @@ def test_positions_match_hf_get_rope_index(hf_models):
 def test_positions_image_first_and_back_to_back_runs(hf_models):
     """An image at the very start, an image right after another's end token, odd grids."""
     hf = hf_models["tiny"].model.model
-    config = load_model_config("tiny")
+    config = load_model_config("tiny-v512")
     grids = np.array([[1, 2, 6], [1, 8, 2], [1, 4, 4]])
     seq = [V_START] + [IMAGE] * 3 + [V_END, V_START] + [IMAGE] * 4 + [V_END, 7, 8, V_START] + [IMAGE] * 4 + [V_END, 9]
     ids = np.array([seq])
@@ -60,7 +60,7 @@ def test_patch_layout_and_interpolation_match_hf():
 
 
 def test_patch_rows_and_segments():
-    config = load_model_config("tiny")
+    config = load_model_config("tiny-v512")
     hb = make_batches()["multi"]
     batch = hf_inputs_to_batch(config, hb.input_ids, hb.pixel_values, hb.image_grid_thw, hb.attention_mask,
                                num_patches=48)

@@ -1,5 +1,5 @@
 """Compute options give the same numbers: scan over depth == unrolled layers (forward, with images
-and DeepStack), remat full / selective == no remat (loss and gradients), bf16 compute close to f32."""
+and DeepStack), recompute full / selective == no recompute (loss and gradients), bf16 compute close to f32."""
 
 from __future__ import annotations
 
@@ -52,12 +52,12 @@ def _loss_and_grads(graphdef, state, batch):
 
 
 @pytest.mark.parametrize("compute", [
-    ComputeConfig(**F32, scan_layers=True, remat="full"),
-    ComputeConfig(**F32, scan_layers=True, remat="selective",
-                  remat_modules=("core_attn", "moe_act", "layernorm", "mlp", "moe"), router={"z_loss_coef": 0.0}),
+    ComputeConfig(**F32, scan_layers=True, recompute="full"),
+    ComputeConfig(**F32, scan_layers=True, recompute="selective",
+                  recompute_modules=("core_attn", "moe_act", "layernorm", "mlp", "moe"), router={"z_loss_coef": 0.0}),
 ], ids=["full", "selective"])
-def test_remat_keeps_loss_and_grads(hf_models, compute):
-    """On a text batch (vision shares run_stack and the remat policy; its backward is slow to compile)."""
+def test_recompute_keeps_loss_and_grads(hf_models, compute):
+    """On a text batch (vision shares run_stack and the recompute policy; its backward is slow to compile)."""
     path = hf_models["dense_mix"].path  # dense + MoE stacks, tied embeddings
     batch = _batch(path, "text")
     ref_model, _ = load_pretrained(path, compute=ComputeConfig(**F32, scan_layers=False, loss_chunk_size=16))
@@ -94,7 +94,7 @@ def test_traced_graph_does_not_grow_with_depth():
     from moevlm_jax.config import load_model_config
     from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 
-    base = load_model_config("tiny")
+    base = load_model_config("tiny-v512")
     ids = np.full((1, 16), 7)
     ids[0, 2], ids[0, 3:7], ids[0, 7] = 502, 500, 503
     batch = hf_inputs_to_batch(base, ids, np.zeros((16, 1536), np.float32), np.array([[1, 4, 4]]))

@@ -9,7 +9,7 @@ from transformers import Qwen3VLMoeConfig
 from moevlm_jax.config import ComputeConfig, ModelConfig, load_model_config
 
 
-@pytest.mark.parametrize("name", ["tiny", "proxy", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-v512", "proxy", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"])
 def test_yaml_configs_round_trip_through_hf(name):
     ours = load_model_config(name)
     hf = Qwen3VLMoeConfig(**ours.to_hf_dict())
@@ -46,7 +46,7 @@ def test_hub_style_config_json():
 
 
 def test_layer_kinds_follow_hf_rule():
-    c = load_model_config("tiny")
+    c = load_model_config("tiny-v512")
     assert c.replace_text(mlp_only_layers=[0, 3]).text_config.layer_kinds == ("dense", "moe", "moe", "dense")
     assert c.replace_text(decoder_sparse_step=2).text_config.layer_kinds == ("dense", "moe", "dense", "moe")
 
@@ -58,14 +58,19 @@ def test_yaml_typos_are_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown key 'text_config.num_expert'; did you mean 'num_experts'"):
         load_model_config(tmp_path / "bad.yaml")
     with pytest.raises(ValueError, match="mrope_section"):
-        load_model_config("tiny").replace_text(head_dim=32)
+        load_model_config("tiny-v512").replace_text(head_dim=32)
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"dtype": "fp8"}, "compute.dtype must be one of"),
     ({"attention": "flash"}, "compute.attention must be one of"),
-    ({"remat": "some"}, "compute.remat must be one of"),
-    ({"remat_modules": ["attn"]}, "compute.remat_modules"),
+    ({"recompute": "some"}, "compute.recompute must be one of"),
+    ({"recompute_modules": ["attn"]}, "compute.recompute_modules"),
+    ({"vision_recompute": "all"}, "compute.vision_recompute must be one of"),
+    ({"offload": ["attention"]}, "compute.offload"),
+    ({"recompute": "selective", "offload": ["core_attn"]}, "recomputed or offloaded"),
+    ({"capture": "graphs"}, "compute.capture must be one of"),
+    ({"capture": "scopes", "capture_scopes": ["mlp"]}, "compute.capture_scopes"),
     ({"router": {"aux_loss": "seq"}}, "compute.router.aux_loss"),
     ({"router": {"z_loss": 1}}, "unknown options"),
     ({"loss_chunk_size": 0}, "loss_chunk_size"),
@@ -76,9 +81,11 @@ def test_compute_config_validation(kwargs, message):
 
 
 def test_compute_config_is_hashable_and_from_dict():
-    c = ComputeConfig.from_dict({"dtype": "float32", "moe": {"capacity_factor": 1.25}, "remat_modules": ["moe"]})
+    c = ComputeConfig.from_dict({"dtype": "float32", "moe": {"capacity_factor": 1.25}, "recompute_modules": ["moe"]})
     assert hash(c) == hash(ComputeConfig.from_dict({"dtype": "float32", "moe": {"capacity_factor": 1.25},
-                                                    "remat_modules": ("moe",)}))
+                                                    "recompute_modules": ("moe",)}))
     assert c.moe_options == {"capacity_factor": 1.25}
     with pytest.raises(ValueError, match="unknown keys"):
         ComputeConfig.from_dict({"dtyp": "float32"})
+    with pytest.raises(ValueError, match="compute.remat is now compute.recompute"):
+        ComputeConfig.from_dict({"remat": "full"})

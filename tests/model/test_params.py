@@ -26,7 +26,7 @@ def _hf_counts(config) -> tuple[int, int]:
     return total, total - inactive
 
 
-@pytest.mark.parametrize("name", ["tiny", "proxy", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-v512", "proxy", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"])
 def test_counts_match_hf(name):
     config = load_model_config(name)
     ours = param_counts(config)
@@ -43,7 +43,7 @@ def test_known_sizes():
 
 
 def test_cli_prints_total_and_active(capsys):
-    main(["--model", "tiny"])
+    main(["--model", "tiny-v512"])
     out = capsys.readouterr().out
-    c = param_counts(load_model_config("tiny"))
+    c = param_counts(load_model_config("tiny-v512"))
     assert f"{c['total']:,}" in out and f"{c['active']:,}" in out

@@ -31,7 +31,6 @@ def _tensorboard_scalars(run_dir: Path) -> dict[tuple[str, int], float]:
 
 
 def test_jsonl_and_tensorboard_contents(tmp_path):
-    pytest.importorskip("tensorboardX")
     with MetricsWriter(tmp_path) as w:
         w.write(10, {"loss": jnp.asarray(2.5), "tokens_per_s": np.float32(1234.5), "lr": 1e-3, "note": "x"})
         w.write(20, {"loss": 2.25, "tokens_per_s": 1500.0, "skipped": np.int32(1)})

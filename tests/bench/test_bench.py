@@ -1,0 +1,154 @@
+"""``python -m moevlm_jax.bench`` end to end on CPU, in one invocation (one compiled train step):
+real and mock data, the HF transformers peer, the per-component breakdown and a profiler trace.
+
+Shapes: the tiny model, one device, one row of 60 tokens (below twice the smallest loss capacity,
+so the loss gathers whole rows on every batch), real VQA images and mock patches in the same patch
+bucket: the real and the mock run share one compiled step. Checks are consistency checks: the
+JSON's figures against the dumped batches (hand counts), flops.py, and each other; both sides'
+losses step by step; no timing thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import numpy as np
+import pytest
+import yaml
+
+from moevlm_jax import bench, flops
+from moevlm_jax.bench_hf import hf_batch, load_steps, text_positions
+from moevlm_jax.breakdown import COMPONENTS
+from moevlm_jax.config import load_model_config
+from moevlm_jax.recipe import CONFIG_DIR
+
+SEQ_LEN, WARMUP, STEPS = 60, 1, 2
+
+
+def _configs(tmp) -> tuple[str, str]:
+    real = yaml.safe_load((CONFIG_DIR / "data" / "vqa.yaml").read_text())
+    real.pop("description")
+    real["source"] = {**real["source"], "num_train": 24, "num_heldout": 4, "image_size": [64, 128]}
+    real.update(image={"min_pixels": 4096, "max_pixels": 16384}, patch_buckets=[128], cache_dir=str(tmp / "cache"))
+    recipe = {"name": "bench-test", "model": "tiny", "layout": "fsdp", "data": real,
+              "compute": {"dtype": "float32", "param_dtype": "float32"},
+              "optimizer": {"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.01},
+              "train": {"steps": 100, "micro_batch_size": 1, "seq_len": SEQ_LEN}}
+    mock = yaml.safe_load((CONFIG_DIR / "data" / "mock_small.yaml").read_text())
+    mock["source"].update(grid=[1, 4, 4])
+    mock.update(patch_buckets=[128])
+    (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    (tmp / "mock.yaml").write_text(yaml.safe_dump(mock))
+    return str(tmp / "recipe.yaml"), str(tmp / "mock.yaml")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    recipe, mock = _configs(tmp)
+    out = tmp / "bench.json"
+    with pytest.MonkeyPatch.context() as mp:  # our side's process: unoptimised XLA:CPU code compiles ~2x faster
+        mp.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0")
+        rc = bench.main(["--recipe", recipe, "--mock-data", mock, "--devices", "1", "--data", "real,mock",
+                         "--warmup", str(WARMUP), "--steps", str(STEPS), "--peer", "hf", "--breakdown", "--breakdown-iters", "1",
+                         "--profile", str(tmp / "profile"), "--work-dir", str(tmp / "work"), "--out", str(out),
+                         "--quiet"])
+    return rc, json.loads(out.read_text()), tmp
+
+
+def test_throughput_is_counted_from_the_batches(run):
+    rc, result, _ = run
+    assert rc == 0
+    shape = flops.ModelShape.from_config(load_model_config("tiny"))
+    assert [r["name"] for r in result["runs"]] == ["real mbs1", "mock mbs1"]
+    for r in result["runs"]:
+        batches = load_steps(r["batch_dir"])
+        assert len(batches) == WARMUP + STEPS and r["timed"] == list(range(WARMUP, WARMUP + STEPS))
+        useful = [int(np.count_nonzero(b["segment_ids"] > 0)) for b in batches]
+        trained = [int(np.count_nonzero(b["loss_mask"] > 0)) for b in batches]
+        assert r["useful_tokens_per_step"] == useful and r["trained_tokens_per_step"] == trained
+        assert r["flops_per_step"] == [flops.batch_flops(shape, b) for b in batches]
+        timed = r["timed"]
+        seconds = sum(r["time_per_step"][i] for i in timed)
+        assert r["useful_tokens"] == sum(useful[i] for i in timed) < SEQ_LEN * STEPS  # padding excluded
+        assert r["tokens_per_s"] == pytest.approx(r["useful_tokens"] / seconds, rel=1e-12)
+        assert r["trained_tokens_per_s"] == pytest.approx(sum(trained[i] for i in timed) / seconds, rel=1e-12)
+        want = sum(r["flops_per_step"][i] for i in timed) / seconds / 1e12
+        assert r["tflops_per_device"] == pytest.approx(want, rel=1e-12)
+        assert r["step_time_s"] == statistics.median(r["time_per_step"][i] for i in timed)
+        assert r["mfu"] is None and r["peak_bytes"] is None  # CPU: no known peak, no memory stats
+        assert r["compiled_shapes"] == 1 and r["timed_compiles"] == 0
+        assert all(0 < w < t for w, t in zip(r["input_per_step"], r["time_per_step"]))
+    assert result["runs"][0]["compile_s"] > 0 and not result["runs"][0]["mock"] and result["runs"][1]["mock"]
+
+
+def test_real_and_mock_ratio(run):
+    _, result, _ = run
+    real, mock = result["runs"]
+    assert "MOCK DATA" in mock["data_source"] and "MOCK" not in real["data_source"]
+    report = bench.format_report(result)
+    assert f"useful tokens/s ratio {real['tokens_per_s'] / mock['tokens_per_s']:.3f}" in report
+    assert "real/mock (real mbs1 / mock mbs1)" in report
+
+
+def test_hf_peer_trains_the_same_batches_to_the_same_losses(run):
+    rc, result, _ = run
+    assert rc == 0
+    assert result["peer"]["info"]["modes"] == ["eager"] and result["peer"]["info"]["dtype"] == "float32"
+    for r in result["runs"]:
+        hf = [p for p in result["peer"]["runs"] if p["name"] == r["name"]]
+        assert len(hf) == 1 and hf[0]["useful_tokens"] == r["useful_tokens"] and hf[0]["timed"] == r["timed"]
+        loss = r["vs_hf"]["loss"]
+        assert loss["ours"] == r["ce_loss_per_step"] and len(loss["hf"]) == WARMUP + STEPS
+        # same initial weights, same batches, same AdamW steps: the same losses (float32), step by step
+        assert loss["first_rel_diff"] < 1e-6 and loss["max_rel_diff"] < 1e-5, loss
+        assert loss["max_rel_diff_objective"] < 1e-5 and loss["all_steps_agree"]  # CE + router aux loss
+        assert loss["ours"][-1] < loss["ours"][0]  # it trains: later steps see updated weights on both sides
+        assert r["vs_hf"]["tokens_per_s_ratio"] == pytest.approx(r["tokens_per_s"] / hf[0]["tokens_per_s"])
+
+
+def test_breakdown_covers_every_component(run):
+    _, result, _ = run
+    assert "breakdown" in result["runs"][0] and "breakdown" not in result["runs"][1]  # first data variant only
+    bd = result["runs"][0]["breakdown"]
+    names = [c["name"] for c in bd["components"]]
+    assert names == [n for n, _ in COMPONENTS]
+    assert all(c["present"] and c["seconds"] > 0 for c in bd["components"])
+    assert bd["sum_s"] == pytest.approx(sum(c["seconds"] for c in bd["components"]))
+    assert bd["step_time_s"] == result["runs"][0]["step_time_s"]
+    assert bd["diff_pct"] == pytest.approx(100 * (bd["sum_s"] - bd["step_time_s"]) / bd["step_time_s"])
+    wait = bd["components"][-1]
+    assert wait["name"] == "input_wait" and wait["seconds"] == result["runs"][0]["input_wait_s"]
+    assert bd["compute_sum_s"] == pytest.approx(bd["sum_s"] - wait["seconds"]) and bd["step_compute_s"] > 0
+    assert bd["compute_diff_pct"] == pytest.approx(100 * (bd["compute_sum_s"] / bd["step_compute_s"] - 1))
+    assert bd["forward_check_max_abs"] < 1e-4  # the recorded intermediates reproduce the model's forward
+    assert "breakdown of one step (real mbs1)" in bench.format_report(result)
+
+
+def test_profile_trace_written(run):
+    _, result, tmp = run
+    for r in result["runs"]:
+        assert r["profile"] and list((tmp / "profile").glob(f"{r['name'].replace(' ', '_')}/**/*.xplane.pb"))
+
+
+def test_hf_inputs_of_a_packed_row():
+    seg = np.array([[1, 1, 1, 2, 2, 0, 0], [1, 1, 1, 1, 0, 0, 0]])
+    assert text_positions(seg).tolist() == [[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6]]
+    ids = np.arange(7)[None].repeat(2, 0)
+    batch = {"input_ids": ids, "segment_ids": seg, "targets": ids + 1, "loss_mask": (seg > 0) * 1.0,
+             "positions": np.zeros((3, 2, 7), np.int32), "patch_segment_ids": np.zeros((2, 4), np.int32)}
+    hf = hf_batch(batch)
+    assert hf["position_ids"].shape == (4, 2, 7)  # packed row: the text-position row leads
+    assert hf["labels"].tolist()[1] == [-100, 1, 2, 3, 4, -100, -100]  # labels[t + 1] = targets[t]
+    assert "pixel_values" not in hf
+    assert hf_batch({**batch, "segment_ids": (seg > 0) * 1})["position_ids"].shape == (3, 2, 7)
+
+
+def test_data_variants_route_overrides():
+    args = bench.parse_args(["--data", "real,mock", "data.image.max_pixels=1", "mock.source.turns=[2,2]", "train.seq_len=8"])
+    real, mock = bench.variants(args, "cpu-default")
+    assert (real.data, mock.data) == (None, "mock_small")
+    assert real.overrides == ["data.image.max_pixels=1", "train.seq_len=8"]
+    assert mock.overrides == ["train.seq_len=8", "data.source.turns=[2,2]"]

@@ -1,0 +1,60 @@
+"""The train CLI under every layout preset: ``python -m moevlm_jax.train --layout <preset> --steps 3
+--run-dir D`` (in process, 8 CPU devices, the tiny model, with the Qwen3 vocabulary the
+built-in data needs) runs, and logs the FSDP run's losses step for step: same seed, same data,
+same global batch of 8 rows (micro batch = 8 / data-parallel size), AdamW.
+
+Slow (one train-step compile per preset, ~1-2 minutes each here): runs when MOEVLM_LAYOUT_CLI=1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from moevlm_jax.metrics import read_metrics
+from moevlm_jax.recipe import data_parallel_size
+from moevlm_jax.train import main
+from parallelism.layout import load_layout
+from tests.train.train_setup import COMPUTE, SEQ_LEN, data_config
+
+pytestmark = pytest.mark.skipif(os.environ.get("MOEVLM_LAYOUT_CLI") != "1",
+                                reason="slow: set MOEVLM_LAYOUT_CLI=1 to train 3 steps under every preset")
+PRESETS = ("tp", "ep", "tp+ep", "ep+etp", "cp", "folded")
+ROWS, STEPS = 8, 3
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("layouts_cli")
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "layouts-cli", "model": "tiny", "layout": "fsdp", "data": data_config(tmp / "cache"),
+        "compute": COMPUTE, "optimizer": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {"steps": STEPS, "global_batch_size": ROWS, "seq_len": SEQ_LEN, "log_every": 1,
+                  "eval_every": 0, "eval_batches": 0, "checkpoint_every": 100},
+    }))
+    return path
+
+
+def _train(recipe, layout: str, run_dir) -> dict[int, float]:
+    mbs = ROWS // data_parallel_size(load_layout(layout), 8)
+    code = main(["--recipe", str(recipe), "--layout", layout, "--steps", str(STEPS), "--run-dir", str(run_dir),
+                 f"train.micro_batch_size={mbs}", "--quiet"])
+    assert code == 0
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def fsdp_losses(recipe, tmp_path_factory):
+    return _train(recipe, "fsdp", tmp_path_factory.mktemp("fsdp"))
+
+
+@pytest.mark.parametrize("layout", PRESETS)
+def test_cli_trains_like_fsdp(recipe, fsdp_losses, layout, tmp_path):
+    losses = _train(recipe, layout, tmp_path / layout)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[1] == pytest.approx(fsdp_losses[1], rel=1e-5)
+    for step in range(2, STEPS + 1):  # after AdamW updates (float32 rounding, seen ~1e-7)
+        assert losses[step] == pytest.approx(fsdp_losses[step], rel=2e-5)

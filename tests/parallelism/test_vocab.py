@@ -1,0 +1,65 @@
+"""Vocabulary-parallel embedding lookup on 8 CPU devices equals ``jnp.take`` (rows and the table's
+gradient) under the preset layouts, and its program is Megatron's: a local masked lookup and a
+reduce-scatter along the sequence (SP), with no gather of token ids or of the table's vocabulary."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallelism.layout import layout_from_dict, load_layout
+from parallelism.logical import named_sharding, sharding_context
+from parallelism.vocab import embed_lookup
+from tests.parallelism.test_layouts import FAST, collectives
+
+V, H, B, S = 512, 64, 8, 32
+OUT = ("act_batch", "act_norm_seq", "act_embed")
+
+
+@pytest.fixture(scope="module")
+def problem():
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    return (jax.random.normal(k1, (V, H)), jax.random.randint(k2, (B, S), 0, V, jnp.int32),
+            jax.random.normal(k3, (B, S, H)))
+
+
+def _loss(table, ids, probe):
+    rows = embed_lookup(table, ids, ("vocab", "embed"), OUT)
+    return jnp.sum(rows * probe), rows
+
+
+# a layout whose batch uses the axis the vocabulary is split over: the table is gathered there
+BATCH_ON_VOCAB = {"mesh": {"fsdp": 4, "tensor": 2}, "rules": [["act_batch", ["fsdp", "tensor"]], ["vocab", "tensor"]]}
+
+
+@pytest.mark.parametrize("name", ["fsdp", "tp", "folded", "batch_on_vocab_axis"])
+def test_embed_lookup_matches_take(problem, name):
+    table, ids, probe = problem
+    layout = (layout_from_dict(BATCH_ON_VOCAB, default_name=name) if name == "batch_on_vocab_axis"
+              else load_layout(name))
+    mesh = layout.make_mesh()
+    fn = jax.value_and_grad(_loss, has_aux=True)
+    (ref_loss, ref_rows), ref_grad = jax.jit(fn)(table, ids, probe)
+
+    def sharded(table, ids, probe):
+        with sharding_context(mesh, layout.rules):
+            return fn(table, ids, probe)
+
+    with sharding_context(mesh, layout.rules):
+        shardings = (named_sharding(("vocab", "embed")), named_sharding(OUT[:2]), named_sharding(OUT))
+    args = [jax.device_put(a, s) for a, s in zip((table, ids, probe), shardings)]
+    compiled = jax.jit(sharded).lower(*args).compile(FAST)
+    (loss, rows), grad = compiled(*args)
+    np.testing.assert_allclose(rows, ref_rows, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert rows.sharding.is_equivalent_to(shardings[2], 3)
+    hlo = compiled.as_text()
+    gathered = collectives(hlo, "all-gather")
+    assert not [s for s in gathered if s[:2] == (B, S) or s == (B, S)], f"token ids gathered: {gathered}"
+    if name in ("tp", "folded"):  # vocabulary stays split: the embed dim alone is gathered (FSDP)
+        assert not [s for s in gathered if V in s], gathered
+        assert collectives(hlo, "reduce-scatter"), "SP: partial rows reduce-scattered along the sequence"
+        assert not [s for s in collectives(hlo, "all-reduce") if len(s) == 3], "rows reduce-scattered, not all-reduced"
