@@ -137,9 +137,7 @@ def _steady(args: argparse.Namespace, gpu: bool) -> tuple[int, int]:
 
 def _precompile(trainer: Any, state: Any, batch: Any) -> None:
     """Compile the train step for this batch's shapes without running it (the jit cache keeps it)."""
-    from moevlm_jax import trainer as trainer_mod
-
-    trainer_mod._train_step.lower(state, batch.arrays, spec=trainer.spec, capacity=batch.capacity).compile()
+    trainer.lower_step(state, batch.arrays, batch.capacity).compile()
 
 
 def _save_initial(trainer: Any, state: Any, path: Path, gpu: bool) -> None:

@@ -70,26 +70,20 @@ def abstract_batch(trainer: Any, mbs: int, seq_len: int, patches: int) -> dict[s
 def lower_step(trainer: Any, state: Any, arrays: Mapping[str, Any], capacity: int | None = None) -> Any:
     """``jax.stages.Lowered`` of the trainer's train step for these (concrete or abstract) inputs;
     ``.compile()`` gives an executable to call as ``compiled(state, arrays)``."""
-    from moevlm_jax import trainer as trainer_lib
-
-    return trainer_lib._train_step.lower(state, dict(arrays), spec=trainer.spec, capacity=capacity)
+    return trainer.lower_step(state, arrays, capacity)
 
 
 def init_state(trainer: Any, seed: int = 0, compiler_options: Mapping[str, Any] | None = None) -> Any:
     """The trainer's fresh train state (``Trainer.init_state``), compiled ahead of time with
     ``compiler_options`` (its random init compiles slowly on CPU at the default optimisation level)."""
-    from moevlm_jax import trainer as trainer_lib
-
-    lowered = trainer_lib._init_state.lower(spec=trainer.spec, seed=seed)
+    lowered = trainer.lower_init(seed)
     return (lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile())()
 
 
 def trace_step(trainer: Any, state: Any, arrays: Mapping[str, Any], capacity: int | None = None) -> Any:
     """Trace (no lowering, no compile) the train step: raises trace-time errors, e.g. a batch the
     layout's pipeline cannot split into microbatches, in seconds."""
-    from moevlm_jax import trainer as trainer_lib
-
-    return trainer_lib._train_step.trace(state, dict(arrays), spec=trainer.spec, capacity=capacity)
+    return trainer.lower_step(state, arrays, capacity, trace_only=True)
 
 
 def memory_fields(compiled: Any) -> dict[str, int]:

@@ -445,6 +445,17 @@ class Trainer:
         self._note_compile("train", batch.arrays, batch.capacity)
         return _train_step(state, batch.arrays, spec=self.spec, capacity=batch.capacity)
 
+    def lower_step(self, state: Any, arrays: Mapping[str, Any], capacity: int | None = None, *,
+                   trace_only: bool = False) -> Any:
+        """The train step for these (concrete or ``ShapeDtypeStruct``) inputs, ahead of time: ``Lowered``
+        (``.compile()`` fills the same cache :meth:`step` uses), or ``Traced`` with ``trace_only``."""
+        stage = _train_step.trace if trace_only else _train_step.lower
+        return stage(state, dict(arrays), spec=self.spec, capacity=capacity)
+
+    def lower_init(self, seed: int = 0) -> Any:
+        """``Lowered`` of :meth:`init_state`'s compiled initialiser (e.g. to compile with options)."""
+        return _init_state.lower(spec=self.spec, seed=seed)
+
     def evaluate(self, params: PyTree, host_batch: Mapping[str, Any]) -> tuple[dict[str, float], np.ndarray]:
         """Teacher-forced eval of one batch: ({ce_sum, tokens}, argmax predictions ``[B, S]`` int32
         for this process's rows; -1 where the loss mask is 0 when trained positions were gathered)."""

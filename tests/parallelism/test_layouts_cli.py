@@ -1,7 +1,7 @@
 """The train CLI under every layout preset: ``python -m moevlm_jax.train --layout <preset> --steps 3
 --run-dir D`` (in process, 8 CPU devices, the tiny model, with the Qwen3 vocabulary the
 built-in data needs) runs, and logs the FSDP run's losses step for step: same seed, same data,
-same global batch of 8 rows (micro batch = 8 / data-parallel size), AdamW.
+same global batch of 16 rows (micro batch = 16 / data-parallel size), AdamW.
 
 Slow (one train-step compile per preset, ~1-2 minutes each here): runs when MOEVLM_LAYOUT_CLI=1.
 """
@@ -21,8 +21,8 @@ from tests.train.train_setup import COMPUTE, SEQ_LEN, data_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("MOEVLM_LAYOUT_CLI") != "1",
                                 reason="slow: set MOEVLM_LAYOUT_CLI=1 to train 3 steps under every preset")
-PRESETS = ("tp", "ep", "tp+ep", "ep+etp", "cp", "folded")
-ROWS, STEPS = 8, 3
+PRESETS = ("tp", "ep", "tp+ep", "ep+etp", "cp", "folded", "pp", "pp_circular", "pp_ep")
+ROWS, STEPS = 16, 3  # 16 rows: 4 pipeline microbatches of 4 rows under the pp presets
 
 
 @pytest.fixture(scope="module")
