@@ -74,7 +74,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict | None]:
         """x ``[B, S, H]`` -> ``[B, S, H]`` and router stats (MoE layers) or None."""
-        attn = self.self_attn(checkpoint_name(self.input_layernorm(x), "layernorm"), cos, sin, segment_ids)
+        with jax.named_scope("decoder_attention"):  # profiler trace labels (moevlm_jax.bench --profile)
+            attn = self.self_attn(checkpoint_name(self.input_layernorm(x), "layernorm"), cos, sin, segment_ids)
         x = constrain(x + attn, ACT)
         h = checkpoint_name(self.post_attention_layernorm(x), "layernorm")
         if self.kind == "moe":

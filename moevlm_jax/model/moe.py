@@ -45,6 +45,23 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict]:
         """x ``[B, S, H]``, valid ``[B, S]`` -> ``[B, S, H]`` and router stats (see router_stats)."""
         b, s, h = x.shape
+        with jax.named_scope("router"):
+            logits, probs, top_w, top_i, stats = self._route(x, valid)
+        tokens = constrain(x.reshape(b * s, h), ("act_tokens", "act_embed"))
+        options = self.compute.moe_options
+        with jax.named_scope("experts"):  # permutation / dispatch and the expert matmuls
+            y, drops = experts_forward_with_stats(
+                tokens, top_i.reshape(b * s, self.top_k), top_w.reshape(b * s, self.top_k).astype(x.dtype),
+                self.gate_up_proj[...].astype(x.dtype), self.down_proj[...].astype(x.dtype), **options,
+            )
+        if options.get("capacity_factor") is not None:  # global counts, spread over the rows (sums add up)
+            stats["dropped"] = jnp.full((b,), drops["dropped"].astype(jnp.float32) / b)
+            stats["assignments"] = jnp.full((b,), float(s * self.top_k))
+        y = constrain(y, ("act_tokens", "act_embed")).reshape(b, s, h)
+        return checkpoint_name(y, "moe"), stats
+
+    def _route(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, ...]:
+        """Router logits (float32), probabilities, top-k weights and experts, and router stats."""
         kernel = self.gate.kernel[...]
         if self.compute.router.dtype == "float32":  # Megatron moe_router_dtype fp32
             logits = jnp.einsum("bsh,he->bse", x.astype(jnp.float32), kernel.astype(jnp.float32))
@@ -55,17 +72,7 @@ class SparseMoeBlock(nnx.Module):
         probs, top_w, top_i = route(logits, self.top_k, bias=bias, norm_topk_prob=self.norm_topk_prob)
         aux_top_i = None if bias is None else jax.lax.top_k(probs, self.top_k)[1]
         stats = router_stats(logits, probs, top_i, valid, self.num_experts, aux_top_i=aux_top_i)
-        tokens = constrain(x.reshape(b * s, h), ("act_tokens", "act_embed"))
-        options = self.compute.moe_options
-        y, drops = experts_forward_with_stats(
-            tokens, top_i.reshape(b * s, self.top_k), top_w.reshape(b * s, self.top_k).astype(x.dtype),
-            self.gate_up_proj[...].astype(x.dtype), self.down_proj[...].astype(x.dtype), **options,
-        )
-        if options.get("capacity_factor") is not None:  # global counts, spread over the rows (sums add up)
-            stats["dropped"] = jnp.full((b,), drops["dropped"].astype(jnp.float32) / b)
-            stats["assignments"] = jnp.full((b,), float(s * self.top_k))
-        y = constrain(y, ("act_tokens", "act_embed")).reshape(b, s, h)
-        return checkpoint_name(y, "moe"), stats
+        return logits, probs, top_w, top_i, stats
 
 
 class MLP(nnx.Module):

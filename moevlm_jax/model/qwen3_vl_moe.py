@@ -87,8 +87,9 @@ class Qwen3VLMoe(nnx.Module):
     def forward(self, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:
         """batch -> logits ``[B, S, vocab]`` (float32) and aux (see hidden_states)."""
         hidden, aux = self.hidden_states(batch)
-        kernel = self.lm_head_kernel().astype(hidden.dtype)
-        logits = jnp.einsum("bsh,hv->bsv", hidden, kernel, preferred_element_type=jnp.float32)
+        with jax.named_scope("lm_head"):
+            kernel = self.lm_head_kernel().astype(hidden.dtype)
+            logits = jnp.einsum("bsh,hv->bsv", hidden, kernel, preferred_element_type=jnp.float32)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab")), aux
 
     def __call__(self, input_ids: Any, pixel_values: Any = None, image_grid_thw: Any = None,
