@@ -33,7 +33,14 @@ from typing import Any, Literal
 import yaml
 
 from moevlm_jax.optim import PARAM_GROUP_PATTERNS
-from moevlm_jax.schema import ConfigError, build_dataclass, deep_merge, near_miss, parse_value, to_plain
+from moevlm_jax.schema import (
+    ConfigError,
+    build_dataclass,
+    deep_merge,
+    near_miss,
+    parse_value,
+    to_plain,
+)
 
 __all__ = ["ConfigError", "OptimizerConfig", "TrainConfig", "RunConfig", "register_schema", "load_config",
            "build_run_config", "save_config", "add_arguments", "from_args", "default_recipe"]

@@ -27,7 +27,14 @@ import data as data_lib
 from moevlm_jax import capture, flops, optim
 from moevlm_jax.checkpoint import Checkpointer, resume_step
 from moevlm_jax.config import ComputeConfig, ModelConfig
-from moevlm_jax.metrics import MetricsWriter, ProfileWindow, Progress, StepTracker, progress_postfix, read_metrics
+from moevlm_jax.metrics import (
+    MetricsWriter,
+    ProfileWindow,
+    Progress,
+    StepTracker,
+    progress_postfix,
+    read_metrics,
+)
 from moevlm_jax.model.router import ExpertBias
 from moevlm_jax.recipe import RunConfig, add_arguments, from_args, save_config
 from moevlm_jax.schema import ConfigError, near_miss

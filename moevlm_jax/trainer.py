@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from moevlm_jax import optim
 from moevlm_jax.config import ComputeConfig, ModelConfig, freeze
@@ -462,10 +462,10 @@ class Trainer:
         batch = self.prepare(host_batch, train=False)
         self._note_compile("eval", batch.arrays, batch.capacity)
         metrics, pred, idx = _eval_step(params, batch.arrays, spec=self.spec, capacity=batch.capacity)
-        pred = host_rows(pred)
+        pred = sharding.host_rows(pred)
         if idx is None:
             return {k: float(v) for k, v in jax.device_get(metrics).items()}, pred
-        idx = host_rows(idx)
+        idx = sharding.host_rows(idx)
         b, s = np.shape(host_batch["targets"])
         full = np.full((b, s), -1, np.int32)
         groups, slots = np.nonzero(idx >= 0)
@@ -482,27 +482,7 @@ def build_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> M
     return mesh
 
 
-def host_rows(x: jax.Array, axis: int = 0) -> np.ndarray:
-    """This process's rows of a global array sharded along ``axis`` (all rows on one process)."""
-    if jax.process_count() == 1:
-        return np.asarray(x)
-    pieces: dict[int, np.ndarray] = {}
-    for shard in x.addressable_shards:
-        start = shard.index[axis].start or 0
-        pieces.setdefault(start, np.asarray(shard.data))
-    return np.concatenate([pieces[k] for k in sorted(pieces)], axis=axis)
-
-
 def _counts(arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
     seg = arrays["segment_ids"]
     return {"tokens": float(seg.size), "useful_tokens": float(np.count_nonzero(seg > 0)),
             "trained_tokens": float(np.count_nonzero(arrays["loss_mask"] > 0))}
-
-
-def shardings_summary(trainer: Trainer) -> dict[str, str]:
-    """'/'-joined parameter path -> its PartitionSpec as text (for logs and golden tests)."""
-    out = {}
-    for kp, s in jax.tree_util.tree_flatten_with_path(trainer.param_shardings,
-                                                      is_leaf=lambda x: isinstance(x, NamedSharding))[0]:
-        out[optim.path_str(kp)] = str(s.spec)
-    return out

@@ -22,8 +22,12 @@ class HFMoeBlock:
 
     def __init__(self, top_k: int, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array):
         import torch
-        from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
-        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
+        from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
+            Qwen3VLMoeTextConfig,
+        )
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+            Qwen3VLMoeTextSparseMoeBlock,
+        )
 
         self.torch = torch
         self.cuda = torch.cuda.is_available()

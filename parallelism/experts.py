@@ -26,7 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from parallelism import logical
-from parallelism.dispatch import A2A_IMPLS, DISPATCHERS, ExpertTopology, MoeOptions, resolve_topology, run_experts
+from parallelism.dispatch import (
+    A2A_IMPLS,
+    DISPATCHERS,
+    ExpertTopology,
+    MoeOptions,
+    resolve_topology,
+    run_experts,
+)
 from parallelism.grouped_matmul import GPU_PLATFORMS, resolve_backend
 from parallelism.permute import DROP_POLICIES
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -97,3 +98,14 @@ def batch_shardings(shapes: Mapping[str, Sequence[int]], mesh: Mesh, rules: Sequ
         check_divisible(f"batch['{key}']", tuple(shape), spec, mesh)
         out[key] = NamedSharding(mesh, spec)
     return out
+
+
+def host_rows(x: jax.Array, axis: int = 0) -> np.ndarray:
+    """This process's rows of a global array sharded along ``axis`` (all rows on one process)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    pieces: dict[int, np.ndarray] = {}
+    for shard in x.addressable_shards:
+        start = shard.index[axis].start or 0
+        pieces.setdefault(start, np.asarray(shard.data))
+    return np.concatenate([pieces[k] for k in sorted(pieces)], axis=axis)

@@ -109,7 +109,9 @@ def _cudnn_dense(q, k, v, mask, causal, scale):
 def _cudnn_packed(q, k, v, segment_ids, causal, scale):
     """cuDNN flash attention over the packed segments of each row (THD ragged offsets)."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
-    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+    from jax._src.cudnn.fused_attention_stablehlo import (
+        dot_product_attention as cudnn_attention,
+    )
 
     lengths, starts = segment_offsets(segment_ids, MAX_PACKED_SEGMENTS)
 

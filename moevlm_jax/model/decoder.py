@@ -18,7 +18,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moevlm_jax.config import ComputeConfig, TextConfig
 from moevlm_jax.model.attention import dot_product_attention
-from moevlm_jax.model.layers import Linear, RMSNorm, dtype_of, param, run_stack, stack_modules
+from moevlm_jax.model.layers import (
+    Linear,
+    RMSNorm,
+    dtype_of,
+    param,
+    run_stack,
+    stack_modules,
+)
 from moevlm_jax.model.moe import MLP, SparseMoeBlock
 from moevlm_jax.model.rotary import apply_rotary, mrope_cos_sin
 from parallelism.logical import constrain

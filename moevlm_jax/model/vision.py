@@ -18,7 +18,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moevlm_jax.config import ComputeConfig, VisionConfig
 from moevlm_jax.model.attention import dot_product_attention
-from moevlm_jax.model.layers import LayerNorm, Linear, activation, dtype_of, param, run_stack, stack_modules
+from moevlm_jax.model.layers import (
+    LayerNorm,
+    Linear,
+    activation,
+    dtype_of,
+    param,
+    run_stack,
+    stack_modules,
+)
 from moevlm_jax.model.rotary import apply_rotary, vision_rope_cos_sin
 from parallelism.logical import constrain
 

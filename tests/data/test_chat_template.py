@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data.chat import QWEN3_VL_CHAT_TEMPLATE, ConversationError, encode_conversation, render_text
+from data.chat import (
+    QWEN3_VL_CHAT_TEMPLATE,
+    ConversationError,
+    encode_conversation,
+    render_text,
+)
 from data.config import load_data_config
 from data.records import encode_record
 from data.sample import SampleProcessor
@@ -77,8 +82,12 @@ def test_conversation_errors():
 def test_sample_matches_hf_qwen3_vl_processor(hf_tokenizer, monkeypatch):
     """Our whole per-sample path (record -> ids, pixel_values, grids) vs HF's Qwen3VLProcessor."""
     from transformers import ProcessorMixin, Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+        Qwen3VLVideoProcessor,
+    )
 
     cfg = load_data_config("vqa", ["seq_len=4096"])
     img_cfg = cfg.image

@@ -5,11 +5,22 @@ import io
 import numpy as np
 import pytest
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    smart_resize as hf_smart_resize,
+)
 
 from data.config import ImageConfig
-from data.image import ImageSkip, decode_image, expand_patches, image_to_pixel_values, process_image, smart_resize
+from data.image import (
+    ImageSkip,
+    decode_image,
+    expand_patches,
+    image_to_pixel_values,
+    process_image,
+    smart_resize,
+)
 from moevlm_jax.model.batch import patch_layout  # the shared helper (model + data)
 
 

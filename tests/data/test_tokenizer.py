@@ -5,7 +5,12 @@ import unicodedata
 import numpy as np
 import pytest
 
-from data.tokenizer import QWEN3_SPECIAL_TOKENS, JsonTokenizer, QwenTokenizer, load_tokenizer
+from data.tokenizer import (
+    QWEN3_SPECIAL_TOKENS,
+    JsonTokenizer,
+    QwenTokenizer,
+    load_tokenizer,
+)
 
 TEXTS = [
     "Hello, world!",

@@ -15,7 +15,15 @@ from data.loader import build_loader
 from data.metrics import answer_accuracy, merge_accuracy
 from data.photos import PhotoSource, photo_count
 from data.records import decode_record
-from data.vqa import ANSWERS, CHANCE, COLOURS, dataset_dir, ensure_vqa, make_record, vqa_params
+from data.vqa import (
+    ANSWERS,
+    CHANCE,
+    COLOURS,
+    dataset_dir,
+    ensure_vqa,
+    make_record,
+    vqa_params,
+)
 
 
 def read_answer(jpeg: bytes, qtype: str) -> str | None:

@@ -15,7 +15,13 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import Qwen3VLMoeForConditionalGeneration
 
-from moevlm_jax.hf import CheckpointError, SafetensorsFile, checkpoint_entries, load_pretrained, save_pretrained
+from moevlm_jax.hf import (
+    CheckpointError,
+    SafetensorsFile,
+    checkpoint_entries,
+    load_pretrained,
+    save_pretrained,
+)
 
 
 def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+    load_balancing_loss_func,
+)
 
 import parallelism
 from moevlm_jax.config import ComputeConfig, load_model_config

@@ -7,7 +7,12 @@ import pytest
 
 from parallelism.experts import experts_forward, experts_forward_with_stats
 from parallelism.permute import CHECKPOINT_NAMES, expert_capacity, route_plan
-from tests.parallelism.moe_reference import assert_close, dense_reference, make_problem, value_and_grads
+from tests.parallelism.moe_reference import (
+    assert_close,
+    dense_reference,
+    make_problem,
+    value_and_grads,
+)
 
 # Six tokens, top-2 of three experts, capacity 2 per expert (capacity_factor 0.5: ceil(12/3*0.5)).
 HAND_IDX = np.array([[0, 1], [0, 2], [1, 0], [0, 1], [2, 0], [1, 2]], np.int32)

@@ -9,11 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moevlm_jax import optim
 from moevlm_jax.checkpoint import Checkpointer, abstract_like
-from moevlm_jax.metrics import MetricsWriter, StepTracker, batch_token_counts, read_metrics
+from moevlm_jax.metrics import (
+    MetricsWriter,
+    StepTracker,
+    batch_token_counts,
+    read_metrics,
+)
 from moevlm_jax.recipe import OptimizerConfig
 
 GRAD_ACCUM, ROWS, SEQ, DIM = 2, 8, 4, 8

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from moevlm_jax.model.loss import lm_loss
-from moevlm_jax.trainer import capacity_step, ce_and_argmax, gather_trained, loss_capacity
+from moevlm_jax.trainer import (
+    capacity_step,
+    ce_and_argmax,
+    gather_trained,
+    loss_capacity,
+)
 
 
 def _inputs(b=4, s=160, h=8, v=50, seed=0):

@@ -9,8 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moevlm_jax.metrics import (MetricsWriter, ProfileWindow, Progress, StepTracker, batch_token_counts,
-                                progress_postfix, read_metrics)
+from moevlm_jax.metrics import (
+    MetricsWriter,
+    ProfileWindow,
+    Progress,
+    StepTracker,
+    batch_token_counts,
+    progress_postfix,
+    read_metrics,
+)
 
 
 def _tensorboard_scalars(run_dir: Path) -> dict[tuple[str, int], float]:

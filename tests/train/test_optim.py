@@ -189,7 +189,8 @@ def test_accumulation_4x1_equals_one_batch_of_4():
 
 def test_accumulation_sharded_matches_single_device():
     """Microbatches sharded over 8 devices (batch axis), grads constrained replicated == unsharded."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()).reshape(8), ("fsdp",))
     w = {"w": jnp.array([0.5, -1.0, 2.0]), "b": jnp.array(0.3)}
