@@ -38,9 +38,7 @@ from moevlm_jax import optim
 from moevlm_jax.model.layers import dtype_of, run_stack
 from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import scatter_visual_tokens
-from moevlm_jax.model.rotary import mrope_cos_sin, vision_rope_cos_sin
-from moevlm_jax.model.router import route, router_stats
-from moevlm_jax.model.vision import interpolation_taps
+from moevlm_jax.model.rotary import mrope_cos_sin
 from moevlm_jax.trainer import gather_trained, loss_capacity
 from parallelism.dispatch import ExpertTopology
 from parallelism.experts import resolve_options
@@ -79,58 +77,29 @@ def _params(*paths: str, exclude: bool = False) -> Any:
 
 def vision_encode(visual: Any, pixel_values: jax.Array, patch_rc: jax.Array, patch_hw: jax.Array,
                   patch_segment_ids: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """``VisionModel.__call__`` up to the mergers: final ViT output ``[B, P, C]`` and the DeepStack
-    blocks' outputs ``[n_ds, B, P, C]`` in block order (None without DeepStack)."""
-    cfg, dt = visual.cfg, dtype_of(visual.compute.dtype)
-    x = visual.patch_embed(pixel_values.astype(dt))
-    idx, wts = interpolation_taps(patch_rc, patch_hw, visual.side)
-    pos = jnp.sum(visual.pos_embed[...].astype(jnp.float32)[idx] * wts[..., None], axis=-2)
-    x = x + pos.astype(dt)
-    side = (*vision_rope_cos_sin(patch_rc, cfg.head_dim, cfg.rope_theta), patch_segment_ids)
-
-    def body(block, h, _, sd):
-        return block(h, *sd), None
-
-    feats, start = [], 0
-    for i in sorted(cfg.deepstack_visual_indexes):
-        x, _ = run_stack(visual.blocks, body, x, None, visual.compute, start, i + 1, side=side)
-        feats.append(x)
-        start = i + 1
-    x, _ = run_stack(visual.blocks, body, x, None, visual.compute, start, cfg.depth, side=side)
+    """``VisionModel.encode``: final ViT output ``[B, P, C]`` and the DeepStack blocks' outputs
+    ``[n_ds, B, P, C]`` in block order (None without DeepStack)."""
+    x, feats = visual.encode(pixel_values, patch_rc, patch_hw, patch_segment_ids)
     return x, (jnp.stack(feats) if feats else None)
 
 
 def project(model: Any, x: jax.Array, feats: jax.Array | None, input_ids: jax.Array,
             patch_segment_ids: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """Mergers + scatter onto the image tokens: ``[B, S, H]`` visual embeddings (zero elsewhere) and
-    DeepStack features ``[n_ds, B, S, H]`` (None without DeepStack), as ``Qwen3VLMoe.hidden_states``."""
-    visual, cfg = model.visual, model.visual.cfg
-    dt = dtype_of(model.compute.dtype)
-    merged = visual.merger(x)
+    """``VisionModel.project`` + scatter onto the image tokens: ``[B, S, H]`` visual embeddings (zero
+    elsewhere) and DeepStack features ``[n_ds, B, S, H]`` (None without DeepStack), as
+    ``Qwen3VLMoe.hidden_states``."""
+    cfg, dt = model.visual.cfg, dtype_of(model.compute.dtype)
+    merged, ds = model.visual.project(x, [] if feats is None else list(feats))
     token_valid = patch_segment_ids[:, :: cfg.spatial_merge_size**2] > 0
     is_image = input_ids == model.config.image_token_id
     emb = scatter_visual_tokens(merged.astype(dt), is_image, token_valid)
-    if feats is None:
-        return emb, None
-    order = [list(cfg.deepstack_visual_indexes).index(i) for i in sorted(cfg.deepstack_visual_indexes)]
-    graphdef, state = nnx.split(visual.deepstack_merger_list)
-    if order != sorted(order):
-        state = jax.tree.map(lambda a: a[jnp.asarray(order)], state)
-    ds = jax.vmap(lambda st, f: nnx.merge(graphdef, st)(f))(state, feats)
-    return emb, scatter_visual_tokens(ds.astype(dt), is_image, token_valid)
+    return emb, (None if ds is None else scatter_visual_tokens(ds.astype(dt), is_image, token_valid))
 
 
 def router(mlp: Any, h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """The routing half of ``SparseMoeBlock.__call__``: top-k weights, ids ``[B, S, K]`` and stats."""
-    kernel = mlp.gate.kernel[...]
-    if mlp.compute.router.dtype == "float32":
-        logits = jnp.einsum("bsh,he->bse", h.astype(jnp.float32), kernel.astype(jnp.float32))
-    else:
-        logits = jnp.einsum("bsh,he->bse", h, kernel.astype(h.dtype)).astype(jnp.float32)
-    bias = None if mlp.expert_bias is None else mlp.expert_bias[...]
-    probs, top_w, top_i = route(logits, mlp.top_k, bias=bias, norm_topk_prob=mlp.norm_topk_prob)
-    aux_top_i = None if bias is None else jax.lax.top_k(probs, mlp.top_k)[1]
-    return top_w, top_i, router_stats(logits, probs, top_i, valid, mlp.num_experts, aux_top_i=aux_top_i)
+    """``SparseMoeBlock.routing``: top-k weights, ids ``[B, S, K]`` and stats."""
+    _, _, top_w, top_i, stats = mlp.routing(h, valid)
+    return top_w, top_i, stats
 
 
 def slots(idx: jax.Array, w: jax.Array, experts: int, opts: Any) -> tuple[Any, jax.Array, jax.Array, int | None]:

@@ -408,12 +408,7 @@ def bench_exchange(mesh: Any, xs: tuple, base: dict, args: argparse.Namespace, d
     from jax.sharding import PartitionSpec
 
     from parallelism.dispatch import exchange_fn, exchange_offsets, shard_map_unchecked
-    from parallelism.permute import (
-        dispatch_rows,
-        inverse_slots,
-        route_plan,
-        sorted_slots,
-    )
+    from parallelism.permute import dispatch_rows, inverse_slots, route_plan, sorted_slots
 
     n, e, k, h = args.ep, base["experts"], base["top_k"], base["hidden"]
     el, impl = e // n, "ragged" if jax.default_backend() == "gpu" else "dense"

@@ -46,7 +46,7 @@ class SparseMoeBlock(nnx.Module):
         """x ``[B, S, H]``, valid ``[B, S]`` -> ``[B, S, H]`` and router stats (see router_stats)."""
         b, s, h = x.shape
         with jax.named_scope("router"):
-            logits, probs, top_w, top_i, stats = self._route(x, valid)
+            logits, probs, top_w, top_i, stats = self.routing(x, valid)
         tokens = constrain(x.reshape(b * s, h), ("act_tokens", "act_embed"))
         options = self.compute.moe_options
         with jax.named_scope("experts"):  # permutation / dispatch and the expert matmuls
@@ -60,7 +60,7 @@ class SparseMoeBlock(nnx.Module):
         y = constrain(y, ("act_tokens", "act_embed")).reshape(b, s, h)
         return checkpoint_name(y, "moe"), stats
 
-    def _route(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, ...]:
+    def routing(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, ...]:
         """Router logits (float32), probabilities, top-k weights and experts, and router stats."""
         kernel = self.gate.kernel[...]
         if self.compute.router.dtype == "float32":  # Megatron moe_router_dtype fp32

@@ -159,12 +159,12 @@ class VisionModel(nnx.Module):
         ``[B, P]`` -> merged tokens ``[B, P/4, H]`` and DeepStack features ``[n_ds, B, P/4, H]``
         (in block order, i.e. the order decoder layers 0, 1, ... receive them), or None."""
         with jax.named_scope("vision_encoder"):  # profiler trace labels (moevlm_jax.bench --profile)
-            x, feats = self._encode(pixel_values, patch_rc, patch_hw, patch_segment_ids)
+            x, feats = self.encode(pixel_values, patch_rc, patch_hw, patch_segment_ids)
         with jax.named_scope("projector"):
-            return self._project(x, feats)
+            return self.project(x, feats)
 
-    def _encode(self, pixel_values: jax.Array, patch_rc: jax.Array, patch_hw: jax.Array,
-                patch_segment_ids: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    def encode(self, pixel_values: jax.Array, patch_rc: jax.Array, patch_hw: jax.Array,
+               patch_segment_ids: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         """Patch embedding, position embedding and the ViT blocks -> last block's output and the
         DeepStack blocks' outputs (in block order)."""
         cfg, dt = self.cfg, dtype_of(self.compute.dtype)
@@ -188,7 +188,7 @@ class VisionModel(nnx.Module):
         x, _ = run_stack(self.blocks, body, x, None, self.compute, start, cfg.depth, side=side)
         return x, feats
 
-    def _project(self, x: jax.Array, feats: list[jax.Array]) -> tuple[jax.Array, jax.Array | None]:
+    def project(self, x: jax.Array, feats: list[jax.Array]) -> tuple[jax.Array, jax.Array | None]:
         """The patch merger (projector) and the DeepStack mergers."""
         cfg = self.cfg
         ds_blocks = sorted(cfg.deepstack_visual_indexes)
