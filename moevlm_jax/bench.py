@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from moevlm_jax.bench_report import format_report, ok, summary_line
+
 log = logging.getLogger("moevlm_jax.bench")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,6 +155,12 @@ def _save_initial(trainer: Any, state: Any, path: Path, gpu: bool) -> None:
     save_pretrained(trainer.model(params), trainer.spec.model, path)
 
 
+def is_oom(e: BaseException) -> bool:
+    """An allocation failure on the device (XLA's RESOURCE_EXHAUSTED / out of memory)."""
+    text = f"{type(e).__name__}: {e}"
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
 def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, dump: Path | None,
             breakdown: bool) -> dict[str, Any]:
     """Warm up, time ``--steps`` steps of one (data variant, MBS) configuration; optionally dump the
@@ -207,11 +215,13 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     steps: list[dict[str, Any]] = []
     hosts: list[dict[str, np.ndarray]] = []
     trace = Path(args.profile) / name.replace(" ", "_") if args.profile else None
+    tracing = False
     try:
         for k in range(total):
             timed = k >= warmup
             if trace is not None and k == warmup:
                 jax.profiler.start_trace(str(trace))
+                tracing = True
             before = _COMPILES["count"]
             t0 = time.perf_counter()
             host = next(loader)
@@ -223,15 +233,16 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
             m = jax.device_get(metrics)
             steps.append({"timed": timed, "time": t2 - t0, "input": t1 - t0, "compiles": _COMPILES["count"] - before,
                           **batch.counts, "flops": flops.batch_flops(shape, host), "loss": float(m["loss"]),
-                          "ce_loss": float(m["ce_loss"]), "lr": float(m["lr"])})
+                          "ce_loss": float(m["ce_loss"]), "lr": float(m["lr"]),
+                          "grad_norm": float(m["grad_norm"]), "skipped": int(m.get("skipped", 0))})
             keep = {k2: np.asarray(host[k2]) for k2 in data_lib.MODEL_KEYS if k2 in host}
             if dump is None:  # the peer needs every batch, the breakdown the last one
                 hosts.clear()
             hosts.append(keep)
-        if trace is not None:
-            jax.profiler.stop_trace()
         source = loader.summary()
     finally:
+        if tracing:
+            jax.profiler.stop_trace()
         loader.close()
     timed_steps = [s for s in steps if s["timed"]]
     seconds = sum(s["time"] for s in timed_steps)
@@ -247,7 +258,8 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         "seq_len": tr.seq_len, "devices": n_dev, "dtype": sections.compute.dtype, "warmup": warmup,
         "timed": [i for i, s in enumerate(steps) if s["timed"]],
         **{f"{k}_per_step": [s[k] for s in steps] for k in ("time", "input", "useful_tokens", "trained_tokens",
-                                                            "tokens", "flops", "loss", "ce_loss", "lr", "compiles")},
+                                                            "tokens", "flops", "loss", "ce_loss", "lr", "compiles",
+                                                            "grad_norm", "skipped")},
         "step_time_s": statistics.median(s["time"] for s in timed_steps),
         "input_wait_s": statistics.median(s["input"] for s in timed_steps),
         "timed_time_s": seconds, "useful_tokens": useful, "trained_tokens": trained,
@@ -260,6 +272,9 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         "compiled_shapes": len(seen), "timed_compiles": sum(s["compiles"] for s in timed_steps),
         "profile": str(trace) if trace is not None else None,
     }
+    if steps[-1]["skipped"]:  # optax.apply_if_finite's running count: these steps trained nothing
+        log.warning("%s: %d of %d updates skipped for non-finite gradients (grad norms %s)", name,
+                    steps[-1]["skipped"], total, [round(s["grad_norm"], 3) for s in steps])
     if result["timed_compiles"]:
         log.warning("%s: %d compiles during timed steps (times include them)", name, result["timed_compiles"])
     if dump is not None:
@@ -302,7 +317,21 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             cfg = load_config(recipe, model=model, layout=args.layout, data=variant.data, overrides=overrides,
                               num_devices=len(devices))
             log.info("bench run: %s, mbs %d", variant.label, cfg.train.micro_batch_size)
-            runs.append(run_one(args, cfg, variant, devices, dump, breakdown=args.breakdown and i == 0))
+            try:
+                run = run_one(args, cfg, variant, devices, dump, breakdown=args.breakdown and i == 0)
+            except Exception as e:  # out of memory is a result; anything else is re-raised
+                if not is_oom(e):
+                    raise
+                run = {"side": "ours", "name": f"{variant.label} mbs{cfg.train.micro_batch_size}", "status": "oom",
+                       "message": str(e).splitlines()[0][:500], "data": variant.label, "mock": variant.label == "mock",
+                       "mbs": cfg.train.micro_batch_size, "rows": cfg.global_batch_size, "seq_len": cfg.train.seq_len}
+            if run.get("status") == "oom":
+                import gc
+
+                gc.collect()
+                jax.clear_caches()
+            log.warning("bench: %s", summary_line(run))
+            runs.append(run)
             cfgs.append(cfg)
     d, first = devices[0], cfgs[0]
     return {"command": command(args),
@@ -351,6 +380,13 @@ def compare_losses(ours: dict[str, Any], hf: dict[str, Any], dtype: str) -> dict
             "first_step_agrees": bool(rel[0] <= tol), "all_steps_agree": bool(np.all(rel <= tol))}
 
 
+def peer_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs the HF peer repeats: those of the first ``--data`` item (the real data; the peer
+    needs no mock comparison of its own) that produced figures."""
+    first = runs[0]["data"] if runs else None
+    return [r for r in runs if r["data"] == first and ok(r)]
+
+
 def run_with_peer(args: argparse.Namespace) -> dict[str, Any]:
     """Our side in a child process (dumping batches + initial weights), then the HF peer in another."""
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="moevlm_bench_"))
@@ -360,11 +396,13 @@ def run_with_peer(args: argparse.Namespace) -> dict[str, Any]:
         if subprocess.run(cmd, env=_env(), check=False).returncode:
             raise BenchError(f"our side failed: {' '.join(cmd)}")
         result = json.loads((work / "ours.json").read_text())
-        spec = {"model_dir": result["runs"][0]["hf_model_dir"], "optimizer": result["optimizer"],
+        if not peer_runs(result["runs"]):
+            raise BenchError("our side produced no run for the HF peer to repeat (all out of memory?)")
+        spec = {"model_dir": peer_runs(result["runs"])[0]["hf_model_dir"], "optimizer": result["optimizer"],
                 "frozen": result["frozen"], "param_groups": result["param_groups"], "compile": args.hf_compile,
                 "runs": [{"name": r["name"], "batch_dir": r["batch_dir"], "lrs": r["lr_per_step"], "timed": r["timed"],
                           "useful_tokens": r["useful_tokens_per_step"], "trained_tokens": r["trained_tokens_per_step"],
-                          "flops": r["flops_per_step"]} for r in result["runs"]]}
+                          "flops": r["flops_per_step"]} for r in peer_runs(result["runs"])]}
         (work / "hf_spec.json").write_text(json.dumps(spec, indent=1))
         cmd = [sys.executable, "-m", "moevlm_jax.bench_hf", "--spec", str(work / "hf_spec.json"),
                "--out", str(work / "hf.json")]
@@ -383,74 +421,17 @@ def run_with_peer(args: argparse.Namespace) -> dict[str, Any]:
 
     peak = peak_flops(result["device"]["kind"])
     for p in peer["results"]:
-        p["mfu"] = p["tflops_per_device"] * 1e12 / peak if peak else None
-    strict = "bfloat16" if "bfloat16" in (peer["info"]["dtype"], result["runs"][0]["dtype"]) else "float32"
+        p["mfu"] = p["tflops_per_device"] * 1e12 / peak if peak and ok(p) else None
+    strict = "bfloat16" if "bfloat16" in (peer["info"]["dtype"], peer_runs(result["runs"])[0]["dtype"]) else "float32"
     for r in result["runs"]:
-        hf = [p for p in peer["results"] if p["name"] == r["name"]]
+        hf = [p for p in peer["results"] if p["name"] == r["name"] and ok(p)]
+        if not ok(r) or not hf:
+            continue
         best = min(hf, key=lambda p: p["step_time_s"])
+        eager = next((p for p in hf if p["mode"] == "eager"), None)  # the loss check: eager from the initial weights
         r["vs_hf"] = {"hf_best": best["side"], "tokens_per_s_ratio": r["tokens_per_s"] / best["tokens_per_s"],
-                      "loss": compare_losses(r, next(p for p in hf if p["mode"] == "eager"), strict)}
+                      "loss": None if eager is None else compare_losses(r, eager, strict)}
     return result
-
-
-# ----------------------------------------------------------------------------- report
-
-def _fmt(x: Any, spec: str) -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
-def format_report(result: dict[str, Any]) -> str:
-    """The table: one line per run and side, then ratios, loss checks and breakdowns."""
-    from moevlm_jax.breakdown import format_breakdown
-
-    dev = result["device"]
-    header = (f"{'side':<11} {'run':<14} {'rows x seq':>10} {'step ms':>9} {'input ms':>8} {'useful tok/s':>12} "
-              f"{'trained tok/s':>13} {'TFLOP/s/dev':>11} {'MFU':>6} {'peak GiB':>8} {'compile s':>9}")
-    where = f"{result['date']} on {dev['count']} x {dev['kind']} ({dev['platform']})"
-    lines = [result["command"], f"{where}; recipe {result['recipe']}, model {result['model']}",
-             "useful tokens = segment_ids > 0 (padding excluded); trained = loss_mask > 0; step = loader wait + step",
-             header]
-
-    def row(side: str, r: dict[str, Any], base: dict[str, Any]) -> str:
-        gib = None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**30
-        mfu = None if r.get("mfu") is None else 100 * r["mfu"]
-        return (f"{side:<11} {r['name']:<14} {base['rows']:>5} x{base['seq_len']:>4} {r['step_time_s'] * 1e3:>9.1f} "
-                f"{_fmt(r.get('input_wait_s') and r['input_wait_s'] * 1e3, '.1f'):>8} {r['tokens_per_s']:>12,.0f} "
-                f"{r['trained_tokens_per_s']:>13,.0f} {r['tflops_per_device']:>11.3f} {_fmt(mfu, '.1f'):>6} "
-                f"{_fmt(gib, '.2f'):>8} {_fmt(r.get('compile_s'), '.1f'):>9}")
-
-    peer = result.get("peer", {}).get("runs", [])
-    for r in result["runs"]:
-        lines.append(row("ours", r, r))
-        lines += [row(p["side"], p, r) for p in peer if p["name"] == r["name"]]
-    for r in result["runs"]:
-        if r["mock"]:
-            for real in (x for x in result["runs"] if not x["mock"] and x["mbs"] == r["mbs"]):
-                lines.append(f"real/mock ({real['name']} / {r['name']}): useful tokens/s ratio "
-                             f"{real['tokens_per_s'] / r['tokens_per_s']:.3f}")
-    for r in result["runs"]:
-        if "vs_hf" in r:
-            v, loss = r["vs_hf"], r["vs_hf"]["loss"]
-            lines.append(f"ours/HF ({r['name']}, HF best {v['hf_best']}): useful tokens/s ratio "
-                         f"{v['tokens_per_s_ratio']:.3f}; cross-entropy step 1 ours {loss['ours'][0]:.6f} vs HF "
-                         f"{loss['hf'][0]:.6f} (rel {loss['first_rel_diff']:.1e}, all {len(loss['ours'])} steps max rel "
-                         f"{loss['max_rel_diff']:.1e}, rtol {loss['rtol']:.0e}: "
-                         f"{'agree' if loss['first_step_agrees'] else 'DISAGREE'})")
-        if r.get("timed_compiles"):
-            lines.append(f"warning: {r['name']}: {r['timed_compiles']} compiles inside timed steps")
-    for label in dict.fromkeys(r["data"] for r in result["runs"]):  # each side at its best MBS
-        ours = [r for r in result["runs"] if r["data"] == label]
-        hf = [p for p in peer if p["name"] in {r["name"] for r in ours}]
-        if len(ours) > 1 and hf:
-            a, b = max(ours, key=lambda r: r["tokens_per_s"]), max(hf, key=lambda p: p["tokens_per_s"])
-            lines.append(f"best MBS, {label}: ours {a['tokens_per_s']:,.0f} useful tokens/s ({a['name']}) vs HF "
-                         f"{b['tokens_per_s']:,.0f} ({b['side']} {b['name']}): ratio {a['tokens_per_s'] / b['tokens_per_s']:.3f}")
-    for r in result["runs"]:
-        if "breakdown" in r:
-            lines += ["", f"breakdown of one step ({r['name']}):", format_breakdown(r["breakdown"])]
-    if result.get("peer"):
-        lines.append("HF peer: " + ", ".join(f"{k} {v}" for k, v in result["peer"]["info"].items()))
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.dump is None:
         print(format_report(result))
-    agree = all(r["vs_hf"]["loss"]["first_step_agrees"] for r in result["runs"] if "vs_hf" in r)
+    agree = all(r["vs_hf"]["loss"]["first_step_agrees"] for r in result["runs"] if (r.get("vs_hf") or {}).get("loss"))
     return 0 if agree else 1
 
 

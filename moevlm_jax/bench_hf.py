@@ -157,6 +157,17 @@ class Peer:
                                      lr=float(opt["lr"]), betas=(float(opt["b1"]), float(opt["b2"])),
                                      eps=float(opt["eps"]), fused=self.fused)
 
+    def recover(self) -> None:
+        """After an out-of-memory error: drop gradients and cached blocks, back to the initial weights."""
+        import gc
+
+        self.model.zero_grad(set_to_none=True)
+        self.opt = None
+        gc.collect()
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+        self.reset()
+
     def tensors(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         """HF inputs (+ ``token_mask``: non-padding, for the router loss) as host tensors (pinned on
         CUDA), converted once before timing."""
@@ -232,16 +243,25 @@ def main(argv: list[str] | None = None) -> int:
     peer = Peer(spec)
     compile_ = spec.get("compile", "auto")  # auto: torch.compile on CUDA only (CPU: no compiler toolchain needed)
     modes = ["eager", "compile"] if compile_ == "on" or (compile_ == "auto" and peer.cuda) else ["eager"]
+    info = {"device": peer.torch.cuda.get_device_name() if peer.cuda else "cpu", "dtype": str(peer.dtype).split(".")[-1],
+            "attention": "sdpa", "experts": peer.experts, "fused_adamw": peer.fused, "modes": modes, **peer.versions}
     results = []
     for run in spec["runs"]:
         for mode in modes:
             if mode == "eager":  # eager first, from the initial weights: its losses are the check
                 peer.reset()
-            results.append(peer.run(run, mode))
-            print(f"bench_hf: {run['name']} {mode}: {results[-1]['step_time_s'] * 1e3:.1f} ms/step, "
-                  f"{results[-1]['tokens_per_s']:,.0f} useful tokens/s", file=sys.stderr)
-    info = {"device": peer.torch.cuda.get_device_name() if peer.cuda else "cpu", "dtype": str(peer.dtype).split(".")[-1],
-            "attention": "sdpa", "experts": peer.experts, "fused_adamw": peer.fused, "modes": modes, **peer.versions}
+            try:
+                results.append(peer.run(run, mode))
+                print(f"bench_hf: {run['name']} {mode}: {results[-1]['step_time_s'] * 1e3:.1f} ms/step, "
+                      f"{results[-1]['tokens_per_s']:,.0f} useful tokens/s", file=sys.stderr)
+            except peer.torch.cuda.OutOfMemoryError as e:  # a result, as on our side; the next run goes on
+                results.append({"name": run["name"], "side": f"hf-{mode}", "mode": mode, "status": "oom",
+                                "message": str(e).splitlines()[0][:500]})
+                print(f"bench_hf: {run['name']} {mode}: out of memory", file=sys.stderr)
+                del e
+                peer.recover()
+            # written after every run: a caller that stops this process keeps what finished
+            Path(args.out).write_text(json.dumps({"info": info, "results": results}, indent=1))
     Path(args.out).write_text(json.dumps({"info": info, "results": results}, indent=1))
     return 0
 

@@ -163,7 +163,9 @@ def decay_mask(params: PyTree, no_decay_patterns: Sequence[str]) -> PyTree:
 
 def with_state_dtype(inner: optax.GradientTransformation, dtype: Any = jnp.float32) -> optax.GradientTransformation:
     """Run ``inner`` on gradients/params cast to ``dtype`` (so its state is ``dtype``); updates
-    come back in each parameter's dtype."""
+    come back in each gradient's dtype (``optax.apply_updates`` casts the sum to each parameter's
+    dtype), which is also the dtype of ``apply_if_finite``'s zero updates: bf16 parameters with
+    float32 gradients take both branches of its ``cond`` in float32."""
     def cast(tree: PyTree) -> PyTree:
         return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
@@ -172,8 +174,7 @@ def with_state_dtype(inner: optax.GradientTransformation, dtype: Any = jnp.float
 
     def update(grads: PyTree, state: Any, params: PyTree | None = None) -> tuple[PyTree, Any]:
         updates, state = inner.update(cast(grads), state, None if params is None else cast(params))
-        like = grads if params is None else params
-        return jax.tree.map(lambda u, p: u.astype(p.dtype), updates, like), state
+        return jax.tree.map(lambda u, g: u.astype(g.dtype), updates, grads), state
 
     return optax.GradientTransformation(init, update)
 

@@ -231,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600, help="seconds per point")
     p.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="XLA compile option for every point (e.g. xla_backend_optimization_level=0 on CPU)")
+    p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="AdamW state dtype (bfloat16 with param_dtype=bfloat16: HF's memory footprint)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="compute settings, e.g. dtype=bfloat16")
     args = p.parse_args(argv)
@@ -245,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     common = {"model": args.model, "data": data, "data_overrides": list(args.data_set), "seq_len": args.seq_len,
               "steps": args.steps, "warmup": args.warmup, "grad_accum": args.grad_accum, "compute": compute,
               "capture_scopes": split_list(args.capture_scopes), "host_devices": args.host_devices,
-              "compiler_options": compute_overrides(args.compiler_option)}
+              "compiler_options": compute_overrides(args.compiler_option),
+              "optimizer": {"state_dtype": args.state_dtype}}
     points = grid(split_list(args.layout), split_list(args.mbs, int), split_list(args.recompute),
                   split_list(args.capture))
     out = Path(args.out)

@@ -10,6 +10,7 @@ error with ``message``) to RESULT.json; any exception becomes an error or oom re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -90,6 +91,10 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
         loader.close()
     log.info("%d batches of %d rows x %d tokens from %s", len(hosts), rows, seq_len, source)
     batches = [trainer.prepare(h) for h in hosts]
+    caps = {b.capacity for b in batches}
+    if len(caps) > 1:  # one program per point: the largest loss capacity serves every batch (same loss)
+        cap = None if None in caps else max(caps)
+        batches = [dataclasses.replace(b, capacity=cap) for b in batches]
     options = spec.get("compiler_options") or {}
     state = memory.init_state(trainer, 0, options)
     compiled: dict[tuple, Any] = {}

@@ -10,9 +10,13 @@ Backends:
   buffers, so it runs out of memory at training sizes (128 experts, 131k rows).
 - ``"tokamax"``: ``tokamax.ragged_dot`` (Pallas Mosaic-GPU kernels with their own VJP), imported
   lazily; the GPU path. Its kernels leave rows past ``sum(group_sizes)`` uninitialised in the
-  output and in d(lhs), so both are masked here. Measured on an H200 (tokamax 0.0.16): forward and
-  d(lhs) match a float32 reference to bf16 rounding, but the expert-weight gradients d(rhs) were
-  3-7% off (XLA's einsum 0.5%); ``python -m parallelism.bench_moe`` checks this.
+  output and in d(lhs), so both are masked here. On Hopper (H100/H200) the three kernels get
+  explicit configs (:data:`TOKAMAX_SM90_CONFIGS`) instead of tokamax 0.0.16's heuristics: its
+  heuristic config for the expert-weight gradient d(rhs) (the ragged-contracting kernel: block
+  64x64x128, 2 stages) is wrong by 2.5-2.7% (norm-wise, every group; d(x) and the forward are at
+  bf16 rounding, 0.17%), and configs with a 64-row token block give inf; 64x128x128 with 3 stages is
+  at bf16 rounding at the same speed. The forward config 128x128x64, 4 stages, persistent ran 1.27-1.38x
+  the heuristic's speed (bench/moe_layer.md, bench/scripts/probe_tokamax.py).
 - ``"dense"``: a masked per-group einsum over ``[G, M, K]``; a reference for tests, O(G) memory.
 And for drop-and-pad: :func:`capacity_matmul` ``[G, C, K] x [G, K, N] -> [G, C, N]``.
 """
@@ -127,13 +131,48 @@ def _mask_rows_grad_bwd(valid: jax.Array, g: jax.Array) -> tuple[jax.Array, None
 _mask_rows_grad.defvjp(_mask_rows_grad_fwd, _mask_rows_grad_bwd)
 
 
+# Mosaic-GPU ragged-dot kernel configs on sm90, measured on an H200 (bench/moe_layer.md): "fwd" is the
+# forward kernel (also d(lhs), which tokamax runs as the forward kernel on the transposed weights);
+# "dw" the ragged-contracting kernel of d(rhs). None of them from tokamax's heuristics (see above).
+TOKAMAX_SM90_CONFIGS: dict[str, dict[str, Any]] = {
+    "fwd": {"block_m": 128, "block_n": 128, "block_k": 64, "num_stages": 4, "split_k": 1, "persistent": True},
+    "dw": {"block_m": 64, "block_n": 128, "block_k": 128, "num_stages": 3, "split_k": 1},
+}
+
+
+def _tokamax_implementation() -> Any | None:
+    """The configured Mosaic-GPU op for Hopper GPUs (None elsewhere: tokamax picks)."""
+    if "impl" in _TOKAMAX:
+        return _TOKAMAX["impl"]
+    impl = None
+    kind = jax.devices()[0].device_kind if jax.default_backend() in GPU_PLATFORMS else ""
+    if "H100" in kind or "H200" in kind or "H800" in kind:
+        try:
+            from functools import partial
+
+            from tokamax._src.ops.ragged_dot import base
+            from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as pmg
+
+            op = pmg.PallasMosaicGpuRaggedDot
+            cfg = {k: pmg.Config(**v) for k, v in TOKAMAX_SM90_CONFIGS.items()}
+            vjp = partial(base.vjp, dlhs_ragged_dot=op(config=cfg["fwd"]), drhs_ragged_dot=op(config=cfg["dw"]))
+            impl = op(config=cfg["fwd"], vjp=vjp)
+        except Exception as err:  # noqa: BLE001 - tokamax internals moved: its own choice, with a warning
+            log.warning("tokamax Mosaic-GPU configs not applied (%r); tokamax's heuristics can give wrong "
+                        "expert-weight gradients on sm90", err)
+    _TOKAMAX["impl"] = impl
+    return impl
+
+
 def _tokamax_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
     tokamax = import_tokamax()
     if tokamax is None:
         raise ImportError(f"backend 'tokamax' is not available: {_TOKAMAX.get('error')}")
     valid = _valid_rows(lhs.shape[0], group_sizes)
     lhs = _mask_rows_grad(lhs, valid)
-    out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    impl = _tokamax_implementation()
+    kw = {} if impl is None else {"implementation": [impl]}
+    out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype, **kw)
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 

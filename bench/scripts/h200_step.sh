@@ -1,15 +1,39 @@
 #!/usr/bin/env bash
-# The issue-8 step benchmark on one H200, in one `run` call (device tool), results under $OUT.
-# Prepared 2026-11-30 without device time: NOT RUN YET. Needs .gpudeps (carry it): wheels from
-# `../shared/tools/gpu-deps flax==0.12.8`, with tokamax pinned to 0.0.16 (0.0.17 fails to import
-# on jax 0.11.2); .gpudeps/shim stands in for xprof (tokamax imports it for benchmarking only).
+# Issues 8 (+ 6, 7) on one H200 in one `run` call (device tool); results under $OUT (8 files at most).
 #   run(command="bash bench/scripts/h200_step.sh", carry=[".gpudeps"], timeout_s=600)
-set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpudeps/wheels/*.whl
-export PYTHONPATH=/tmp/site:$PWD/.gpudeps/shim:$PWD
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-# ours at MBS 1,2,4 on real and mock data, HF transformers on the same batches and weights,
-# the per-component breakdown, and a profiler trace of the timed steps
-timeout 560 python3 -m moevlm_jax.bench --peer hf --data real,mock --breakdown --mbs 1,2,4 \
-    --profile "$OUT/trace" --out "$OUT/step_h200.json" 2>&1 | tee "$OUT/step_h200.txt"
+# 0. cuDNN ragged attention gradients with padding (bench/scripts/check_attention_grads.py).
+# 1. (MOE=1) one MoE layer at the 30B-A3B shapes: tokamax (sm90 configs of parallelism/grouped_matmul.py)
+#    and the capacity einsum against the balanced-einsum ceiling, gradients checked against float32.
+# 2. the proxy step: ours on real and mock data + the per-component breakdown, then HF transformers
+#    (eager and torch.compile) on the same batches from the same weights. bf16 parameters and bf16
+#    AdamW state on both sides (HF's setting): with float32 masters + float32 AdamW the 6.15B proxy
+#    needs ~133 GiB at MBS 2 (XLA's rematerialisation log, bench/step_h200.md), more than one H200.
+# 3. with the time left (>= 150 s): capture none vs step at the same setting (moevlm_jax.sweep).
+set -uo pipefail
+T0=$(date +%s)
+source bench/scripts/gpu_env.sh > "$OUT/step.txt" 2>&1; cat "$OUT/step.txt"
+left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
+if [ "${MOE:-0}" = 1 ]; then
+  timeout 110 python3 -m parallelism.bench_moe --shapes 30b-a3b --tokens 16384 --backends tokamax,capacity --no-hf \
+      --iters 10 --out "$OUT/moe_layer.json" 2>&1 | grep -v "Autotuning cache miss" | tee -a "$OUT/step.txt"
+fi
+# cuDNN ragged attention's gradients with padding vs XLA, with and without mask_padding_grad (~1 min)
+timeout 120 python3 bench/scripts/check_attention_grads.py --out "$OUT/attention_grads.json" 2>&1 | tail -4 \
+    | tee -a "$OUT/step.txt"
+mkdir -p /tmp/bw
+timeout "$(left "${BENCH_END:-420}")" python3 -m moevlm_jax.bench --peer hf --data real,mock --breakdown \
+    --mbs "${MBS:-2}" --warmup 3 --steps 8 --work-dir /tmp/bw --out "$OUT/step_h200.json" \
+    compute.param_dtype=bfloat16 optimizer.state_dtype=bfloat16 2>&1 \
+    | grep -v "Autotuning cache miss" | tee "$OUT/step_h200.txt"
+pkill -f moevlm_jax.bench_hf; pkill -f "moevlm_jax.bench "
+if [ ! -f "$OUT/step_h200.json" ]; then  # stopped before the combined report: keep each side's file
+  for f in ours.json hf.json; do [ -f "/tmp/bw/$f" ] && cp "/tmp/bw/$f" "$OUT/step_$f"; done
+fi
+rm -rf /tmp/bw
+if [ "$(left 575)" -ge 150 ]; then
+  timeout "$(left 575)" python3 -m moevlm_jax.sweep --model proxy --layout fsdp --steps 5 --warmup 2 \
+      --timeout $(( $(left 575) / 2 )) --out /tmp/capture --mbs 2 --recompute none --capture none,step \
+      --state-dtype bfloat16 param_dtype=bfloat16 2>&1 | grep -v "Autotuning cache miss" | tee "$OUT/sweep.txt"
+  [ -f /tmp/capture/results.json ] && cp /tmp/capture/results.json "$OUT/sweep_capture.json"
+fi
+echo "wall $(( $(date +%s) - T0 )) s"

@@ -106,6 +106,29 @@ def _cudnn_dense(q, k, v, mask, causal, scale):
                                         implementation="cudnn")
 
 
+@jax.custom_vjp
+def mask_padding_grad(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """Identity on x ``[B, S, ...]``; its gradient is zeroed where ``valid`` ``[B, S]`` is False.
+
+    cuDNN's ragged (THD) attention computes only the positions inside some segment: its d(q), d(k),
+    d(v) at padding positions (segment 0, in no segment) are never written, i.e. whatever the buffer
+    held, NaN included, and would flow into the q/k/v projection weights' gradients. The forward
+    output there is masked to zero, so the true gradient there is zero."""
+    return x
+
+
+def _mask_padding_grad_fwd(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return x, valid
+
+
+def _mask_padding_grad_bwd(valid: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
+    keep = valid.reshape(valid.shape + (1,) * (g.ndim - valid.ndim))
+    return jnp.where(keep, g, jnp.zeros((), g.dtype)), None
+
+
+mask_padding_grad.defvjp(_mask_padding_grad_fwd, _mask_padding_grad_bwd)
+
+
 def _cudnn_packed(q, k, v, segment_ids, causal, scale):
     """cuDNN flash attention over the packed segments of each row (THD ragged offsets)."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
@@ -116,6 +139,8 @@ def _cudnn_packed(q, k, v, segment_ids, causal, scale):
     lengths, starts = segment_offsets(segment_ids, MAX_PACKED_SEGMENTS)
 
     def packed(q, k, v):
+        valid = segment_ids > 0  # d(q/k/v) at padding: unwritten by cuDNN, zero by definition
+        q, k, v = (mask_padding_grad(x, valid) for x in (q, k, v))
         out = cudnn_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts,
                               kv_offsets=starts, scale=scale,
                               mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK, qkv_layout="BTNH")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from moevlm_jax import bench, flops
+from moevlm_jax import bench, bench_report, flops
 from moevlm_jax.bench_hf import hf_batch, load_steps, text_positions
 from moevlm_jax.breakdown import COMPONENTS
 from moevlm_jax.config import load_model_config
@@ -80,6 +80,9 @@ def test_throughput_is_counted_from_the_batches(run):
         assert r["step_time_s"] == statistics.median(r["time_per_step"][i] for i in timed)
         assert r["mfu"] is None and r["peak_bytes"] is None  # CPU: no known peak, no memory stats
         assert r["compiled_shapes"] == 1 and r["timed_compiles"] == 0
+        # every update applied (a run whose updates are skipped for non-finite gradients trains nothing)
+        assert r["skipped_per_step"] == [0] * (WARMUP + STEPS) and all(np.isfinite(r["grad_norm_per_step"]))
+        assert all(g > 0 for g in r["grad_norm_per_step"])
         assert all(0 < w < t for w, t in zip(r["input_per_step"], r["time_per_step"]))
     assert result["runs"][0]["compile_s"] > 0 and not result["runs"][0]["mock"] and result["runs"][1]["mock"]
 
@@ -88,7 +91,7 @@ def test_real_and_mock_ratio(run):
     _, result, _ = run
     real, mock = result["runs"]
     assert "MOCK DATA" in mock["data_source"] and "MOCK" not in real["data_source"]
-    report = bench.format_report(result)
+    report = bench_report.format_report(result)
     assert f"useful tokens/s ratio {real['tokens_per_s'] / mock['tokens_per_s']:.3f}" in report
     assert "real/mock (real mbs1 / mock mbs1)" in report
 
@@ -97,7 +100,10 @@ def test_hf_peer_trains_the_same_batches_to_the_same_losses(run):
     rc, result, _ = run
     assert rc == 0
     assert result["peer"]["info"]["modes"] == ["eager"] and result["peer"]["info"]["dtype"] == "float32"
-    for r in result["runs"]:
+    real, mock = result["runs"]
+    # the peer repeats the first --data item's runs (real data); the mock run is ours alone
+    assert [p["name"] for p in result["peer"]["runs"]] == [real["name"]] and "vs_hf" not in mock
+    for r in [real]:
         hf = [p for p in result["peer"]["runs"] if p["name"] == r["name"]]
         assert len(hf) == 1 and hf[0]["useful_tokens"] == r["useful_tokens"] and hf[0]["timed"] == r["timed"]
         loss = r["vs_hf"]["loss"]
@@ -124,7 +130,7 @@ def test_breakdown_covers_every_component(run):
     assert bd["compute_sum_s"] == pytest.approx(bd["sum_s"] - wait["seconds"]) and bd["step_compute_s"] > 0
     assert bd["compute_diff_pct"] == pytest.approx(100 * (bd["compute_sum_s"] / bd["step_compute_s"] - 1))
     assert bd["forward_check_max_abs"] < 1e-4  # the recorded intermediates reproduce the model's forward
-    assert "breakdown of one step (real mbs1)" in bench.format_report(result)
+    assert "breakdown of one step (real mbs1)" in bench_report.format_report(result)
 
 
 def test_profile_trace_written(run):
@@ -152,3 +158,35 @@ def test_data_variants_route_overrides():
     assert (real.data, mock.data) == (None, "mock_small")
     assert real.overrides == ["data.image.max_pixels=1", "train.seq_len=8"]
     assert mock.overrides == ["train.seq_len=8", "data.source.turns=[2,2]"]
+
+
+def test_out_of_memory_is_recorded_and_the_sweep_goes_on(monkeypatch):
+    """An MBS that does not fit is a result (status oom, in the table), not the end of the run; other
+    errors still stop it. The peer then repeats only the runs that produced figures."""
+    calls = []
+
+    def fake_run_one(args, cfg, variant, devices, dump, breakdown):
+        calls.append(cfg.train.micro_batch_size)
+        if cfg.train.micro_batch_size == 4:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB")
+        return {"side": "ours", "name": f"{variant.label} mbs{cfg.train.micro_batch_size}", "data": variant.label,
+                "mbs": cfg.train.micro_batch_size, "status": "ok", "step_time_s": 0.5, "tokens_per_s": 10.0,
+                "tflops_per_device": 1.0}
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    args = bench.parse_args(["--mbs", "1,4", "--data", "real"])
+    args.argv = ["--mbs", "1,4"]
+    result = bench.run_ours(args)
+    assert calls == [1, 4]
+    ok_run, oom = result["runs"]
+    assert oom["status"] == "oom" and "RESOURCE_EXHAUSTED" in oom["message"] and oom["name"] == "real mbs4"
+    assert bench.peer_runs(result["runs"]) == [ok_run]
+    assert "real mbs4      oom: RESOURCE_EXHAUSTED" in bench_report.format_report(
+        {**result, "runs": [oom], "command": "c", "date": "d"})
+
+    def broken(*a, **k):
+        raise ValueError("a bug, not a full device")
+
+    monkeypatch.setattr(bench, "run_one", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        bench.run_ours(args)

@@ -83,7 +83,7 @@ def test_hosts_get_disjoint_shards_covering_the_data(cache):
 
 def test_mock_is_labelled_in_every_throughput_line(cache):
     loader = build_loader("mock", overrides=["seq_len=1024", "source.turns=[2, 4]", "batch_size=2",
-                                             "patch_buckets=[3136]"])
+                                             "patch_buckets=[3136]", "workers=0"])
     batch = next(loader)
     assert batch["stats"]["mock"] is True and batch["stats"]["source"].startswith("MOCK DATA")
     assert batch["pixel_values"].shape == (2, 3136, 1536)

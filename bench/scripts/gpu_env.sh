@@ -1,0 +1,9 @@
+# Sourced by the bench/scripts/h200_*.sh one-call runs: installs the carried wheels (.gpudeps/wheels,
+# from ../shared/tools/gpu-deps) except flax, whose image copy matches the image's jax (the flax
+# 0.12.8 wheel fails there on jax 0.11.2: jax.experimental.hijax has no HiPrimitive), and sets paths.
+rm -rf /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    $(ls .gpudeps/wheels/*.whl | grep -v '/flax-') 2>&1 | grep -v "already exists" || true
+export PYTHONPATH=/tmp/site:$PWD/.gpudeps/shim:$PWD PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+python3 -c "import jax, flax, tokamax, torch, transformers; print('versions: jax', jax.__version__, 'flax', flax.__version__, 'tokamax', tokamax.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
