@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from moevlm_jax.bench_report import format_report, ok, summary_line
+from moevlm_jax.memory import is_oom
 
 log = logging.getLogger("moevlm_jax.bench")
 
@@ -153,12 +154,6 @@ def _save_initial(trainer: Any, state: Any, path: Path, gpu: bool) -> None:
     if gpu:
         params = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     save_pretrained(trainer.model(params), trainer.spec.model, path)
-
-
-def is_oom(e: BaseException) -> bool:
-    """An allocation failure on the device (XLA's RESOURCE_EXHAUSTED / out of memory)."""
-    text = f"{type(e).__name__}: {e}"
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, dump: Path | None,

@@ -32,6 +32,24 @@ log = logging.getLogger(__name__)
 TOTAL = "total_bytes"
 
 
+OOM_MARKERS = ("resource_exhausted", "out of memory", "oom when allocating", "failed to allocate")
+
+
+def is_oom(error: BaseException | str) -> bool:
+    """An allocation failure on the device (XLA RESOURCE_EXHAUSTED, allocator messages)."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return any(m in text.lower() for m in OOM_MARKERS)
+
+
+def oom_advice(model: str, layout: str, mbs: int, seq_len: int) -> str:
+    """What to change when a train step does not fit (the knobs in the order a user reaches for them)."""
+    return ("to fit it: compute.recompute=selective (or full); a smaller train.micro_batch_size with a larger "
+            "train.grad_accum (same global batch); compute.param_dtype=bfloat16 optimizer.state_dtype=bfloat16 "
+            "(bf16 weights and AdamW state, HF's setting); or more devices, over which FSDP shards parameters, "
+            "gradients and optimizer state. The step's memory without running it: python -m moevlm_jax.memory "
+            f"--model {model} --layout {layout} --mbs {mbs} --seq-len {seq_len} --recompute none,selective,full")
+
+
 def default_patches(seq_len: int) -> int:
     """Patch rows per row when not given: 3/4 of the tokens, a multiple of 4 (2x2 merge)."""
     return (3 * seq_len // 4) // 4 * 4

@@ -21,13 +21,11 @@ from typing import Any
 
 log = logging.getLogger("moevlm_jax.sweep")
 
-OOM_MARKERS = ("resource_exhausted", "out of memory", "oom when allocating", "failed to allocate")
-
-
 def classify(message: str) -> str:
     """'oom' for out-of-memory errors (XLA RESOURCE_EXHAUSTED, allocator failures), else 'error'."""
-    low = message.lower()
-    return "oom" if any(m in low for m in OOM_MARKERS) else "error"
+    from moevlm_jax.memory import is_oom
+
+    return "oom" if is_oom(message) else "error"
 
 
 def _peak_device_bytes(devices: list[Any]) -> int | None:

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 import data as data_lib
-from moevlm_jax import capture, flops, optim
+from moevlm_jax import capture, flops, memory, optim
 from moevlm_jax.checkpoint import Checkpointer, resume_step
 from moevlm_jax.config import ComputeConfig, ModelConfig
 from moevlm_jax.metrics import (
@@ -213,11 +213,23 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             host = next(loader)
             batch = trainer.prepare(host)
             profile.before_step(step)
-            state, metrics = trainer.step(state, batch)
-            profile.after_step(step, metrics)
-            skipped = host["stats"].get("skipped_total", {})
-            handle(tracker.push(step, metrics, {**batch.counts, "flops": flops.batch_flops(shape, host),
-                                                "data_skipped": float(sum(skipped.values()))}))
+            try:
+                state, metrics = trainer.step(state, batch)
+                profile.after_step(step, metrics)
+                skipped = host["stats"].get("skipped_total", {})
+                handle(tracker.push(step, metrics, {**batch.counts, "flops": flops.batch_flops(shape, host),
+                                                    "data_skipped": float(sum(skipped.values()))}))
+            except Exception as e:  # out of device memory: say what does not fit and what to change
+                if not memory.is_oom(e):
+                    raise
+                raise ConfigError(
+                    f"out of device memory in train step {step} ({sections.model.name or 'model'}, layout "
+                    f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} tokens per "
+                    f"data-parallel rank, param_dtype {sections.compute.param_dtype}, optimizer state "
+                    f"{cfg.optimizer.state_dtype}, recompute {sections.compute.recompute}): "
+                    f"{str(e).splitlines()[0][:300]}. "
+                    + memory.oom_advice(cfg.resolved["model"].get("name") or "MODEL", cfg.layout.name or "LAYOUT",
+                                        tr.micro_batch_size, tr.seq_len)) from None
             if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:
                 handle(tracker.flush())
                 _eval(trainer, state, sections.data, eval_rows, tr.eval_batches, step, writer, summary)

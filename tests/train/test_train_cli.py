@@ -16,6 +16,7 @@ import json
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 import yaml
 
 from moevlm_jax.metrics import read_metrics
@@ -114,3 +115,28 @@ def test_refuses_to_overwrite_and_names_bad_keys(tmp_path, capsys):
     assert "did you mean 'dtype'" in capsys.readouterr().err
     assert not any((tmp_path / d).exists() for d in "xyz")
     assert jax.device_count() == 8
+
+
+def test_out_of_device_memory_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    """A step that does not fit the device ends the run with what did not fit and what to change
+    (exit 2), not an XLA traceback; any other failure still propagates."""
+    from moevlm_jax.trainer import Trainer
+
+    def oom(self, state, batch):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 70.00GiB.")
+
+    monkeypatch.setattr(Trainer, "step", oom)
+    recipe = _recipe(tmp_path)
+    assert main(["--recipe", recipe, "--run-dir", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "out of device memory in train step 1" in err and "layout fsdp, 8 device(s), MBS 1 x" in err
+    assert "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 70.00GiB" in err
+    assert "compute.recompute=selective" in err and "optimizer.state_dtype=bfloat16" in err
+    assert "python -m moevlm_jax.memory --model tiny --layout fsdp --mbs 1" in err
+
+    def bug(self, state, batch):
+        raise ValueError("not a memory problem")
+
+    monkeypatch.setattr(Trainer, "step", bug)
+    with pytest.raises(ValueError, match="not a memory problem"):
+        main(["--recipe", recipe, "--run-dir", str(tmp_path / "run2"), "--quiet"])
