@@ -6,4 +6,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     $(ls .gpudeps/wheels/*.whl | grep -v '/flax-') 2>&1 | grep -v "already exists" || true
 export PYTHONPATH=/tmp/site:$PWD/.gpudeps/shim:$PWD PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+# JAX's persistent compilation cache: the processes of one call (bench, its breakdown, sweep points)
+# share compiled programs that are the same (e.g. the bench's MBS-2 step and the sweep's MBS-2 point)
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=2
 python3 -c "import jax, flax, tokamax, torch, transformers; print('versions: jax', jax.__version__, 'flax', flax.__version__, 'tokamax', tokamax.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
