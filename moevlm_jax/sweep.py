@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="AdamW state dtype (bfloat16 with param_dtype=bfloat16: HF's memory footprint)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="compute settings, e.g. dtype=bfloat16")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # KEY=VALUE settings may come before and after options
     compute = compute_overrides(args.overrides)
     if args.recompute_modules is not None:
         compute["recompute_modules"] = split_list(args.recompute_modules)

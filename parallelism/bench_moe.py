@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m parallelism.bench_moe", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     p.add_argument("--tokens", type=int, default=16384, help="token rows per device")
-    p.add_argument("--backends", default="tokamax,ragged_dot,capacity", help="experts_forward backends to time")
+    p.add_argument("--backends", default="tokamax,ragged_dot,capacity,hybrid", help="experts_forward backends to time")
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--zipf", type=float, default=0.2, help="router bias -s*log(rank+1): expert-load skew")
     p.add_argument("--iters", type=int, default=10)
@@ -199,8 +199,9 @@ class Report(list):
     def line(r: dict) -> str:
         """One table line."""
         notes = []
-        if "dropped_frac" in r:
-            notes.append(f"dropped {100 * r['dropped_frac']:.1f}%")
+        for key, what in (("dropped_frac", "dropped"), ("overflow_frac", "past capacity, via grouped matmul")):
+            if key in r:
+                notes.append(f"{100 * r[key]:.1f}% {what}")
         if "gbps" in r:
             notes.append(f"{r['gbps']:.1f} GB/s ({r['bytes_per_device'] / 1e6:.1f} MB/device)")
         if "max_rel_err" in r:
@@ -278,15 +279,15 @@ def bench_shape(name: str, shape: dict, args: argparse.Namespace, dtype: Any, re
     grouped = None
     for backend in [b for b in backends if b != "ragged_dot" or not gpu]:
         extra, note, want = {}, {}, ref
-        if backend == "capacity":
-            extra, want = dict(capacity_factor=args.capacity_factor), ref_cf
+        if backend in ("capacity", "hybrid"):  # hybrid: dropless, so its reference is the dropless one
+            extra, want = dict(capacity_factor=args.capacity_factor), (ref_cf if backend == "capacity" else ref)
             _, stats = jit(
                 lambda *a: experts_forward_with_stats(*a, capacity_factor=args.capacity_factor, backend="capacity")
             )(inp["x"], idx, w, inp["w_gate_up"], inp["w_down"])
-            note = dict(dropped_frac=int(stats["dropped"]) / (t * k))
+            note = {"dropped_frac" if backend == "capacity" else "overflow_frac": int(stats["dropped"]) / (t * k)}
         out = timed(backend, layer_step(k, backend=backend, **extra), xs, args.iters, **note)
         if out is not None:
-            grouped = grouped or (backend if backend != "capacity" else None)
+            grouped = grouped or (backend if backend not in ("capacity", "hybrid") else None)
             if want is not None:
                 check(report, base, backend, out, want, dtype)
     if grouped is not None and "capacity" in backends:  # drop without padding, same drops as the einsum

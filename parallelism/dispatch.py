@@ -57,11 +57,12 @@ Axes = tuple[str, ...]
 class MoeOptions:
     """Resolved expert options (see ``parallelism.experts.experts_forward``)."""
 
-    backend: str  # grouped-matmul backend, or "capacity" for the padded batched einsum
+    backend: str  # grouped-matmul backend, "capacity" (padded batched einsum) or "hybrid" (both, dropless)
     dispatcher: str
     capacity_factor: float | None
     drop_policy: str
     a2a_impl: str
+    overflow_backend: str | None = None  # "hybrid": the grouped-matmul backend of the overflow rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +220,32 @@ def _plan(idx: jax.Array, w: jax.Array, experts: int, opts: MoeOptions) -> tuple
     return route_plan(idx, w, experts, cap, opts.drop_policy), cap
 
 
+def _local_hybrid(x, idx, w, w_gate_up, w_down, opts: MoeOptions) -> jax.Array:
+    """Dropless drop-and-pad: each expert's first ``C`` assignments (capacity from
+    ``capacity_factor``) run as the padded batched einsum ``[E, C, H]``, the overflow (rank >= C)
+    through the grouped matmul on expert-sorted rows; one buffer ``[E*C + A, H]``, one gather in
+    and one combine out, nothing dropped. The einsum runs at the dense-matmul rate, the grouped
+    kernel only on the few overflow rows."""
+    e, k, h = w_gate_up.shape[0], idx.shape[1], x.shape[1]
+    a = idx.size
+    cap = expert_capacity(idx.shape[0], k, e, opts.capacity_factor)
+    plan = route_plan(idx, w, e)  # no capacity: every assignment ranked within its expert
+    main = plan.rank < cap
+    over_counts = jnp.maximum(plan.counts - cap, 0)
+    over_start = jnp.take(exclusive_cumsum(over_counts), plan.expert)
+    slot = jnp.where(main, plan.expert * cap + plan.rank, e * cap + over_start + plan.rank - cap)
+    src = inverse_slots(slot, e * cap + a)
+    rows = dispatch_rows(x, src, slot, k)
+    y_main = capacity_ffn(rows[: e * cap].reshape(e, cap, h), w_gate_up, w_down).reshape(e * cap, h)
+    y_over = expert_ffn(rows[e * cap:], over_counts, w_gate_up, w_down, opts.overflow_backend)
+    return combine_rows(jnp.concatenate([y_main, y_over]), w, slot, src)
+
+
 def local_experts(x, idx, w, w_gate_up, w_down, opts: MoeOptions) -> tuple[jax.Array, jax.Array]:
     """All E experts on this device: x ``[T, H]``, idx/w ``[T, K]`` -> (``[T, H]``, dropped)."""
     e, k, h = w_gate_up.shape[0], idx.shape[1], x.shape[1]
+    if opts.backend == "hybrid":
+        return _local_hybrid(x, idx, w, w_gate_up, w_down, opts), jnp.zeros((), jnp.int32)
     plan, cap = _plan(idx, w, e, opts)
     if opts.backend == "capacity":
         slot = padded_slots(plan, cap)

@@ -6,7 +6,9 @@ are chosen from the options and the active sharding context (``parallelism.logic
 Options (all optional):
 - ``backend``: ``"auto"`` (GPU: tokamax if importable else ragged_dot; else ragged_dot),
   ``"tokamax"``, ``"ragged_dot"``, ``"dense"`` (masked per-expert einsum reference), or
-  ``"capacity"`` (drop-and-pad batched einsum ``[E, C, H] x [E, H, 2I]``; needs a capacity factor).
+  ``"capacity"`` (drop-and-pad batched einsum ``[E, C, H] x [E, H, 2I]``; needs a capacity factor),
+  or ``"hybrid"`` (dropless: the padded einsum for each expert's first ``C`` assignments, the
+  ``"auto"`` grouped matmul for the overflow; needs a capacity factor; local dispatcher only).
 - ``dispatcher``: ``"auto"`` (alltoall when the layout shards ``exp``, else local), ``"local"``,
   ``"alltoall"``, ``"allgather"``.
 - ``capacity_factor``: None (dropless) or > 0: each expert keeps at most
@@ -66,10 +68,14 @@ def resolve_options(topo: ExpertTopology, **options: Any) -> MoeOptions:
         raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {factor!r}")
     if o["drop_policy"] not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {o['drop_policy']!r}")
-    if o["backend"] == "capacity":
+    overflow = None
+    if o["backend"] in ("capacity", "hybrid"):
         if factor is None:
-            raise ValueError("backend 'capacity' (drop-and-pad einsum) needs capacity_factor, e.g. 1.25")
-        backend = "capacity"
+            what = "drop-and-pad einsum" if o["backend"] == "capacity" else "padded einsum up to the capacity"
+            raise ValueError(f"backend '{o['backend']}' ({what}) needs capacity_factor, e.g. 1.25")
+        backend = o["backend"]
+        if backend == "hybrid":
+            overflow = resolve_backend("auto", platform)
     else:
         backend = resolve_backend(o["backend"], platform)
     dispatcher = o["dispatcher"]
@@ -91,7 +97,10 @@ def resolve_options(topo: ExpertTopology, **options: Any) -> MoeOptions:
         raise ValueError(f"unknown a2a_impl {a2a!r}; choose one of {('auto',) + A2A_IMPLS}")
     if a2a == "ragged" and platform == "cpu" and dispatcher == "alltoall" and factor is None:
         raise ValueError("a2a_impl 'ragged' uses jax.lax.ragged_all_to_all, not implemented on XLA:CPU; use 'dense'")
-    return MoeOptions(backend, dispatcher, None if factor is None else float(factor), o["drop_policy"], a2a)
+    if backend == "hybrid" and dispatcher != "local":
+        raise ValueError(f"backend 'hybrid' runs with the local dispatcher only (no expert parallelism yet); "
+                         f"got dispatcher {dispatcher!r}: use backend 'capacity' or a grouped-matmul backend with EP")
+    return MoeOptions(backend, dispatcher, None if factor is None else float(factor), o["drop_policy"], a2a, overflow)
 
 
 def _validate(x, topk_idx, topk_weights, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions) -> jax.Array:

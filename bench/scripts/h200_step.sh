@@ -8,14 +8,16 @@
 #    (eager and torch.compile) on the same batches from the same weights. bf16 parameters and bf16
 #    AdamW state on both sides (HF's setting): with float32 masters + float32 AdamW the 6.15B proxy
 #    needs ~133 GiB at MBS 2 (XLA's rematerialisation log, bench/step_h200.md), more than one H200.
+#    EXTRA="compute.moe.backend=hybrid compute.moe.capacity_factor=1.25" adds overrides (here: dropless
+#    hybrid experts, padded einsum up to the capacity + grouped matmul past it).
 # 3. with the time left (>= 150 s): capture none vs step at the same setting (moevlm_jax.sweep).
 set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/step.txt" 2>&1; cat "$OUT/step.txt"
 left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 if [ "${MOE:-0}" = 1 ]; then
-  timeout 110 python3 -m parallelism.bench_moe --shapes 30b-a3b --tokens 16384 --backends tokamax,capacity --no-hf \
-      --iters 10 --out "$OUT/moe_layer.json" 2>&1 | grep -v "Autotuning cache miss" | tee -a "$OUT/step.txt"
+  timeout 130 python3 -m parallelism.bench_moe --shapes 30b-a3b --tokens 16384 --backends tokamax,capacity,hybrid \
+      --capacity-factor "${CF:-1.25}" --no-hf --iters 10 --out "$OUT/moe_layer.json" 2>&1 | grep -v "Autotuning cache miss" | tee -a "$OUT/step.txt"
 fi
 # cuDNN ragged attention's gradients with padding vs XLA, with and without mask_padding_grad (~1 min)
 timeout 120 python3 bench/scripts/check_attention_grads.py --out "$OUT/attention_grads.json" 2>&1 | tail -4 \
@@ -23,7 +25,7 @@ timeout 120 python3 bench/scripts/check_attention_grads.py --out "$OUT/attention
 mkdir -p /tmp/bw
 timeout "$(left "${BENCH_END:-420}")" python3 -m moevlm_jax.bench --peer hf --data real,mock --breakdown \
     --mbs "${MBS:-2}" --warmup 3 --steps 8 --work-dir /tmp/bw --out "$OUT/step_h200.json" \
-    compute.param_dtype=bfloat16 optimizer.state_dtype=bfloat16 2>&1 \
+    compute.param_dtype=bfloat16 optimizer.state_dtype=bfloat16 ${EXTRA:-} 2>&1 \
     | grep -v "Autotuning cache miss" | tee "$OUT/step_h200.txt"
 pkill -f moevlm_jax.bench_hf; pkill -f "moevlm_jax.bench "
 if [ ! -f "$OUT/step_h200.json" ]; then  # stopped before the combined report: keep each side's file

@@ -16,6 +16,7 @@ def test_bench_moe_tiny_runs_and_agrees(tmp_path, capsys):
         "ceiling",
         "ragged_dot",
         "capacity",
+        "hybrid",
         "ragged_dot + capacity_factor 1.0",
         "hf grouped_mm",
         "ep2 alltoall",
@@ -23,11 +24,13 @@ def test_bench_moe_tiny_runs_and_agrees(tmp_path, capsys):
     ):
         assert name in variants, (name, sorted(variants))
     checks = {r["variant"]: r for r in results if r["variant"].startswith("check")}
-    names = ("ragged_dot", "capacity", "ragged_dot+cf", "hf experts", "ep2 alltoall", "ep2 allgather")
+    names = ("ragged_dot", "capacity", "hybrid", "ragged_dot+cf", "hf experts", "ep2 alltoall", "ep2 allgather")
     assert set(checks) == {f"check {name} vs f32" for name in names}
     for r in checks.values():
         assert r["ok"] and r["max_rel_err"] < 1e-4, r
     capacity = next(r for r in results if r["variant"] == "capacity")
     assert 0 < capacity["dropped_frac"] < 0.5
+    hybrid = next(r for r in results if r["variant"] == "hybrid")  # the same rows past capacity, computed
+    assert hybrid["overflow_frac"] == capacity["dropped_frac"] and "dropped_frac" not in hybrid
     assert all(r["ms"] > 0 for r in results if "ms" in r)
     assert "ceiling (balanced einsum)" in table

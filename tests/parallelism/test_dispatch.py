@@ -193,6 +193,8 @@ def test_layout_errors_name_the_problem():
             experts_forward(*make_problem(), a2a_impl="ragged")
         with pytest.raises(ValueError, match="token rows do not divide"):
             experts_forward(*make_problem(t=12))
+        with pytest.raises(ValueError, match="backend 'hybrid' runs with the local dispatcher only"):
+            experts_forward(*make_problem(), backend="hybrid", capacity_factor=1.25)
     mesh, rules = _mesh_and_rules("expert2_tensor2_fsdp2")
     with logical.sharding_context(mesh, rules):
         with pytest.raises(ValueError, match=r"intermediate size 3 does not divide .* \('tensor',\)"):

@@ -68,6 +68,24 @@ def test_capacity_dropping_matches_hand_computation(backend, policy):
 
 
 @pytest.mark.parametrize("routing", ["random", "one", "skewed"])
+@pytest.mark.parametrize("factor", [0.5, 1.0, 8.0])
+def test_hybrid_is_dropless_and_matches_dense_reference(factor, routing):
+    """backend 'hybrid': the padded einsum up to the capacity, the grouped matmul past it (factor
+    0.5: most assignments overflow; 8.0: none do); every assignment computed, nothing dropped."""
+    x, idx, w, w_gate_up, w_down = make_problem(seed=1, routing=routing)
+    opts = dict(backend="hybrid", capacity_factor=factor)
+    _, stats = jax.jit(lambda *a: experts_forward_with_stats(*a, **opts))(x, idx, w, w_gate_up, w_down)
+    assert int(stats["dropped"]) == 0
+    got = value_and_grads(lambda *a: experts_forward(*a, **opts), x, idx, w, w_gate_up, w_down)
+    want = value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)
+    assert_close(got[0], want[0], what=f"hybrid {factor}/{routing} forward")
+    assert_close(got[1], want[1], what=f"hybrid {factor}/{routing}")
+    if routing == "one" and factor < 4:  # every first choice is expert 0: its 64 assignments overflow
+        counts = np.bincount(np.asarray(idx).ravel(), minlength=w_gate_up.shape[0])
+        assert counts.max() > expert_capacity(x.shape[0], idx.shape[1], w_gate_up.shape[0], factor)
+
+
+@pytest.mark.parametrize("routing", ["random", "one", "skewed"])
 @pytest.mark.parametrize("backend", ["ragged_dot", "dense", "capacity"])
 def test_local_experts_match_dense_reference(backend, routing):
     x, idx, w, w_gate_up, w_down = make_problem(seed=1, routing=routing)
@@ -110,6 +128,7 @@ def test_option_errors_name_the_problem():
     x, idx, w, w_gate_up, w_down = make_problem()
     cases = [
         (dict(backend="capacity"), "needs capacity_factor"),
+        (dict(backend="hybrid"), "needs capacity_factor"),
         (dict(capacity_factor=0.0), "capacity_factor must be"),
         (dict(drop_policy="random"), "drop_policy must be"),
         (dict(dispatcher="alltoall"), "needs expert parallelism"),

@@ -84,3 +84,15 @@ def test_a_dying_or_hanging_point_is_recorded(tmp_path):
     assert row["status"] == "error" and row["message"] == "timed out after 1s"
     assert classify("XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB") == "oom"
     assert classify("ValueError: pipeline: 2 batch rows must split into 4 microbatches") == "error"
+
+
+def test_settings_may_come_between_options(tmp_path, capsys):
+    """KEY=VALUE compute settings before and after options parse as one list (the H200 scripts pass
+    their own after the caller's); a setting that has its own option is refused before any point runs."""
+    from moevlm_jax.sweep import main
+
+    argv = ["--out", str(tmp_path), "--mbs", "2", "moe.backend=hybrid", "--state-dtype", "bfloat16",
+            "recompute=full"]
+    assert main(argv) == 2  # parsed (argparse would have exited); refused for 'recompute'
+    assert "set recompute with --recompute" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
