@@ -209,8 +209,42 @@ def _ffn_padded(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, backen
     return expert_ffn(rows.reshape(g * c, h), sizes, w_gate_up, w_down, backend).reshape(g, c, h)
 
 
+def _hybrid_ffn(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, cap: int,
+                backend: str) -> jax.Array:
+    """'hybrid' experts on expert-sorted rows ``[M, H]`` (group g: ``sizes[g]`` consecutive rows,
+    rows past ``sum(sizes)`` padding): each group's first ``cap`` rows as the padded batched einsum,
+    the rest by the grouped matmul; rows back in their order (padding rows zero). The received side
+    of the expert-parallel dispatchers; the local one builds its buffer directly (``_local_hybrid``)."""
+    m, h = rows.shape
+    g = sizes.shape[0]
+    r = jnp.arange(m, dtype=jnp.int32)
+    group = jnp.searchsorted(jnp.cumsum(sizes), r, side="right").astype(jnp.int32)
+    valid = group < g
+    group = jnp.minimum(group, g - 1)
+    rank = r - jnp.take(exclusive_cumsum(sizes), group)
+    over_sizes = jnp.maximum(sizes - cap, 0)
+    over_start = jnp.take(exclusive_cumsum(over_sizes), group)
+    slot = jnp.where(rank < cap, group * cap + rank, g * cap + over_start + rank - cap)
+    slot = jnp.where(valid, slot, -1)
+    src = inverse_slots(slot, g * cap + m)
+    buf = dispatch_rows(rows, src, slot, 1)
+    y_main = capacity_ffn(buf[: g * cap].reshape(g, cap, h), w_gate_up, w_down).reshape(g * cap, h)
+    y = jnp.concatenate([y_main, expert_ffn(buf[g * cap:], over_sizes, w_gate_up, w_down, backend)])
+    return dispatch_rows(y, slot, src, 1)  # the inverse gather: row r <- buffer row slot[r]
+
+
+def _ffn_sorted(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, opts: MoeOptions,
+                expected_rows: int) -> jax.Array:
+    """Experts on expert-sorted rows: the grouped matmul, or 'hybrid' with a capacity of
+    ``capacity_factor`` x the expected rows per expert (``expected_rows`` / experts here)."""
+    if opts.backend != "hybrid":
+        return expert_ffn(rows, sizes, w_gate_up, w_down, opts.backend)
+    cap = max(1, math.ceil(expected_rows / sizes.shape[0] * opts.capacity_factor))
+    return _hybrid_ffn(rows, sizes, w_gate_up, w_down, cap, opts.overflow_backend)
+
+
 def _capacity(opts: MoeOptions, tokens: int, top_k: int, experts: int) -> int | None:
-    if opts.capacity_factor is None:
+    if opts.capacity_factor is None or opts.backend == "hybrid":  # hybrid: a speed knob, nothing drops
         return None
     return expert_capacity(tokens, top_k, experts, opts.capacity_factor)
 
@@ -288,7 +322,7 @@ def _alltoall(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptio
         fwd, bwd, sizes = exchange_offsets(counts, jax.lax.axis_index(axes), el)
         exchange = exchange_fn(opts.a2a_impl, axes, p)
         recv = exchange(rows, jnp.zeros((p * a, h), rows.dtype), *fwd)
-        y = expert_ffn(recv, sizes, w_gate_up, w_down, opts.backend)
+        y = _ffn_sorted(recv, sizes, w_gate_up, w_down, opts, expected_rows=p * a * el // e)
         back = exchange(y, jnp.zeros((a, h), y.dtype), *bwd)
     out = combine_rows(back, w, slot, src)
     if rep:
@@ -329,7 +363,7 @@ def _allgather(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOpti
         slot = jnp.where(is_local, offsets[local, source] + rank, -1)
         src = inverse_slots(slot, sources * a)
         rows = dispatch_rows(x, src, slot, k)
-        y = expert_ffn(rows, jnp.sum(mine, axis=0), w_gate_up, w_down, opts.backend)
+        y = _ffn_sorted(rows, jnp.sum(mine, axis=0), w_gate_up, w_down, opts, expected_rows=sources * a * el // (el * topo.ep))
     out = combine_rows(y, w, slot, src)
     if gather:
         out = jax.lax.psum_scatter(out, gather, scatter_dimension=0, tiled=True)

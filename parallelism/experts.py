@@ -8,7 +8,8 @@ Options (all optional):
   ``"tokamax"``, ``"ragged_dot"``, ``"dense"`` (masked per-expert einsum reference), or
   ``"capacity"`` (drop-and-pad batched einsum ``[E, C, H] x [E, H, 2I]``; needs a capacity factor),
   or ``"hybrid"`` (dropless: the padded einsum for each expert's first ``C`` assignments, the
-  ``"auto"`` grouped matmul for the overflow; needs a capacity factor; local dispatcher only).
+  ``"auto"`` grouped matmul for the overflow; needs a capacity factor, which here sets only the
+  split: nothing drops; under EP the split is made on the receiving device).
 - ``dispatcher``: ``"auto"`` (alltoall when the layout shards ``exp``, else local), ``"local"``,
   ``"alltoall"``, ``"allgather"``.
 - ``capacity_factor``: None (dropless) or > 0: each expert keeps at most
@@ -97,9 +98,6 @@ def resolve_options(topo: ExpertTopology, **options: Any) -> MoeOptions:
         raise ValueError(f"unknown a2a_impl {a2a!r}; choose one of {('auto',) + A2A_IMPLS}")
     if a2a == "ragged" and platform == "cpu" and dispatcher == "alltoall" and factor is None:
         raise ValueError("a2a_impl 'ragged' uses jax.lax.ragged_all_to_all, not implemented on XLA:CPU; use 'dense'")
-    if backend == "hybrid" and dispatcher != "local":
-        raise ValueError(f"backend 'hybrid' runs with the local dispatcher only (no expert parallelism yet); "
-                         f"got dispatcher {dispatcher!r}: use backend 'capacity' or a grouped-matmul backend with EP")
     return MoeOptions(backend, dispatcher, None if factor is None else float(factor), o["drop_policy"], a2a, overflow)
 
 
