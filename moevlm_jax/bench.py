@@ -211,6 +211,10 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     hosts: list[dict[str, np.ndarray]] = []
     trace = Path(args.profile) / name.replace(" ", "_") if args.profile else None
     tracing = False
+    # every shape was compiled above: any compile from here on is logged with JAX's reason for the
+    # cache miss (the H200 run saw one in its first warmup step, bench/step_h200.md)
+    explain = jax.config.jax_explain_cache_misses
+    jax.config.update("jax_explain_cache_misses", True)
     try:
         for k in range(total):
             timed = k >= warmup
@@ -236,6 +240,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
             hosts.append(keep)
         source = loader.summary()
     finally:
+        jax.config.update("jax_explain_cache_misses", explain)
         if tracing:
             jax.profiler.stop_trace()
         loader.close()
