@@ -386,15 +386,16 @@ def bench_ep(name: str, shape: dict, args: argparse.Namespace, dtype: Any, repor
         return
     results = {}
     with logical.sharding_context(mesh, rules):
-        for dispatcher in ("alltoall", "allgather"):
-            variant = f"ep{n} {dispatcher} ({backend})"
+        for dispatcher, be in (("alltoall", backend), ("allgather", backend), ("alltoall", "hybrid")):
+            variant, label = f"ep{n} {dispatcher} ({be})", f"{dispatcher}{' hybrid' * (be == 'hybrid')}"
+            opts = dict(backend=be, dispatcher=dispatcher, capacity_factor=args.capacity_factor if be == "hybrid" else None)
 
-            def go(dispatcher=dispatcher, variant=variant):
-                ms, out = time_jax(layer_step(k, backend=backend, dispatcher=dispatcher), xs, args.iters, args.warmup)
+            def go(opts=opts, variant=variant):
+                ms, out = time_jax(layer_step(k, **opts), xs, args.iters, args.warmup)
                 report.add(dict(base, variant=variant, ms=ms, flops=expert_flops(t * k, h, i)))
                 return out
 
-            results[dispatcher] = guarded(report, base, variant, go)
+            results[label] = guarded(report, base, variant, go)
     local = tuple(jax.device_put(a, jax.devices()[0]) for a in xs)
     ref = None if args.no_check else guarded(report, base, "f32 reference", lambda: reference(local, k, None, dtype))
     for dispatcher, out in results.items():

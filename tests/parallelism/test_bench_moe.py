@@ -24,7 +24,8 @@ def test_bench_moe_tiny_runs_and_agrees(tmp_path, capsys):
     ):
         assert name in variants, (name, sorted(variants))
     checks = {r["variant"]: r for r in results if r["variant"].startswith("check")}
-    names = ("ragged_dot", "capacity", "hybrid", "ragged_dot+cf", "hf experts", "ep2 alltoall", "ep2 allgather")
+    names = ("ragged_dot", "capacity", "hybrid", "ragged_dot+cf", "hf experts", "ep2 alltoall", "ep2 allgather",
+             "ep2 alltoall hybrid")
     assert set(checks) == {f"check {name} vs f32" for name in names}
     for r in checks.values():
         assert r["ok"] and r["max_rel_err"] < 1e-4, r
