@@ -227,9 +227,7 @@ def _hybrid_ffn(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down:
     slot = jnp.where(rank < cap, group * cap + rank, g * cap + over_start + rank - cap)
     slot = jnp.where(valid, slot, -1)
     src = inverse_slots(slot, g * cap + m)
-    buf = dispatch_rows(rows, src, slot, 1)
-    y_main = capacity_ffn(buf[: g * cap].reshape(g, cap, h), w_gate_up, w_down).reshape(g * cap, h)
-    y = jnp.concatenate([y_main, expert_ffn(buf[g * cap:], over_sizes, w_gate_up, w_down, backend)])
+    y = hybrid_buffer_ffn(dispatch_rows(rows, src, slot, 1), over_sizes, cap, w_gate_up, w_down, backend)
     return dispatch_rows(y, slot, src, 1)  # the inverse gather: row r <- buffer row slot[r]
 
 
@@ -254,25 +252,39 @@ def _plan(idx: jax.Array, w: jax.Array, experts: int, opts: MoeOptions) -> tuple
     return route_plan(idx, w, experts, cap, opts.drop_policy), cap
 
 
+def hybrid_slots(idx: jax.Array, w: jax.Array, experts: int, capacity_factor: float
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+    """The local 'hybrid' layout: (slot ``[A]``, src, overflow counts ``[E]``, capacity C). Buffer
+    rows ``[0, E*C)`` are the padded ``[E, C]`` einsum input (each expert's first C assignments),
+    rows ``E*C + ...`` the overflow in expert order; nothing is dropped."""
+    e, a = experts, idx.size
+    cap = expert_capacity(idx.shape[0], idx.shape[1], e, capacity_factor)
+    plan = route_plan(idx, w, e)  # no capacity: every assignment ranked within its expert
+    over_counts = jnp.maximum(plan.counts - cap, 0)
+    over_start = jnp.take(exclusive_cumsum(over_counts), plan.expert)
+    slot = jnp.where(plan.rank < cap, plan.expert * cap + plan.rank, e * cap + over_start + plan.rank - cap)
+    return slot, inverse_slots(slot, e * cap + a), over_counts, cap
+
+
+def hybrid_buffer_ffn(rows: jax.Array, over_counts: jax.Array, cap: int, w_gate_up: jax.Array, w_down: jax.Array,
+                      backend: str) -> jax.Array:
+    """Experts on a 'hybrid' buffer ``[E*C + M, H]``: the padded einsum on the first ``E*C`` rows, the
+    grouped matmul (``backend``) on the overflow rows after them."""
+    e, h = w_gate_up.shape[0], rows.shape[-1]
+    y_main = capacity_ffn(rows[: e * cap].reshape(e, cap, h), w_gate_up, w_down).reshape(e * cap, h)
+    return jnp.concatenate([y_main, expert_ffn(rows[e * cap:], over_counts, w_gate_up, w_down, backend)])
+
+
 def _local_hybrid(x, idx, w, w_gate_up, w_down, opts: MoeOptions) -> jax.Array:
     """Dropless drop-and-pad: each expert's first ``C`` assignments (capacity from
     ``capacity_factor``) run as the padded batched einsum ``[E, C, H]``, the overflow (rank >= C)
     through the grouped matmul on expert-sorted rows; one buffer ``[E*C + A, H]``, one gather in
     and one combine out, nothing dropped. The einsum runs at the dense-matmul rate, the grouped
     kernel only on the few overflow rows."""
-    e, k, h = w_gate_up.shape[0], idx.shape[1], x.shape[1]
-    a = idx.size
-    cap = expert_capacity(idx.shape[0], k, e, opts.capacity_factor)
-    plan = route_plan(idx, w, e)  # no capacity: every assignment ranked within its expert
-    main = plan.rank < cap
-    over_counts = jnp.maximum(plan.counts - cap, 0)
-    over_start = jnp.take(exclusive_cumsum(over_counts), plan.expert)
-    slot = jnp.where(main, plan.expert * cap + plan.rank, e * cap + over_start + plan.rank - cap)
-    src = inverse_slots(slot, e * cap + a)
-    rows = dispatch_rows(x, src, slot, k)
-    y_main = capacity_ffn(rows[: e * cap].reshape(e, cap, h), w_gate_up, w_down).reshape(e * cap, h)
-    y_over = expert_ffn(rows[e * cap:], over_counts, w_gate_up, w_down, opts.overflow_backend)
-    return combine_rows(jnp.concatenate([y_main, y_over]), w, slot, src)
+    slot, src, over_counts, cap = hybrid_slots(idx, w, w_gate_up.shape[0], opts.capacity_factor)
+    rows = dispatch_rows(x, src, slot, idx.shape[1])
+    y = hybrid_buffer_ffn(rows, over_counts, cap, w_gate_up, w_down, opts.overflow_backend)
+    return combine_rows(y, w, slot, src)
 
 
 def local_experts(x, idx, w, w_gate_up, w_down, opts: MoeOptions) -> tuple[jax.Array, jax.Array]:

@@ -190,3 +190,18 @@ def test_out_of_memory_is_recorded_and_the_sweep_goes_on(monkeypatch):
     monkeypatch.setattr(bench, "run_one", broken)
     with pytest.raises(ValueError, match="a bug"):
         bench.run_ours(args)
+
+
+def test_breakdown_of_the_hybrid_experts(tmp_path):
+    """The breakdown times the experts the step runs: with backend 'hybrid' its dispatch and experts
+    components build the hybrid buffer (padded part + overflow) and the recorded forward still
+    reproduces the model's."""
+    recipe, _ = _configs(tmp_path)
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--recipe", recipe, "--devices", "1", "--data", "real", "--warmup", "0", "--steps", "1",
+                     "--breakdown", "--breakdown-iters", "1", "--out", str(out), "--quiet",
+                     "compute.moe.backend=hybrid", "compute.moe.capacity_factor=0.5"])
+    assert rc == 0
+    bd = json.loads(out.read_text())["runs"][0]["breakdown"]
+    assert bd["experts_backend"] == "hybrid" and bd["forward_check_max_abs"] < 1e-4
+    assert all(c["present"] and c["seconds"] > 0 for c in bd["components"])
