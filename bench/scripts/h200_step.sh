@@ -17,7 +17,7 @@ T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/step.txt" 2>&1; cat "$OUT/step.txt"
 left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 if [ "${MOE:-0}" = 1 ]; then
-  timeout 130 python3 -m parallelism.bench_moe --shapes 30b-a3b --tokens 16384 --backends tokamax,capacity,hybrid \
+  timeout 150 python3 -m parallelism.bench_moe --shapes 30b-a3b --tokens 16384 --backends tokamax,capacity,hybrid \
       --capacity-factor "${CF:-1.25}" --no-hf --iters 10 --out "$OUT/moe_layer.json" 2>&1 | grep -v "Autotuning cache miss" | tee -a "$OUT/step.txt"
 fi
 # cuDNN ragged attention's gradients with padding vs XLA, with and without mask_padding_grad (~1 min)
