@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from moevlm_jax.bench_report import format_report, ok, summary_line
-from moevlm_jax.memory import is_oom
+from moevlm_jax.memory import is_oom, peak_device_bytes
 
 log = logging.getLogger("moevlm_jax.bench")
 
@@ -250,8 +250,6 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     total_flops = sum(s["flops"] for s in timed_steps)
     peak = flops.peak_flops(trainer.mesh.devices.flat[0].device_kind)
     per_device = total_flops / seconds / n_dev
-    mem = [d.memory_stats() or {} for d in trainer.mesh.devices.flat]
-    peaks = [s["peak_bytes_in_use"] for s in mem if "peak_bytes_in_use" in s]
     result = {
         "side": "ours", "name": name, "data": variant.label, "data_source": source["source"], "mock": source["mock"],
         "mbs": tr.micro_batch_size, "grad_accum": tr.grad_accum, "rows": cfg.global_batch_size,
@@ -267,7 +265,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         "tokens_per_s": useful / seconds, "trained_tokens_per_s": trained / seconds,
         "useful_fraction": useful / max(sum(s["tokens"] for s in timed_steps), 1.0),
         "tflops_per_device": per_device / 1e12, "mfu": per_device / peak if peak else None,
-        "peak_bytes": max(peaks) if peaks else None,  # the process's peak so far (runs go in MBS order)
+        "peak_bytes": peak_device_bytes(trainer.mesh.local_devices),  # the process's peak so far (runs go in MBS order)
         "compile_s": compile_s, "compile_events_s": _COMPILES["seconds"] - c0["seconds"], "init_state_s": init_s,
         "compiled_shapes": len(seen), "timed_compiles": sum(s["compiles"] for s in timed_steps),
         "profile": str(trace) if trace is not None else None,

@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = ["eager", "compile"] if compile_ == "on" or (compile_ == "auto" and peer.cuda) else ["eager"]
     info = {"device": peer.torch.cuda.get_device_name() if peer.cuda else "cpu", "dtype": str(peer.dtype).split(".")[-1],
             "attention": "sdpa", "experts": peer.experts, "fused_adamw": peer.fused, "modes": modes, **peer.versions}
-    results = []
+    results: list[dict[str, Any]] = []
+    Path(args.out).write_text(json.dumps({"info": info, "results": results}, indent=1))
     for run in spec["runs"]:
         for mode in modes:
             if mode == "eager":  # eager first, from the initial weights: its losses are the check
@@ -262,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
                 peer.recover()
             # written after every run: a caller that stops this process keeps what finished
             Path(args.out).write_text(json.dumps({"info": info, "results": results}, indent=1))
-    Path(args.out).write_text(json.dumps({"info": info, "results": results}, indent=1))
     return 0
 
 

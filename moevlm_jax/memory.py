@@ -50,6 +50,19 @@ def oom_advice(model: str, layout: str, mbs: int, seq_len: int) -> str:
             f"--model {model} --layout {layout} --mbs {mbs} --seq-len {seq_len} --recompute none,selective,full")
 
 
+def peak_device_bytes(devices: list[Any]) -> int | None:
+    """Largest ``peak_bytes_in_use`` over the local devices (None where the backend has no stats)."""
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - CPU backends raise or return None
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
 def default_patches(seq_len: int) -> int:
     """Patch rows per row when not given: 3/4 of the tokens, a multiple of 4 (2x2 merge)."""
     return (3 * seq_len // 4) // 4 * 4

@@ -21,24 +21,12 @@ from typing import Any
 
 log = logging.getLogger("moevlm_jax.sweep")
 
+
 def classify(message: str) -> str:
     """'oom' for out-of-memory errors (XLA RESOURCE_EXHAUSTED, allocator failures), else 'error'."""
     from moevlm_jax.memory import is_oom
 
     return "oom" if is_oom(message) else "error"
-
-
-def _peak_device_bytes(devices: list[Any]) -> int | None:
-    """Largest ``peak_bytes_in_use`` over the local devices (None where the backend has no stats)."""
-    peaks = []
-    for d in devices:
-        try:
-            stats = d.memory_stats()
-        except Exception:  # noqa: BLE001 - CPU backends raise or return None
-            stats = None
-        if stats and "peak_bytes_in_use" in stats:
-            peaks.append(int(stats["peak_bytes_in_use"]))
-    return max(peaks) if peaks else None
 
 
 def run_point(spec: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +119,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     trained = sum(b.counts["trained_tokens"] for b in timed)
     n_dev = len(devices)
     peak = flops.peak_flops(devices[0].device_kind)
-    device_peak = _peak_device_bytes(jax.local_devices())
+    device_peak = memory.peak_device_bytes(jax.local_devices())
     achieved = model_flops / seconds / n_dev
     return {
         "status": "ok", "message": "", "steps": len(timed), "step_time_s": seconds / len(timed),

@@ -222,14 +222,14 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             except Exception as e:  # out of device memory: say what does not fit and what to change
                 if not memory.is_oom(e):
                     raise
+                name = sections.model.name or "MODEL"
                 raise ConfigError(
-                    f"out of device memory in train step {step} ({sections.model.name or 'model'}, layout "
+                    f"out of device memory in train step {step} ({name}, layout "
                     f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} tokens per "
                     f"data-parallel rank, param_dtype {sections.compute.param_dtype}, optimizer state "
                     f"{cfg.optimizer.state_dtype}, recompute {sections.compute.recompute}): "
                     f"{str(e).splitlines()[0][:300]}. "
-                    + memory.oom_advice(cfg.resolved["model"].get("name") or "MODEL", cfg.layout.name or "LAYOUT",
-                                        tr.micro_batch_size, tr.seq_len)) from None
+                    + memory.oom_advice(name, cfg.layout.name, tr.micro_batch_size, tr.seq_len)) from None
             if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:
                 handle(tracker.flush())
                 _eval(trainer, state, sections.data, eval_rows, tr.eval_batches, step, writer, summary)

@@ -215,16 +215,12 @@ def _hybrid_ffn(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down:
     rows past ``sum(sizes)`` padding): each group's first ``cap`` rows as the padded batched einsum,
     the rest by the grouped matmul; rows back in their order (padding rows zero). The received side
     of the expert-parallel dispatchers; the local one builds its buffer directly (``_local_hybrid``)."""
-    m, h = rows.shape
-    g = sizes.shape[0]
+    m, g = rows.shape[0], sizes.shape[0]
     r = jnp.arange(m, dtype=jnp.int32)
     group = jnp.searchsorted(jnp.cumsum(sizes), r, side="right").astype(jnp.int32)
     valid = group < g
     group = jnp.minimum(group, g - 1)
-    rank = r - jnp.take(exclusive_cumsum(sizes), group)
-    over_sizes = jnp.maximum(sizes - cap, 0)
-    over_start = jnp.take(exclusive_cumsum(over_sizes), group)
-    slot = jnp.where(rank < cap, group * cap + rank, g * cap + over_start + rank - cap)
+    slot, over_sizes = _hybrid_slot(group, r - jnp.take(exclusive_cumsum(sizes), group), sizes, cap)
     slot = jnp.where(valid, slot, -1)
     src = inverse_slots(slot, g * cap + m)
     y = hybrid_buffer_ffn(dispatch_rows(rows, src, slot, 1), over_sizes, cap, w_gate_up, w_down, backend)
@@ -252,18 +248,23 @@ def _plan(idx: jax.Array, w: jax.Array, experts: int, opts: MoeOptions) -> tuple
     return route_plan(idx, w, experts, cap, opts.drop_policy), cap
 
 
+def _hybrid_slot(group: jax.Array, rank: jax.Array, counts: jax.Array, cap: int) -> tuple[jax.Array, jax.Array]:
+    """Buffer row of the ``rank``-th row of ``group`` in a 'hybrid' buffer (``group * cap + rank``
+    below the capacity, else after the ``G * cap`` padded rows in group order) and the overflow counts."""
+    over = jnp.maximum(counts - cap, 0)
+    over_start = jnp.take(exclusive_cumsum(over), group)
+    return jnp.where(rank < cap, group * cap + rank, counts.shape[0] * cap + over_start + rank - cap), over
+
+
 def hybrid_slots(idx: jax.Array, w: jax.Array, experts: int, capacity_factor: float
                  ) -> tuple[jax.Array, jax.Array, jax.Array, int]:
     """The local 'hybrid' layout: (slot ``[A]``, src, overflow counts ``[E]``, capacity C). Buffer
     rows ``[0, E*C)`` are the padded ``[E, C]`` einsum input (each expert's first C assignments),
     rows ``E*C + ...`` the overflow in expert order; nothing is dropped."""
-    e, a = experts, idx.size
-    cap = expert_capacity(idx.shape[0], idx.shape[1], e, capacity_factor)
-    plan = route_plan(idx, w, e)  # no capacity: every assignment ranked within its expert
-    over_counts = jnp.maximum(plan.counts - cap, 0)
-    over_start = jnp.take(exclusive_cumsum(over_counts), plan.expert)
-    slot = jnp.where(plan.rank < cap, plan.expert * cap + plan.rank, e * cap + over_start + plan.rank - cap)
-    return slot, inverse_slots(slot, e * cap + a), over_counts, cap
+    cap = expert_capacity(idx.shape[0], idx.shape[1], experts, capacity_factor)
+    plan = route_plan(idx, w, experts)  # no capacity: every assignment ranked within its expert
+    slot, over_counts = _hybrid_slot(plan.expert, plan.rank, plan.counts, cap)
+    return slot, inverse_slots(slot, experts * cap + idx.size), over_counts, cap
 
 
 def hybrid_buffer_ffn(rows: jax.Array, over_counts: jax.Array, cap: int, w_gate_up: jax.Array, w_down: jax.Array,

@@ -115,20 +115,23 @@ def _valid_rows(m: int, group_sizes: jax.Array) -> jax.Array:
 
 
 @jax.custom_vjp
-def _mask_rows_grad(x: jax.Array, valid: jax.Array) -> jax.Array:
-    """Identity forward; zeroes the gradient of rows where ``valid`` is False."""
+def zero_grad_where(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """Identity forward; the gradient is zeroed where ``valid`` (x's leading dims) is False. For
+    kernels that leave their gradient at invalid rows unwritten (tokamax here, cuDNN's ragged
+    attention in ``moevlm_jax.model.attention``)."""
     return x
 
 
-def _mask_rows_grad_fwd(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _zero_grad_where_fwd(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x, valid
 
 
-def _mask_rows_grad_bwd(valid: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
-    return jnp.where(valid[:, None], g, jnp.zeros((), g.dtype)), None
+def _zero_grad_where_bwd(valid: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
+    keep = valid.reshape(valid.shape + (1,) * (g.ndim - valid.ndim))
+    return jnp.where(keep, g, jnp.zeros((), g.dtype)), None
 
 
-_mask_rows_grad.defvjp(_mask_rows_grad_fwd, _mask_rows_grad_bwd)
+zero_grad_where.defvjp(_zero_grad_where_fwd, _zero_grad_where_bwd)
 
 
 # Mosaic-GPU ragged-dot kernel configs on sm90, measured on an H200 (bench/moe_layer.md): "fwd" is the
@@ -169,7 +172,7 @@ def _tokamax_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_
     if tokamax is None:
         raise ImportError(f"backend 'tokamax' is not available: {_TOKAMAX.get('error')}")
     valid = _valid_rows(lhs.shape[0], group_sizes)
-    lhs = _mask_rows_grad(lhs, valid)
+    lhs = zero_grad_where(lhs, valid)
     impl = _tokamax_implementation()
     kw = {} if impl is None else {"implementation": [impl]}
     out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype, **kw)

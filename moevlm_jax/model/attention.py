@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from parallelism import context
+from parallelism.grouped_matmul import zero_grad_where
 
 Axes = tuple[str | None, ...]
 
@@ -106,7 +107,6 @@ def _cudnn_dense(q, k, v, mask, causal, scale):
                                         implementation="cudnn")
 
 
-@jax.custom_vjp
 def mask_padding_grad(x: jax.Array, valid: jax.Array) -> jax.Array:
     """Identity on x ``[B, S, ...]``; its gradient is zeroed where ``valid`` ``[B, S]`` is False.
 
@@ -114,19 +114,7 @@ def mask_padding_grad(x: jax.Array, valid: jax.Array) -> jax.Array:
     d(v) at padding positions (segment 0, in no segment) are never written, i.e. whatever the buffer
     held, NaN included, and would flow into the q/k/v projection weights' gradients. The forward
     output there is masked to zero, so the true gradient there is zero."""
-    return x
-
-
-def _mask_padding_grad_fwd(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return x, valid
-
-
-def _mask_padding_grad_bwd(valid: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
-    keep = valid.reshape(valid.shape + (1,) * (g.ndim - valid.ndim))
-    return jnp.where(keep, g, jnp.zeros((), g.dtype)), None
-
-
-mask_padding_grad.defvjp(_mask_padding_grad_fwd, _mask_padding_grad_bwd)
+    return zero_grad_where(x, valid)
 
 
 def _cudnn_packed(q, k, v, segment_ids, causal, scale):
