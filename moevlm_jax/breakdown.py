@@ -41,8 +41,9 @@ from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import scatter_visual_tokens
 from moevlm_jax.model.rotary import mrope_cos_sin
 from moevlm_jax.trainer import gather_trained, loss_capacity
-from parallelism.dispatch import ExpertTopology, hybrid_buffer_ffn, hybrid_slots
+from parallelism.dispatch import ExpertTopology
 from parallelism.experts import resolve_options
+from parallelism.hybrid import hybrid_buffer_ffn, hybrid_overflow_rows, hybrid_slots
 from parallelism.permute import (
     capacity_ffn,
     combine_rows,
@@ -105,10 +106,10 @@ def router(mlp: Any, h: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Arr
 
 def slots(idx: jax.Array, w: jax.Array, experts: int, opts: Any) -> tuple[Any, jax.Array, jax.Array, int | None]:
     """The local dispatcher's routing plan (``parallelism.dispatch.local_experts``): plan, slot, src, capacity
-    ('hybrid': the overflow counts stand in for the plan's counts, see ``dispatch.hybrid_slots``)."""
-    if opts.backend == "hybrid":
-        slot, src, over_counts, cap = hybrid_slots(idx, w, experts, opts.capacity_factor)
-        return SimpleNamespace(counts=over_counts), slot, src, cap
+    ('hybrid': the overflow counts stand in for the plan's counts, see ``hybrid.hybrid_slots``)."""
+    if opts.backend == "hybrid":  # the hybrid branch of hybrid.hybrid_or_grouped (the forward check
+        lay = hybrid_slots(idx, w, experts, opts.capacity_factor, opts.hybrid_overflow)  # flags the other)
+        return SimpleNamespace(counts=lay.over_counts), lay.slot, inverse_slots(lay.slot, lay.size), lay.cap
     cap = None if opts.capacity_factor is None else expert_capacity(idx.shape[0], idx.shape[1], experts,
                                                                      opts.capacity_factor)
     plan = route_plan(idx, w, experts, cap, opts.drop_policy)
@@ -231,7 +232,7 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
 
     rows, seq = batch["input_ids"].shape
     k, e = tc.num_experts_per_tok, tc.num_experts
-    assignments = rows * seq * k  # 'hybrid' buffers hold E*C + this many rows
+    over_rows = min(rows * seq * k, hybrid_overflow_rows(rows * seq * k, opts.hybrid_overflow))  # hybrid: E*C + this
     per_stack("router", ("moe",), ("post_attention_layernorm", "gate"), route_body,
               lambda x: (jnp.zeros((rows, seq, k), jnp.float32), jnp.zeros((rows, e), jnp.float32),
                          jnp.zeros((rows,), jnp.float32)),
@@ -250,7 +251,7 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
         if opts.backend == "capacity":
             return capacity_ffn(rows.reshape(e, -1, rows.shape[-1]), w_gu, w_down).reshape(rows.shape)
         if opts.backend == "hybrid":  # counts: the overflow counts; the capacity from the buffer's size
-            cap = (rows.shape[0] - assignments) // e
+            cap = (rows.shape[0] - over_rows) // e
             return hybrid_buffer_ffn(rows, counts, cap, w_gu, w_down, opts.overflow_backend)
         return expert_ffn(rows, counts, w_gu, w_down, opts.backend)
 

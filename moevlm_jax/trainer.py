@@ -49,7 +49,7 @@ from moevlm_jax.config import ComputeConfig, ModelConfig, freeze
 from moevlm_jax.model import router as moe_router
 from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
-from parallelism import sharding
+from parallelism import grouped_matmul, sharding
 from parallelism.layout import Layout
 from parallelism.logical import Rules, constrain, normalize_rules, sharding_context
 
@@ -342,6 +342,7 @@ class Trainer:
         explicit ``mesh`` + ``rules``); ``optimizer`` an OptimizerConfig; ``frozen`` group names."""
         if mesh is None:
             mesh = build_mesh(layout, devices)
+        grouped_matmul.preload(mesh.devices.flat[0].platform)  # before any trace: see its docstring
         rules = normalize_rules(rules if rules is not None else layout.rules)
         groups = None if param_groups is None else tuple((k, tuple(v)) for k, v in sorted(param_groups.items()))
         spec = StepSpec(model=model, compute=compute, mesh=mesh, rules=rules, optimizer=_freeze_items(optimizer),

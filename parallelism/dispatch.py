@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from parallelism import logical
+from parallelism.hybrid import hybrid_overflow_rows, hybrid_sorted_ffn, local_hybrid
 from parallelism.permute import (
     RoutePlan,
     capacity_ffn,
@@ -45,6 +46,7 @@ from parallelism.permute import (
     inverse_slots,
     padded_slots,
     route_plan,
+    sorted_experts,
     sorted_slots,
 )
 
@@ -63,6 +65,7 @@ class MoeOptions:
     drop_policy: str
     a2a_impl: str
     overflow_backend: str | None = None  # "hybrid": the grouped-matmul backend of the overflow rows
+    hybrid_overflow: float = 0.25  # "hybrid": static overflow rows, a fraction of the expected rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,24 +212,6 @@ def _ffn_padded(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, backen
     return expert_ffn(rows.reshape(g * c, h), sizes, w_gate_up, w_down, backend).reshape(g, c, h)
 
 
-def _hybrid_ffn(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, cap: int,
-                backend: str) -> jax.Array:
-    """'hybrid' experts on expert-sorted rows ``[M, H]`` (group g: ``sizes[g]`` consecutive rows,
-    rows past ``sum(sizes)`` padding): each group's first ``cap`` rows as the padded batched einsum,
-    the rest by the grouped matmul; rows back in their order (padding rows zero). The received side
-    of the expert-parallel dispatchers; the local one builds its buffer directly (``_local_hybrid``)."""
-    m, g = rows.shape[0], sizes.shape[0]
-    r = jnp.arange(m, dtype=jnp.int32)
-    group = jnp.searchsorted(jnp.cumsum(sizes), r, side="right").astype(jnp.int32)
-    valid = group < g
-    group = jnp.minimum(group, g - 1)
-    slot, over_sizes = _hybrid_slot(group, r - jnp.take(exclusive_cumsum(sizes), group), sizes, cap)
-    slot = jnp.where(valid, slot, -1)
-    src = inverse_slots(slot, g * cap + m)
-    y = hybrid_buffer_ffn(dispatch_rows(rows, src, slot, 1), over_sizes, cap, w_gate_up, w_down, backend)
-    return dispatch_rows(y, slot, src, 1)  # the inverse gather: row r <- buffer row slot[r]
-
-
 def _ffn_sorted(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, opts: MoeOptions,
                 expected_rows: int) -> jax.Array:
     """Experts on expert-sorted rows: the grouped matmul, or 'hybrid' with a capacity of
@@ -234,7 +219,8 @@ def _ffn_sorted(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down:
     if opts.backend != "hybrid":
         return expert_ffn(rows, sizes, w_gate_up, w_down, opts.backend)
     cap = max(1, math.ceil(expected_rows / sizes.shape[0] * opts.capacity_factor))
-    return _hybrid_ffn(rows, sizes, w_gate_up, w_down, cap, opts.overflow_backend)
+    over_rows = min(rows.shape[0], hybrid_overflow_rows(expected_rows, opts.hybrid_overflow))
+    return hybrid_sorted_ffn(rows, sizes, w_gate_up, w_down, cap, over_rows, opts.overflow_backend)
 
 
 def _capacity(opts: MoeOptions, tokens: int, top_k: int, experts: int) -> int | None:
@@ -248,61 +234,19 @@ def _plan(idx: jax.Array, w: jax.Array, experts: int, opts: MoeOptions) -> tuple
     return route_plan(idx, w, experts, cap, opts.drop_policy), cap
 
 
-def _hybrid_slot(group: jax.Array, rank: jax.Array, counts: jax.Array, cap: int) -> tuple[jax.Array, jax.Array]:
-    """Buffer row of the ``rank``-th row of ``group`` in a 'hybrid' buffer (``group * cap + rank``
-    below the capacity, else after the ``G * cap`` padded rows in group order) and the overflow counts."""
-    over = jnp.maximum(counts - cap, 0)
-    over_start = jnp.take(exclusive_cumsum(over), group)
-    return jnp.where(rank < cap, group * cap + rank, counts.shape[0] * cap + over_start + rank - cap), over
-
-
-def hybrid_slots(idx: jax.Array, w: jax.Array, experts: int, capacity_factor: float
-                 ) -> tuple[jax.Array, jax.Array, jax.Array, int]:
-    """The local 'hybrid' layout: (slot ``[A]``, src, overflow counts ``[E]``, capacity C). Buffer
-    rows ``[0, E*C)`` are the padded ``[E, C]`` einsum input (each expert's first C assignments),
-    rows ``E*C + ...`` the overflow in expert order; nothing is dropped."""
-    cap = expert_capacity(idx.shape[0], idx.shape[1], experts, capacity_factor)
-    plan = route_plan(idx, w, experts)  # no capacity: every assignment ranked within its expert
-    slot, over_counts = _hybrid_slot(plan.expert, plan.rank, plan.counts, cap)
-    return slot, inverse_slots(slot, experts * cap + idx.size), over_counts, cap
-
-
-def hybrid_buffer_ffn(rows: jax.Array, over_counts: jax.Array, cap: int, w_gate_up: jax.Array, w_down: jax.Array,
-                      backend: str) -> jax.Array:
-    """Experts on a 'hybrid' buffer ``[E*C + M, H]``: the padded einsum on the first ``E*C`` rows, the
-    grouped matmul (``backend``) on the overflow rows after them."""
-    e, h = w_gate_up.shape[0], rows.shape[-1]
-    y_main = capacity_ffn(rows[: e * cap].reshape(e, cap, h), w_gate_up, w_down).reshape(e * cap, h)
-    return jnp.concatenate([y_main, expert_ffn(rows[e * cap:], over_counts, w_gate_up, w_down, backend)])
-
-
-def _local_hybrid(x, idx, w, w_gate_up, w_down, opts: MoeOptions) -> jax.Array:
-    """Dropless drop-and-pad: each expert's first ``C`` assignments (capacity from
-    ``capacity_factor``) run as the padded batched einsum ``[E, C, H]``, the overflow (rank >= C)
-    through the grouped matmul on expert-sorted rows; one buffer ``[E*C + A, H]``, one gather in
-    and one combine out, nothing dropped. The einsum runs at the dense-matmul rate, the grouped
-    kernel only on the few overflow rows."""
-    slot, src, over_counts, cap = hybrid_slots(idx, w, w_gate_up.shape[0], opts.capacity_factor)
-    rows = dispatch_rows(x, src, slot, idx.shape[1])
-    y = hybrid_buffer_ffn(rows, over_counts, cap, w_gate_up, w_down, opts.overflow_backend)
-    return combine_rows(y, w, slot, src)
-
-
 def local_experts(x, idx, w, w_gate_up, w_down, opts: MoeOptions) -> tuple[jax.Array, jax.Array]:
     """All E experts on this device: x ``[T, H]``, idx/w ``[T, K]`` -> (``[T, H]``, dropped)."""
     e, k, h = w_gate_up.shape[0], idx.shape[1], x.shape[1]
     if opts.backend == "hybrid":
-        return _local_hybrid(x, idx, w, w_gate_up, w_down, opts), jnp.zeros((), jnp.int32)
+        return local_hybrid(x, idx, w, w_gate_up, w_down, opts.capacity_factor, opts.hybrid_overflow,
+                            opts.overflow_backend), jnp.zeros((), jnp.int32)
     plan, cap = _plan(idx, w, e, opts)
-    if opts.backend == "capacity":
-        slot = padded_slots(plan, cap)
-        src = inverse_slots(slot, e * cap)
-        rows = dispatch_rows(x, src, slot, k).reshape(e, cap, h)
-        y = capacity_ffn(rows, w_gate_up, w_down).reshape(e * cap, h)
-    else:
-        slot = sorted_slots(plan)
-        src = inverse_slots(slot, slot.shape[0])
-        y = expert_ffn(dispatch_rows(x, src, slot, k), plan.counts, w_gate_up, w_down, opts.backend)
+    if opts.backend != "capacity":
+        return sorted_experts(x, plan, w, w_gate_up, w_down, opts.backend), plan.dropped
+    slot = padded_slots(plan, cap)
+    src = inverse_slots(slot, e * cap)
+    rows = dispatch_rows(x, src, slot, k).reshape(e, cap, h)
+    y = capacity_ffn(rows, w_gate_up, w_down).reshape(e * cap, h)
     return combine_rows(y, w, slot, src), plan.dropped
 
 

@@ -10,6 +10,9 @@ Options (all optional):
   or ``"hybrid"`` (dropless: the padded einsum for each expert's first ``C`` assignments, the
   ``"auto"`` grouped matmul for the overflow; needs a capacity factor, which here sets only the
   split: nothing drops; under EP the split is made on the receiving device).
+- ``hybrid_overflow``: ``"hybrid"`` only: the overflow buffer's static rows as a fraction of the
+  assignments (0.25); a batch with more overflow runs the grouped matmul on all its rows (a
+  per-layer ``lax.cond``; still dropless). The grouped kernel's time follows its static rows.
 - ``dispatcher``: ``"auto"`` (alltoall when the layout shards ``exp``, else local), ``"local"``,
   ``"alltoall"``, ``"allgather"``.
 - ``capacity_factor``: None (dropless) or > 0: each expert keeps at most
@@ -48,6 +51,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "capacity_factor": None,
     "drop_policy": "probs",
     "a2a_impl": "auto",
+    "hybrid_overflow": 0.25,
 }
 
 
@@ -70,6 +74,8 @@ def resolve_options(topo: ExpertTopology, **options: Any) -> MoeOptions:
     if o["drop_policy"] not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {o['drop_policy']!r}")
     overflow = None
+    if not float(o["hybrid_overflow"]) > 0:
+        raise ValueError(f"hybrid_overflow must be > 0 (a fraction of the assignments), got {o['hybrid_overflow']!r}")
     if o["backend"] in ("capacity", "hybrid"):
         if factor is None:
             what = "drop-and-pad einsum" if o["backend"] == "capacity" else "padded einsum up to the capacity"
@@ -98,7 +104,8 @@ def resolve_options(topo: ExpertTopology, **options: Any) -> MoeOptions:
         raise ValueError(f"unknown a2a_impl {a2a!r}; choose one of {('auto',) + A2A_IMPLS}")
     if a2a == "ragged" and platform == "cpu" and dispatcher == "alltoall" and factor is None:
         raise ValueError("a2a_impl 'ragged' uses jax.lax.ragged_all_to_all, not implemented on XLA:CPU; use 'dense'")
-    return MoeOptions(backend, dispatcher, None if factor is None else float(factor), o["drop_policy"], a2a, overflow)
+    return MoeOptions(backend, dispatcher, None if factor is None else float(factor), o["drop_policy"], a2a, overflow,
+                      float(o["hybrid_overflow"]))
 
 
 def _validate(x, topk_idx, topk_weights, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions) -> jax.Array:

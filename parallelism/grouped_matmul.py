@@ -74,6 +74,15 @@ def import_tokamax() -> Any | None:
     return module
 
 
+def preload(platform: str) -> None:
+    """Import the GPU kernels' package now, outside any trace (call before the first jit). Imported
+    for the first time inside a trace, tokamax changes jax's tracing context (H200, jax 0.11.2: the
+    train step compiled ahead with 50 context values, called with 56), so the step compiled ahead
+    of time misses the jit cache and compiles again in its first call (bench/step_h200.md)."""
+    if platform in GPU_PLATFORMS:
+        import_tokamax()
+
+
 def tokamax_available() -> bool:
     """Whether ``tokamax.ragged_dot`` can be used here."""
     return import_tokamax() is not None

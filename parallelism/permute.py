@@ -179,3 +179,13 @@ def capacity_ffn(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> ja
     rows = checkpoint_name(rows, MOE_PERMUTED)
     act = checkpoint_name(swiglu(capacity_matmul(rows, w_gate_up)), MOE_ACT)
     return checkpoint_name(capacity_matmul(act, w_down), MOE_EXPERT_OUT)
+
+
+def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+                   backend: str) -> jax.Array:
+    """The grouped matmul on expert-sorted rows (``plan``'s kept assignments): sort once, gather
+    once, combine with the routing weights fused in; x ``[T, H]``, w ``[T, K]`` -> ``[T, H]``."""
+    slot = sorted_slots(plan)
+    src = inverse_slots(slot, slot.shape[0])
+    y = expert_ffn(dispatch_rows(x, src, slot, w.shape[1]), plan.counts, w_gate_up, w_down, backend)
+    return combine_rows(y, w, slot, src)

@@ -93,19 +93,20 @@ def test_dropless_dispatch_equals_single_device(layout, dispatcher, routing):
     assert_close(got[1], want[1], what=f"{layout}/{dispatcher}")
 
 
-@pytest.mark.parametrize(("layout", "dispatcher", "routing", "factor"), [
-    ("expert8", "alltoall", "skewed", 0.5),
-    ("expert4_fsdp2", "allgather", "one", 1.0),
-    ("expert2_tensor2_fsdp2", "alltoall", "random", 1.0),
-    ("expert4_fsdp2_tokens_replicated", "allgather", "skewed", 0.5),
-    ("fsdp8", "local", "one", 1.0),
+@pytest.mark.parametrize(("layout", "dispatcher", "routing", "factor", "overflow"), [
+    ("expert8", "alltoall", "skewed", 0.5, 4.0),
+    ("expert4_fsdp2", "allgather", "one", 1.0, 0.25),
+    ("expert2_tensor2_fsdp2", "alltoall", "random", 1.0, 0.25),
+    ("expert4_fsdp2_tokens_replicated", "allgather", "skewed", 0.5, 4.0),
+    ("fsdp8", "local", "one", 1.0, 0.25),
 ])
-def test_hybrid_under_expert_parallelism_is_dropless(layout, dispatcher, routing, factor):
+def test_hybrid_under_expert_parallelism_is_dropless(layout, dispatcher, routing, factor, overflow):
     """backend 'hybrid' on the receiving devices (padded einsum up to the capacity, grouped matmul
-    past it) equals the single-device dropless experts; small factors force overflow."""
+    past it) equals the single-device dropless experts; small factors force overflow; an overflow
+    buffer of 4x the expected rows holds large overflows, 0.25 sends them to the grouped fallback."""
     problem = make_problem(seed=13, routing=routing)
     want = value_and_grads(lambda *a: experts_forward(*a, backend="ragged_dot"), *problem)
-    opts = dict(backend="hybrid", capacity_factor=factor, dispatcher=dispatcher)
+    opts = dict(backend="hybrid", capacity_factor=factor, dispatcher=dispatcher, hybrid_overflow=overflow)
     got = _sharded_value_and_grads(layout, problem, **opts)
     assert_close(got[0], want[0], what=f"{layout}/{dispatcher} hybrid forward")
     assert_close(got[1], want[1], what=f"{layout}/{dispatcher} hybrid")

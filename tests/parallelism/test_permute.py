@@ -1,10 +1,13 @@
 """Token permutation, capacity dropping and the single-device experts against dense references."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from parallelism.hybrid import hybrid_slots
 from parallelism.experts import experts_forward, experts_forward_with_stats
 from parallelism.permute import CHECKPOINT_NAMES, expert_capacity, route_plan
 from tests.parallelism.moe_reference import (
@@ -85,6 +88,31 @@ def test_hybrid_is_dropless_and_matches_dense_reference(factor, routing):
         assert counts.max() > expert_capacity(x.shape[0], idx.shape[1], w_gate_up.shape[0], factor)
 
 
+@pytest.mark.parametrize(("routing", "factor", "overflow", "overflowed", "fits"), [
+    ("random", 1.0, 0.25, 10, True),  # 10 overflow rows in the 32-row static buffer: the hybrid branch
+    ("random", 0.5, 0.25, 64, False),  # 64 > 32: the grouped matmul on all rows
+    ("one", 1.0, 0.25, 48, False),
+    ("skewed", 1.0, 1.0, 80, True),  # the buffer holds all 128 assignments: no branch at all
+])
+def test_hybrid_overflow_buffer_or_grouped_fallback(routing, factor, overflow, overflowed, fits):
+    """The 'hybrid' overflow buffer has ``hybrid_overflow`` x A static rows (A = 128 here: 32 at 0.25);
+    a batch whose overflow exceeds it takes the plain grouped matmul. Both branches equal the
+    dense reference, forward and gradients, and nothing drops."""
+    x, idx, w, w_gate_up, w_down = make_problem(seed=1, routing=routing)
+    lay = hybrid_slots(idx, w, w_gate_up.shape[0], factor, overflow)
+    assert lay.over_rows == math.ceil(idx.size * overflow / 8) * 8
+    assert int(jnp.sum(lay.over_counts)) == overflowed and bool(lay.fits) == fits
+    counts = np.bincount(np.asarray(idx).ravel(), minlength=w_gate_up.shape[0])  # hand count of the overflow
+    assert int(np.maximum(counts - lay.cap, 0).sum()) == overflowed
+    opts = dict(backend="hybrid", capacity_factor=factor, hybrid_overflow=overflow)
+    jaxpr = str(jax.make_jaxpr(lambda *a: experts_forward(*a, **opts))(x, idx, w, w_gate_up, w_down))
+    assert ("cond[" in jaxpr) == (overflow < 1.0)
+    got = value_and_grads(lambda *a: experts_forward(*a, **opts), x, idx, w, w_gate_up, w_down)
+    want = value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)
+    assert_close(got[0], want[0], what=f"hybrid {routing}/{factor}/{overflow} forward")
+    assert_close(got[1], want[1], what=f"hybrid {routing}/{factor}/{overflow}")
+
+
 @pytest.mark.parametrize("routing", ["random", "one", "skewed"])
 @pytest.mark.parametrize("backend", ["ragged_dot", "dense", "capacity"])
 def test_local_experts_match_dense_reference(backend, routing):
@@ -130,6 +158,7 @@ def test_option_errors_name_the_problem():
         (dict(backend="capacity"), "needs capacity_factor"),
         (dict(backend="hybrid"), "needs capacity_factor"),
         (dict(capacity_factor=0.0), "capacity_factor must be"),
+        (dict(backend="hybrid", capacity_factor=1.0, hybrid_overflow=0), "hybrid_overflow must be > 0"),
         (dict(drop_policy="random"), "drop_policy must be"),
         (dict(dispatcher="alltoall"), "needs expert parallelism"),
         (dict(backend="cutlass"), "unknown grouped-matmul backend"),
