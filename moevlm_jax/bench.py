@@ -143,6 +143,17 @@ def _precompile(trainer: Any, state: Any, batch: Any) -> None:
     trainer.lower_step(state, batch.arrays, batch.capacity).compile()
 
 
+def _shape_key(batch: Any) -> tuple:
+    """What selects the compiled train step: the arrays' shapes and the loss capacity."""
+    return tuple(sorted((k, v.shape) for k, v in batch.arrays.items())), batch.capacity
+
+
+def _shape_label(batch: Any) -> str:
+    """'patches 3328, loss capacity 3584': what selects the compiled executable (rows and seq fixed)."""
+    pv = batch.arrays.get("pixel_values")
+    return f"patches {pv.shape[-2] if pv is not None else 0}, loss capacity {batch.capacity}"
+
+
 def _save_initial(trainer: Any, state: Any, path: Path, gpu: bool) -> None:
     """Our initial parameters as an HF model directory (bf16 on GPU: the peer's dtype there)."""
     import jax
@@ -196,7 +207,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     try:
         for _ in range(total):
             batch = trainer.prepare(next(ahead))
-            key = (tuple(sorted((k, v.shape) for k, v in batch.arrays.items())), batch.capacity)
+            key = _shape_key(batch)
             if key not in seen:
                 seen.add(key)
                 t0 = time.perf_counter()
@@ -213,7 +224,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     tracing = False
     # every shape was compiled above: any compile from here on is logged with JAX's reason for the
     # cache miss (the H200 run saw one in its first warmup step, bench/step_h200.md)
-    explain = jax.config.jax_explain_cache_misses
+    explain, ran = jax.config.jax_explain_cache_misses, frozenset()
     jax.config.update("jax_explain_cache_misses", True)
     try:
         for k in range(total):
@@ -226,6 +237,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
             host = next(loader)
             batch = trainer.prepare(host)
             t1 = time.perf_counter()
+            first_run, ran = _shape_key(batch) not in ran, ran | {_shape_key(batch)}  # an executable's first run
             state, metrics = trainer.step(state, batch)
             jax.block_until_ready((state, metrics))
             t2 = time.perf_counter()
@@ -233,7 +245,8 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
             steps.append({"timed": timed, "time": t2 - t0, "input": t1 - t0, "compiles": _COMPILES["count"] - before,
                           **batch.counts, "flops": flops.batch_flops(shape, host), "loss": float(m["loss"]),
                           "ce_loss": float(m["ce_loss"]), "lr": float(m["lr"]),
-                          "grad_norm": float(m["grad_norm"]), "skipped": int(m.get("skipped", 0))})
+                          "grad_norm": float(m["grad_norm"]), "skipped": int(m.get("skipped", 0)),
+                          "first_run": first_run, "shape": _shape_label(batch)})
             keep = {k2: np.asarray(host[k2]) for k2 in data_lib.MODEL_KEYS if k2 in host}
             if dump is None:  # the peer needs every batch, the breakdown the last one
                 hosts.clear()
@@ -257,7 +270,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         "timed": [i for i, s in enumerate(steps) if s["timed"]],
         **{f"{k}_per_step": [s[k] for s in steps] for k in ("time", "input", "useful_tokens", "trained_tokens",
                                                             "tokens", "flops", "loss", "ce_loss", "lr", "compiles",
-                                                            "grad_norm", "skipped")},
+                                                            "grad_norm", "skipped", "first_run", "shape")},
         "step_time_s": statistics.median(s["time"] for s in timed_steps),
         "input_wait_s": statistics.median(s["input"] for s in timed_steps),
         "timed_time_s": seconds, "useful_tokens": useful, "trained_tokens": trained,
@@ -273,6 +286,10 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     if steps[-1]["skipped"]:  # optax.apply_if_finite's running count: these steps trained nothing
         log.warning("%s: %d of %d updates skipped for non-finite gradients (grad norms %s)", name,
                     steps[-1]["skipped"], total, [round(s["grad_norm"], 3) for s in steps])
+    firsts = [s["time"] for s in timed_steps if s["first_run"]]
+    if firsts:  # the H200 saw ~1.3x slower timed steps; this says whether they were first runs
+        log.warning("%s: %d timed steps were a compiled shape's first run: %.1f ms mean vs %.1f ms median step",
+                    name, len(firsts), 1e3 * statistics.mean(firsts), 1e3 * result["step_time_s"])
     if result["timed_compiles"]:
         log.warning("%s: %d compiles during timed steps (times include them)", name, result["timed_compiles"])
     if dump is not None:

@@ -10,7 +10,8 @@
 #    needs ~133 GiB at MBS 2 (XLA's rematerialisation log, bench/step_h200.md), more than one H200.
 #    EXTRA="compute.moe.backend=hybrid compute.moe.capacity_factor=1.25" adds overrides (here: dropless
 #    hybrid experts, padded einsum up to the capacity + grouped matmul past it); DATA=real BREAKDOWN= drops
-#    the mock run and the breakdown (time for HF's torch.compile run: BENCH_END=560).
+#    the mock run and the breakdown (time for HF's torch.compile run: BENCH_END=560). RECIPE=h200 MBS=4: the
+#    one-H200 recipe (selective recompute, capture scopes); PEER=none skips HF.
 # 3. with the time left (>= 150 s): capture none vs step at the same setting (moevlm_jax.sweep).
 set -uo pipefail
 T0=$(date +%s)
@@ -24,7 +25,8 @@ fi
 timeout 120 python3 bench/scripts/check_attention_grads.py --out "$OUT/attention_grads.json" 2>&1 | tail -4 \
     | tee -a "$OUT/step.txt"
 mkdir -p /tmp/bw
-timeout "$(left "${BENCH_END:-420}")" python3 -m moevlm_jax.bench --peer hf --data "${DATA:-real,mock}" ${BREAKDOWN---breakdown} \
+timeout "$(left "${BENCH_END:-420}")" python3 -m moevlm_jax.bench ${RECIPE:+--recipe "$RECIPE"} --peer "${PEER:-hf}" \
+    --data "${DATA:-real,mock}" ${BREAKDOWN---breakdown} \
     --mbs "${MBS:-2}" --warmup 3 --steps 8 --work-dir /tmp/bw --out "$OUT/step_h200.json" \
     compute.param_dtype=bfloat16 optimizer.state_dtype=bfloat16 ${EXTRA:-} 2>&1 \
     | grep -v "Autotuning cache miss" | tee "$OUT/step_h200.txt"

@@ -80,6 +80,9 @@ def test_throughput_is_counted_from_the_batches(run):
         assert r["step_time_s"] == statistics.median(r["time_per_step"][i] for i in timed)
         assert r["mfu"] is None and r["peak_bytes"] is None  # CPU: no known peak, no memory stats
         assert r["compiled_shapes"] == 1 and r["timed_compiles"] == 0
+        # one shape (one patch bucket, one loss capacity): only the first step ran it for the first time
+        assert r["first_run_per_step"] == [True] + [False] * (WARMUP + STEPS - 1)
+        assert len(set(r["shape_per_step"])) == 1 and r["shape_per_step"][0].startswith("patches 128, loss capacity ")
         # every update applied (a run whose updates are skipped for non-finite gradients trains nothing)
         assert r["skipped_per_step"] == [0] * (WARMUP + STEPS) and all(np.isfinite(r["grad_norm_per_step"]))
         assert all(g > 0 for g in r["grad_norm_per_step"])

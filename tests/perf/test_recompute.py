@@ -190,6 +190,36 @@ def test_every_policy_gives_the_same_loss_and_gradients(kind):
             np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6 * np.abs(r).max(), err_msg=str(policy))
 
 
+@pytest.mark.parametrize(("moe", "policy"), [
+    ({"capacity_factor": 1.0}, {"recompute": "full"}),
+    ({"capacity_factor": 0.5, "hybrid_overflow": 0.05},
+     {"recompute": "selective", "recompute_modules": tuple(RECOMPUTE_MODULES)}),
+])
+def test_hybrid_experts_under_recompute_match_the_default_experts(moe, policy):
+    """The 'hybrid' experts (their lax.cond: overflow buffer or grouped fallback) inside remat'd,
+    scanned MoE layers: the loss and gradients of the default experts without recompute."""
+    graphdef, state, x, side, body = _setup("moe")
+    hybrid = ComputeConfig(**F32, moe={"backend": "hybrid", **moe}, **policy)
+    t = CFG.text_config
+    hybrid_def = nnx.split(nnx.eval_shape(lambda: stack_modules(
+        lambda r: DecoderLayer(t, hybrid, "moe", r), 2, nnx.Rngs(0), "layers")))[0]
+
+    def loss(gdef, compute):
+        def f(st, x):
+            out, _ = run_stack(nnx.merge(gdef, st), body, x, None, compute, side=side)
+            return jnp.sum(out * jnp.cos(x))
+        return jax.value_and_grad(f, argnums=(0, 1))
+
+    jaxpr = str(jax.make_jaxpr(loss(hybrid_def, hybrid))(state, x))
+    assert "cond[" in jaxpr and f"{remat_p.name}[" in jaxpr
+    (ref_loss, ref_grads), (got_loss, got_grads) = jax.jit(
+        lambda st, x: (loss(graphdef, ComputeConfig(**F32))(st, x), loss(hybrid_def, hybrid)(st, x)))(state, x)
+    np.testing.assert_allclose(got_loss, ref_loss, rtol=1e-5)
+    ref = jax.tree.leaves(ref_grads)
+    for g, r in zip(jax.tree.leaves(got_grads), ref, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * np.abs(r).max())
+
+
 def _checkpoint_policies(jaxpr) -> list:
     """The policy of every jax.checkpoint in a jaxpr, nested jaxprs included."""
     out = []

@@ -198,3 +198,15 @@ def test_default_recipes_by_platform():
         cfg = load_config(name, num_devices=1, num_processes=1)
         assert cfg.name == name and cfg.train.global_batch_size == cfg.train.micro_batch_size
         assert cfg.data["seq_len"] == cfg.train.seq_len and cfg.model["name"] == model
+
+
+def test_h200_recipe_is_the_measured_one_gpu_setting():
+    """configs/recipes/h200.yaml: the sweep's best dropless point (bench/sweep_h200.md) as a recipe."""
+    from moevlm_jax import config
+
+    cfg = load_config("h200", num_devices=1, num_processes=1)
+    assert cfg.name == "h200" and cfg.model["name"] == "proxy" and cfg.train.micro_batch_size == 4
+    compute = config.ComputeConfig.from_dict(cfg.compute)
+    assert (compute.param_dtype, compute.recompute, compute.recompute_modules, compute.capture) == (
+        "bfloat16", "selective", ("core_attn",), "scopes")
+    assert cfg.optimizer.state_dtype == "bfloat16" and cfg.data["seq_len"] == 4096
