@@ -138,9 +138,10 @@ def _steady(args: argparse.Namespace, gpu: bool) -> tuple[int, int]:
     return warmup, steps
 
 
-def _precompile(trainer: Any, state: Any, batch: Any) -> None:
-    """Compile the train step for this batch's shapes without running it (the jit cache keeps it)."""
-    trainer.lower_step(state, batch.arrays, batch.capacity).compile()
+def _precompile(trainer: Any, state: Any, batch: Any) -> str:
+    """Compile the train step for this batch's shapes without running it (the jit cache keeps it);
+    the compiled HLO's text (for the trace breakdown)."""
+    return trainer.lower_step(state, batch.arrays, batch.capacity).compile().as_text()
 
 
 def _shape_key(batch: Any) -> tuple:
@@ -200,6 +201,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     model_dir = dump / "hf_model" if dump is not None else None
     if model_dir is not None and not (model_dir / "config.json").exists():
         _save_initial(trainer, state, model_dir, gpu)
+    trace = Path(args.profile) / name.replace(" ", "_") if args.profile else None
     # every batch shape the run will meet, compiled before timing (a second loader reads ahead)
     c0, compile_s = dict(_COMPILES), 0.0
     ahead = data_lib.build_loader(sections.data, **shard)
@@ -211,8 +213,12 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
             if key not in seen:
                 seen.add(key)
                 t0 = time.perf_counter()
-                _precompile(trainer, state, batch)
+                hlo = _precompile(trainer, state, batch)
                 compile_s += time.perf_counter() - t0
+                if trace is not None:  # the step's HLO maps trace events to the model's named scopes
+                    trace.mkdir(parents=True, exist_ok=True)
+                    (trace / f"train_step_{len(seen)}.hlo.txt").write_text(hlo)
+                del hlo
             del batch
     finally:
         ahead.close()
@@ -220,7 +226,6 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     loader = data_lib.build_loader(sections.data, **shard)
     steps: list[dict[str, Any]] = []
     hosts: list[dict[str, np.ndarray]] = []
-    trace = Path(args.profile) / name.replace(" ", "_") if args.profile else None
     tracing = False
     # every shape was compiled above: any compile from here on is logged with JAX's reason for the
     # cache miss (the H200 run saw one in its first warmup step, bench/step_h200.md)
@@ -230,7 +235,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         for k in range(total):
             timed = k >= warmup
             if trace is not None and k == warmup:
-                jax.profiler.start_trace(str(trace))
+                jax.profiler.start_trace(str(trace), create_perfetto_trace=True)
                 tracing = True
             before = _COMPILES["count"]
             t0 = time.perf_counter()
@@ -283,6 +288,13 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         "compiled_shapes": len(seen), "timed_compiles": sum(s["compiles"] for s in timed_steps),
         "profile": str(trace) if trace is not None else None,
     }
+    if trace is not None:  # the real step's kernels per component (moevlm_jax.trace_breakdown)
+        from moevlm_jax import trace_breakdown
+
+        hlos = [f.read_text() for f in sorted(trace.glob("train_step_*.hlo.txt"))]
+        result["trace_breakdown"] = trace_breakdown.breakdown(trace, hlos, len(timed_steps), seconds / len(timed_steps))
+        log.info("%s: the timed steps' kernels per component (%s)\n%s", name, trace,
+                 trace_breakdown.format_table(result["trace_breakdown"]))
     if steps[-1]["skipped"]:  # optax.apply_if_finite's running count: these steps trained nothing
         log.warning("%s: %d of %d updates skipped for non-finite gradients (grad norms %s)", name,
                     steps[-1]["skipped"], total, [round(s["grad_norm"], 3) for s in steps])

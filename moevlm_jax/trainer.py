@@ -225,7 +225,8 @@ def microbatch_objective(model: Qwen3VLMoe, mb: Mapping[str, jax.Array], total_t
     targets, mask = mb["targets"], mb["loss_mask"]
     if capacity is not None:
         hidden, targets, mask, _ = gather_trained(hidden, targets, mask, groups, capacity)
-    ce_sum, count = lm_loss(hidden, model.lm_head_kernel(), targets, mask, compute.loss_chunk_size)
+    with jax.named_scope("lm_head"):  # the chunked LM head + cross-entropy (profiler trace labels)
+        ce_sum, count = lm_loss(hidden, model.lm_head_kernel(), targets, mask, compute.loss_chunk_size)
     objective = ce_sum / total_trained
     metrics = {"ce_sum": ce_sum, "trained_tokens": count}
     router = aux["router"]
@@ -264,8 +265,9 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
 
         objective, grads, sums = optim.accumulate_gradients(loss_fn, trainable, micro,
                                                             grad_shardings=grad_shardings)
-        updates, opt_state = tx.update(grads, state["opt_state"], trainable)
-        params = optim.combine(optax.apply_updates(trainable, updates), frozen)
+        with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.trace_breakdown)
+            updates, opt_state = tx.update(grads, state["opt_state"], trainable)
+            params = optim.combine(optax.apply_updates(trainable, updates), frozen)
         load = sums.get("router_load")
         if load is not None and spec.compute.router.expert_bias:  # aux-loss-free balancing, outside the grads
             params = moe_router.update_expert_bias(params, load, spec.compute.router.expert_bias_update_rate)

@@ -157,6 +157,9 @@ def _combine_bwd(res, g):
 combine_rows.defvjp(_combine_fwd, _combine_bwd)
 
 
+FFN_SCOPE = "expert_ffn"  # the expert matmuls + SwiGLU in profiler traces (the rest of "experts": dispatch)
+
+
 def swiglu(h: jax.Array) -> jax.Array:
     """``[..., 2I]`` (gate half first) -> ``[..., I]`` = silu(gate) * up, computed in float32."""
     gate, up = jnp.split(h, 2, axis=-1)
@@ -168,17 +171,20 @@ def expert_ffn(
 ) -> jax.Array:
     """SwiGLU experts on expert-sorted rows ``[M, H]``; w_gate_up ``[G, H, 2I]``, w_down ``[G, I, H]``."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
-    h = grouped_matmul(rows, w_gate_up, group_sizes, backend=backend)
-    act = checkpoint_name(swiglu(h), MOE_ACT)
-    y = grouped_matmul(act, w_down, group_sizes, backend=backend)
+    with jax.named_scope(FFN_SCOPE):
+        h = grouped_matmul(rows, w_gate_up, group_sizes, backend=backend)
+        act = checkpoint_name(swiglu(h), MOE_ACT)
+        y = grouped_matmul(act, w_down, group_sizes, backend=backend)
     return checkpoint_name(y, MOE_EXPERT_OUT)
 
 
 def capacity_ffn(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU experts on the drop-and-pad buffer ``[G, C, H]`` -> ``[G, C, H]`` (batched einsum)."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
-    act = checkpoint_name(swiglu(capacity_matmul(rows, w_gate_up)), MOE_ACT)
-    return checkpoint_name(capacity_matmul(act, w_down), MOE_EXPERT_OUT)
+    with jax.named_scope(FFN_SCOPE):
+        act = checkpoint_name(swiglu(capacity_matmul(rows, w_gate_up)), MOE_ACT)
+        y = capacity_matmul(act, w_down)
+    return checkpoint_name(y, MOE_EXPERT_OUT)
 
 
 def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,

@@ -11,7 +11,9 @@
 #    EXTRA="compute.moe.backend=hybrid compute.moe.capacity_factor=1.25" adds overrides (here: dropless
 #    hybrid experts, padded einsum up to the capacity + grouped matmul past it); DATA=real BREAKDOWN= drops
 #    the mock run and the breakdown (time for HF's torch.compile run: BENCH_END=560). RECIPE=h200 MBS=4: the
-#    one-H200 recipe (selective recompute, capture scopes); PEER=none skips HF.
+#    one-H200 recipe (selective recompute, capture scopes); PEER=none skips HF. PROFILE=1: a profiler trace
+#    of the timed steps (kept on the device) and its per-component kernel table in the result JSON
+#    (moevlm_jax.trace_breakdown); add EXTRA=compute.capture=none so kernels are not hidden in CUDA graphs.
 # 3. with the time left (>= 150 s): capture none vs step at the same setting (moevlm_jax.sweep).
 set -uo pipefail
 T0=$(date +%s)
@@ -26,7 +28,7 @@ timeout 120 python3 bench/scripts/check_attention_grads.py --out "$OUT/attention
     | tee -a "$OUT/step.txt"
 mkdir -p /tmp/bw
 timeout "$(left "${BENCH_END:-420}")" python3 -m moevlm_jax.bench ${RECIPE:+--recipe "$RECIPE"} --peer "${PEER:-hf}" \
-    --data "${DATA:-real,mock}" ${BREAKDOWN---breakdown} \
+    --data "${DATA:-real,mock}" ${BREAKDOWN---breakdown} ${PROFILE:+--profile /tmp/prof} \
     --mbs "${MBS:-2}" --warmup 3 --steps 8 --work-dir /tmp/bw --out "$OUT/step_h200.json" \
     compute.param_dtype=bfloat16 optimizer.state_dtype=bfloat16 ${EXTRA:-} 2>&1 \
     | grep -v "Autotuning cache miss" | tee "$OUT/step_h200.txt"

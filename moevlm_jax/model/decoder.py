@@ -120,8 +120,9 @@ class TextModel(nnx.Module):
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
         """input_ids ``[B, S]`` -> embeddings ``[B, S, H]`` in the compute dtype."""
-        rows = embed_lookup(self.embed_tokens[...], input_ids, ("vocab", "embed"), ACT)  # cast only the rows
-        return constrain(rows.astype(dtype_of(self.compute.dtype)), ACT)
+        with jax.named_scope("embed"):  # profiler trace labels (moevlm_jax.trace_breakdown)
+            rows = embed_lookup(self.embed_tokens[...], input_ids, ("vocab", "embed"), ACT)  # cast only the rows
+            return constrain(rows.astype(dtype_of(self.compute.dtype)), ACT)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                  deepstack: jax.Array | None = None) -> tuple[jax.Array, dict | None]:

@@ -140,6 +140,17 @@ def test_profile_trace_written(run):
     _, result, tmp = run
     for r in result["runs"]:
         assert r["profile"] and list((tmp / "profile").glob(f"{r['name'].replace(' ', '_')}/**/*.xplane.pb"))
+        # the real step's kernels per component (moevlm_jax.trace_breakdown): the model's named scopes
+        # reach the compiled HLO and the trace, and the rows add up to the mean timed step
+        tbd = r["trace_breakdown"]
+        rows = tbd["per_step_ms"]
+        for component in ("vision encoder", "decoder attention", "experts (matmuls + SwiGLU)", "LM head + loss",
+                          "optimizer update"):
+            assert rows.get(component, 0) > 0, (component, rows)
+        timed = r["timed"]
+        assert tbd["steps"] == len(timed)
+        assert tbd["step_ms"] == pytest.approx(1e3 * sum(r["time_per_step"][i] for i in timed) / len(timed))
+        assert sum(rows.values()) == pytest.approx(tbd["step_ms"])
 
 
 def test_hf_inputs_of_a_packed_row():

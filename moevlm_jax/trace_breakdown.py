@@ -1,0 +1,167 @@
+"""Per-component time of the real training step, from a profiler trace (``bench --profile``).
+
+``moevlm_jax.breakdown`` times each component as its own program; this module instead attributes
+the kernels of the *actual* step: every device event of a ``jax.profiler`` Perfetto trace
+(``perfetto_trace.json.gz``, written with ``create_perfetto_trace=True``) names the HLO instruction
+it ran (``args.hlo_op``, ``args.hlo_module``); the compiled step's HLO text maps each instruction to
+its ``op_name`` metadata, i.e. the JAX name stack, which carries the model's named scopes
+(``vision_encoder``, ``projector``, ``embed``, ``decoder_attention``, ``router``, ``experts`` with
+``expert_ffn`` inside, ``lm_head``, ``optimizer``). Backward and recomputed ops keep the scope
+names (``transpose(jvp(decoder_attention))``), so each component's row is forward + backward.
+Kernel time in no scope (residual adds, norms between blocks, casts, the loss gather) is "other";
+step time not covered by any kernel is "device idle" (launch gaps, host waits): the rows add up to
+the measured step by construction. Which events are device kernels: threads named ``Stream #...``
+of ``/device:...`` processes (GPU); where there are none (XLA:CPU), the events with an ``hlo_op``.
+Under command buffers (``capture`` step / scopes) kernels inside a CUDA graph may carry no
+``hlo_op``: they are counted as "unattributed"; profile with ``compute.capture=none`` to see them.
+
+CLI: ``python -m moevlm_jax.trace_breakdown TRACE_DIR HLO.txt [HLO2.txt ...] --steps N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# (component, scope) in match order: the first scope found in an op's name stack wins
+COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("experts (matmuls + SwiGLU)", "expert_ffn"),
+    ("permutation / dispatch", "experts"),
+    ("router", "router"),
+    ("decoder attention", "decoder_attention"),
+    ("projector / mergers", "projector"),
+    ("vision encoder", "vision_encoder"),
+    ("LM head + loss", "lm_head"),
+    ("token embedding", "embed"),
+    ("optimizer update", "optimizer"),
+)
+OTHER, UNATTRIBUTED, IDLE = "other (norms, residuals, casts, ...)", "unattributed (no hlo_op)", "device idle"
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}", re.M)
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_MODULE = re.compile(r"^HloModule\s+([\w.\-]+)", re.M)
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its ``op_name`` metadata (the JAX name stack), from an HLO module's text."""
+    out = {}
+    for m in _INSTR.finditer(hlo_text):
+        name = _OP_NAME.search(m.group(2))
+        if name:
+            out[m.group(1)] = name.group(1)
+    return out
+
+
+def module_name(hlo_text: str) -> str | None:
+    m = _MODULE.search(hlo_text)
+    return m.group(1) if m else None
+
+
+def component_of(op_name: str | None) -> str:
+    """The component of an op by its name stack (``OTHER`` when in no known scope)."""
+    if op_name:
+        parts = set(re.split(r"[/()]", op_name))
+        for component, scope in COMPONENTS:
+            if scope in parts:
+                return component
+    return OTHER
+
+
+def load_trace(path: str | Path) -> list[dict[str, Any]]:
+    """The events of a Perfetto/Chrome trace (``.json`` or ``.json.gz``, or a directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(path.rglob("perfetto_trace.json*")) or sorted(path.rglob("*.trace.json*"))
+        if not found:
+            raise FileNotFoundError(f"no perfetto_trace.json(.gz) under {path}: profile with create_perfetto_trace")
+        path = found[-1]
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_events(events: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The complete (``ph == "X"``) events of the device kernels (see the module docstring)."""
+    procs = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"].get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    complete = [e for e in events if e.get("ph") == "X" and not str(e.get("name", "")).startswith("end: ")]
+    streams = [e for e in complete if procs.get(e["pid"], "").startswith("/device:")
+               and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
+    if streams:
+        return streams
+    return [e for e in complete if "hlo_op" in e.get("args", {})]
+
+
+def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> dict[str, Any]:
+    """Kernel time per component (seconds, summed over the events) for the step's HLO modules."""
+    names: dict[str, dict[str, str]] = {}
+    for text in hlo_texts:
+        names.setdefault(module_name(text) or "", {}).update(op_names(text))
+    seconds: dict[str, float] = collections.defaultdict(float)
+    other_modules: dict[str, float] = collections.defaultdict(float)
+    span = [float("inf"), 0.0]
+    for e in events:
+        args = e.get("args", {})
+        dur = float(e.get("dur", 0.0)) * 1e-6  # trace times are microseconds
+        module, op = args.get("hlo_module"), args.get("hlo_op")
+        if module is not None and module not in names:
+            other_modules[module] += dur  # another program (e.g. the data pipeline's), not the step
+            continue
+        span = [min(span[0], float(e["ts"]) * 1e-6), max(span[1], (float(e["ts"]) + float(e.get("dur", 0))) * 1e-6)]
+        if op is None:
+            seconds[UNATTRIBUTED] += dur
+            continue
+        table = names.get(module, {}) if module is not None else {k: v for t in names.values() for k, v in t.items()}
+        seconds[component_of(table.get(op))] += dur
+    return {"seconds": dict(seconds), "other_modules_s": dict(other_modules),
+            "span_s": max(0.0, span[1] - span[0]) if span[1] else 0.0}
+
+
+def breakdown(trace: str | Path, hlo_texts: Sequence[str], steps: int, step_time_s: float | None = None
+              ) -> dict[str, Any]:
+    """Per-step ms per component from the trace of ``steps`` steps; ``device idle`` = step time
+    (measured, or the traced span / steps) minus the kernel time."""
+    got = attribute(device_events(load_trace(trace)), hlo_texts)
+    per_step = {k: 1e3 * v / steps for k, v in got["seconds"].items()}
+    order = [c for c, _ in COMPONENTS] + [OTHER, UNATTRIBUTED]
+    rows = {k: per_step[k] for k in order if k in per_step}
+    busy = sum(rows.values())
+    step_ms = 1e3 * (step_time_s if step_time_s is not None else got["span_s"] / steps)
+    rows[IDLE] = step_ms - busy
+    return {"per_step_ms": rows, "kernel_ms": busy, "step_ms": step_ms, "steps": steps,
+            "other_programs_ms": {k: 1e3 * v / steps for k, v in got["other_modules_s"].items()}}
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    rows = result["per_step_ms"]
+    width = max(len(k) for k in rows) + 2
+    step = result["step_ms"]
+    lines = [f"{'component (from the profiler trace)':<{width}}{'ms/step':>10}{'share':>8}"]
+    lines += [f"{k:<{width}}{v:>10.2f}{v / step:>8.1%}" for k, v in rows.items()]
+    lines.append(f"{'step':<{width}}{step:>10.2f}{1:>8.0%}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace", help="perfetto_trace.json(.gz) or a directory holding one")
+    p.add_argument("hlo", nargs="+", help="the compiled step's HLO text file(s) (bench --profile writes them)")
+    p.add_argument("--steps", type=int, required=True, help="steps the trace holds")
+    p.add_argument("--step-ms", type=float, help="measured step time (default: the traced span / steps)")
+    args = p.parse_args(argv)
+    result = breakdown(args.trace, [Path(h).read_text() for h in args.hlo], args.steps,
+                       None if args.step_ms is None else args.step_ms / 1e3)
+    print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
