@@ -9,8 +9,8 @@ ARCHITECTURE.md), the learning rate our side applied at each step and which step
 
 Settings (the strongest HF configuration DESIGN.md measured): CUDA -> bf16 parameters,
 ``attn_implementation="sdpa"``, experts ``grouped_mm``, ``torch.optim.AdamW(fused=True)``, each
-run eager and under ``torch.compile`` (the faster counts); CPU -> float32, eager, unfused, denormals
-flushed as XLA:CPU does (tests).
+run eager and with ``torch.compile`` per transformer block (``compile_blocks``; the faster counts);
+CPU -> float32, eager, unfused, denormals flushed as XLA:CPU does (tests).
 The optimizer mirrors ours: AdamW (decoupled decay, same betas/eps/lr per step, no decay on the
 ``no_decay_patterns``), global-norm clipping; the loss is cross-entropy + the router aux loss
 (``output_router_logits``, over non-padding tokens as ours; see :meth:`Peer.step`).
@@ -94,6 +94,28 @@ def load_steps(directory: str | Path) -> list[dict[str, np.ndarray]]:
 
 
 # ----------------------------------------------------------------------------- the torch side
+
+def compile_blocks(model: Any) -> Any:
+    """``torch.compile`` per transformer block (every vision block and decoder layer), as torchtitan
+    compiles: identical blocks share one compiled graph (parameters are graph inputs), and the
+    model's data-dependent parts (the image-token scatter, DeepStack's boolean-mask assignment) stay
+    eager. Compiling the whole model instead broke its graph there ("inductor failed with
+    aten.nonzero") and did not finish within a 10-minute H200 call (bench/step_h200.md run 2).
+    Returns the model (its blocks compiled in place; ``uncompile_blocks`` undoes it)."""
+    for block in _blocks(model):
+        block.compile()
+    return model
+
+
+def uncompile_blocks(model: Any) -> None:
+    """Back to eager blocks (``nn.Module.compile`` keeps the compiled call in ``_compiled_call_impl``)."""
+    for block in _blocks(model):
+        block._compiled_call_impl = None
+
+
+def _blocks(model: Any) -> list[Any]:
+    return [*model.model.visual.blocks, *model.model.language_model.layers]
+
 
 class Peer:
     """transformers' Qwen3VLMoeForConditionalGeneration + AdamW on the local accelerator."""
@@ -209,9 +231,16 @@ class Peer:
 
     def run(self, run: dict[str, Any], mode: str) -> dict[str, Any]:
         """All steps of one run (eager or compiled): per-step losses and times, timed statistics."""
+        forward = self.model if mode == "eager" else compile_blocks(self.model)
+        try:
+            return self._run(run, mode, forward)
+        finally:
+            if mode != "eager":
+                uncompile_blocks(self.model)
+
+    def _run(self, run: dict[str, Any], mode: str, forward: Any) -> dict[str, Any]:
         torch = self.torch
         batches = [self.tensors(b) for b in load_steps(run["batch_dir"])]
-        forward = self.model if mode == "eager" else torch.compile(self.model)
         if self.cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

@@ -43,9 +43,9 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
 )
 OTHER, UNATTRIBUTED, IDLE = "other (norms, residuals, casts, ...)", "unattributed (no hlo_op)", "device idle"
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}", re.M)
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}", re.MULTILINE)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_MODULE = re.compile(r"^HloModule\s+([\w.\-]+)", re.M)
+_MODULE = re.compile(r"^HloModule\s+([\w.\-]+)", re.MULTILINE)
 
 
 def op_names(hlo_text: str) -> dict[str, str]:

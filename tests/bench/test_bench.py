@@ -219,3 +219,20 @@ def test_breakdown_of_the_hybrid_experts(tmp_path):
     bd = json.loads(out.read_text())["runs"][0]["breakdown"]
     assert bd["experts_backend"] == "hybrid" and bd["forward_check_max_abs"] < 1e-4
     assert all(c["present"] and c["seconds"] > 0 for c in bd["components"])
+
+
+def test_hf_peer_compiles_each_block_and_undoes_it():
+    """The HF peer's compiled mode: torch.compile on every vision block and decoder layer (in place,
+    nothing traced until called), undone after the run so a later eager run is eager."""
+    from moevlm_jax.bench_hf import compile_blocks, uncompile_blocks
+    from tests.model.hf_reference import build_hf, hf_config_dicts
+
+    model = build_hf(hf_config_dicts()["tiny"], 0)
+    blocks = [*model.model.visual.blocks, *model.model.language_model.layers]
+    assert len(blocks) == model.config.vision_config.depth + model.config.text_config.num_hidden_layers
+    assert all(b._compiled_call_impl is None for b in blocks)
+    assert compile_blocks(model) is model
+    assert all(b._compiled_call_impl is not None for b in blocks)
+    assert model._compiled_call_impl is None  # the model itself (image scatter, DeepStack) stays eager
+    uncompile_blocks(model)
+    assert all(b._compiled_call_impl is None for b in blocks)
