@@ -10,7 +10,8 @@ its ``op_name`` metadata, i.e. the JAX name stack, which carries the model's nam
 names (``transpose(jvp(decoder_attention))``), so each component's row is forward + backward.
 Kernel time in no scope (residual adds, norms between blocks, casts, the loss gather) is "other";
 step time not covered by any kernel is "device idle" (launch gaps, host waits): the rows add up to
-the measured step by construction. Which events are device kernels: threads named ``Stream #...``
+the measured step by construction (an event whose ``hlo_op`` is unknown but whose ``tf_op`` / ``name``
+argument is itself a name stack is attributed by that). Which events are device kernels: threads named ``Stream #...``
 of ``/device:...`` processes (GPU); where there are none (XLA:CPU), the events with an ``hlo_op``.
 Under command buffers (``capture`` step / scopes) kernels inside a CUDA graph may carry no
 ``hlo_op``: they are counted as "unattributed"; profile with ``compute.capture=none`` to see them.
@@ -116,11 +117,14 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
             other_modules[module] += dur  # another program (e.g. the data pipeline's), not the step
             continue
         span = [min(span[0], float(e["ts"]) * 1e-6), max(span[1], (float(e["ts"]) + float(e.get("dur", 0))) * 1e-6)]
-        if op is None:
+        table = names.get(module, {}) if module is not None else {k: v for t in names.values() for k, v in t.items()}
+        stack = table.get(op) if op is not None else None
+        if stack is None:  # some GPU traces carry the name stack itself (args "tf_op" / "name")
+            stack = next((str(args[k]) for k in ("tf_op", "name") if "/" in str(args.get(k, ""))), None)
+        if op is None and stack is None:
             seconds[UNATTRIBUTED] += dur
             continue
-        table = names.get(module, {}) if module is not None else {k: v for t in names.values() for k, v in t.items()}
-        seconds[component_of(table.get(op))] += dur
+        seconds[component_of(stack)] += dur
     return {"seconds": dict(seconds), "other_modules_s": dict(other_modules),
             "span_s": max(0.0, span[1] - span[0]) if span[1] else 0.0}
 

@@ -49,21 +49,26 @@ def test_hlo_ops_map_to_named_scopes():
 
 def test_device_kernels_are_attributed_and_add_up_to_the_step(tmp_path):
     """GPU-like trace: a compute stream (counted), a host thread with the same ops (not counted),
-    another program's kernel (listed apart) and a kernel without hlo_op (unattributed). 2 steps of
-    100 us: by hand, per step (ms) attention 0.010, expert matmuls 0.020, dispatch 0.005, other
-    0.003, optimizer 0.002, unattributed 0.001, idle 0.1 - 0.041 = 0.059."""
+    another program's kernel (listed apart), a kernel without hlo_op (unattributed) and one with only
+    a name-stack argument. 2 steps of 100 us: by hand, per step (ms) attention 0.010, expert matmuls
+    0.020, dispatch 0.005, router 0.004, other 0.003, optimizer 0.002, unattributed 0.001, idle
+    0.1 - 0.045 = 0.055."""
     events = _meta(1, "/device:GPU:0", 7, "Stream #7(Compute)") + _meta(2, "/host:CPU", 3, "python3")
     for step in range(2):
         t = step * 100
         events += [_ev(1, 7, t, 10, "fusion.1"), _ev(1, 7, t + 10, 20, "custom-call.2"), _ev(1, 7, t + 30, 5, "gather.3"),
                    _ev(1, 7, t + 35, 3, "add.4"), _ev(1, 7, t + 38, 2, "fusion.5"), _ev(1, 7, t + 40, 1, None),
                    _ev(1, 7, t + 41, 7, "fusion.9", module="jit_prefetch"), _ev(2, 3, t, 50, "fusion.1")]
+        named = _ev(1, 7, t + 48, 4, None)  # no hlo_op, but the name stack as an argument
+        named["args"]["tf_op"] = "jit(_train_step)/transpose(jvp(router))/dot_general"
+        events.append(named)
     path = tmp_path / "perfetto_trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     got = tb.breakdown(tmp_path, [HLO], steps=2, step_time_s=100e-6)
-    want = {"experts (matmuls + SwiGLU)": 0.020, "permutation / dispatch": 0.005, "decoder attention": 0.010,
-            "optimizer update": 0.002, tb.OTHER: 0.003, tb.UNATTRIBUTED: 0.001, tb.IDLE: 0.059}
+    want = {"experts (matmuls + SwiGLU)": 0.020, "permutation / dispatch": 0.005, "router": 0.004,
+            "decoder attention": 0.010, "optimizer update": 0.002, tb.OTHER: 0.003, tb.UNATTRIBUTED: 0.001,
+            tb.IDLE: 0.055}
     assert got["per_step_ms"].keys() == want.keys()
     for k, v in want.items():
         assert got["per_step_ms"][k] == pytest.approx(v, abs=1e-12), k
