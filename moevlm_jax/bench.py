@@ -138,10 +138,9 @@ def _steady(args: argparse.Namespace, gpu: bool) -> tuple[int, int]:
     return warmup, steps
 
 
-def _precompile(trainer: Any, state: Any, batch: Any) -> str:
-    """Compile the train step for this batch's shapes without running it (the jit cache keeps it);
-    the compiled HLO's text (for the trace breakdown)."""
-    return trainer.lower_step(state, batch.arrays, batch.capacity).compile().as_text()
+def _precompile(trainer: Any, state: Any, batch: Any) -> Any:
+    """Compile the train step for this batch's shapes without running it (the jit cache keeps it)."""
+    return trainer.lower_step(state, batch.arrays, batch.capacity).compile()
 
 
 def _shape_key(batch: Any) -> tuple:
@@ -213,12 +212,12 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
             if key not in seen:
                 seen.add(key)
                 t0 = time.perf_counter()
-                hlo = _precompile(trainer, state, batch)
+                compiled = _precompile(trainer, state, batch)
                 compile_s += time.perf_counter() - t0
                 if trace is not None:  # the step's HLO maps trace events to the model's named scopes
                     trace.mkdir(parents=True, exist_ok=True)
-                    (trace / f"train_step_{len(seen)}.hlo.txt").write_text(hlo)
-                del hlo
+                    (trace / f"train_step_{len(seen)}.hlo.txt").write_text(compiled.as_text())
+                del compiled
             del batch
     finally:
         ahead.close()
