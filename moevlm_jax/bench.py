@@ -228,7 +228,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     tracing = False
     # every shape was compiled above: any compile from here on is logged with JAX's reason for the
     # cache miss (the H200 run saw one in its first warmup step, bench/step_h200.md)
-    explain, ran = jax.config.jax_explain_cache_misses, frozenset()
+    explain, ran = jax.config.jax_explain_cache_misses, set()
     jax.config.update("jax_explain_cache_misses", True)
     try:
         for k in range(total):
@@ -241,7 +241,9 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
             host = next(loader)
             batch = trainer.prepare(host)
             t1 = time.perf_counter()
-            first_run, ran = _shape_key(batch) not in ran, ran | {_shape_key(batch)}  # an executable's first run
+            key = _shape_key(batch)
+            first_run = key not in ran  # this executable's first run
+            ran.add(key)
             state, metrics = trainer.step(state, batch)
             jax.block_until_ready((state, metrics))
             t2 = time.perf_counter()

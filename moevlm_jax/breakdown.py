@@ -43,7 +43,7 @@ from moevlm_jax.model.rotary import mrope_cos_sin
 from moevlm_jax.trainer import gather_trained, loss_capacity
 from parallelism.dispatch import ExpertTopology
 from parallelism.experts import resolve_options
-from parallelism.hybrid import hybrid_buffer_ffn, hybrid_overflow_rows, hybrid_slots
+from parallelism.hybrid import hybrid_buffer_ffn, hybrid_slots
 from parallelism.permute import (
     capacity_ffn,
     combine_rows,
@@ -232,7 +232,6 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
 
     rows, seq = batch["input_ids"].shape
     k, e = tc.num_experts_per_tok, tc.num_experts
-    over_rows = min(rows * seq * k, hybrid_overflow_rows(rows * seq * k, opts.hybrid_overflow))  # hybrid: E*C + this
     per_stack("router", ("moe",), ("post_attention_layernorm", "gate"), route_body,
               lambda x: (jnp.zeros((rows, seq, k), jnp.float32), jnp.zeros((rows, e), jnp.float32),
                          jnp.zeros((rows,), jnp.float32)),
@@ -250,8 +249,8 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
         w_down = layer.mlp.down_proj[...].astype(dt)
         if opts.backend == "capacity":
             return capacity_ffn(rows.reshape(e, -1, rows.shape[-1]), w_gu, w_down).reshape(rows.shape)
-        if opts.backend == "hybrid":  # counts: the overflow counts; the capacity from the buffer's size
-            cap = (rows.shape[0] - over_rows) // e
+        if opts.backend == "hybrid":  # counts: the overflow counts; the capacity as hybrid_slots sets it
+            cap = expert_capacity(batch["input_ids"].size, k, e, opts.capacity_factor)
             return hybrid_buffer_ffn(rows, counts, cap, w_gu, w_down, opts.overflow_backend)
         return expert_ffn(rows, counts, w_gu, w_down, opts.backend)
 

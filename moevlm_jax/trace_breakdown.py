@@ -106,6 +106,7 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
     names: dict[str, dict[str, str]] = {}
     for text in hlo_texts:
         names.setdefault(module_name(text) or "", {}).update(op_names(text))
+    merged = {k: v for table in names.values() for k, v in table.items()}  # events without a module
     seconds: dict[str, float] = collections.defaultdict(float)
     other_modules: dict[str, float] = collections.defaultdict(float)
     span = [float("inf"), 0.0]
@@ -117,7 +118,7 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
             other_modules[module] += dur  # another program (e.g. the data pipeline's), not the step
             continue
         span = [min(span[0], float(e["ts"]) * 1e-6), max(span[1], (float(e["ts"]) + float(e.get("dur", 0))) * 1e-6)]
-        table = names.get(module, {}) if module is not None else {k: v for t in names.values() for k, v in t.items()}
+        table = names.get(module, {}) if module is not None else merged
         stack = table.get(op) if op is not None else None
         if stack is None:  # some GPU traces carry the name stack itself (args "tf_op" / "name")
             stack = next((str(args[k]) for k in ("tf_op", "name") if "/" in str(args.get(k, ""))), None)
