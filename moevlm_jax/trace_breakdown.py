@@ -43,6 +43,8 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("optimizer update", "optimizer"),
 )
 OTHER, UNATTRIBUTED, IDLE = "other (norms, residuals, casts, ...)", "unattributed (no hlo_op)", "device idle"
+UNMATCHED = "unmatched (hlo_op not in the step's HLO)"
+TOP = 25  # the largest kernels of the other / unmatched / unattributed rows, kept for diagnosis
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}", re.MULTILINE)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -108,6 +110,7 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
         names.setdefault(module_name(text) or "", {}).update(op_names(text))
     merged = {k: v for table in names.values() for k, v in table.items()}  # events without a module
     seconds: dict[str, float] = collections.defaultdict(float)
+    top: dict[tuple[str, str, str, str], float] = collections.defaultdict(float)
     other_modules: dict[str, float] = collections.defaultdict(float)
     span = [float("inf"), 0.0]
     for e in events:
@@ -122,11 +125,13 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
         stack = table.get(op) if op is not None else None
         if stack is None:  # some GPU traces carry the name stack itself (args "tf_op" / "name")
             stack = next((str(args[k]) for k in ("tf_op", "name") if "/" in str(args.get(k, ""))), None)
-        if op is None and stack is None:
-            seconds[UNATTRIBUTED] += dur
-            continue
-        seconds[component_of(stack)] += dur
+        component = UNATTRIBUTED if op is None and stack is None else UNMATCHED if stack is None else component_of(stack)
+        seconds[component] += dur
+        if component in (OTHER, UNMATCHED, UNATTRIBUTED):
+            top[(component, str(e.get("name", ""))[:120], str(op), (stack or "")[-200:])] += dur
+    largest = sorted(top.items(), key=lambda kv: -kv[1])[:TOP]
     return {"seconds": dict(seconds), "other_modules_s": dict(other_modules),
+            "top_unscoped": [{"row": k[0], "kernel": k[1], "hlo_op": k[2], "op_name": k[3], "s": v} for k, v in largest],
             "span_s": max(0.0, span[1] - span[0]) if span[1] else 0.0}
 
 
@@ -136,12 +141,13 @@ def breakdown(trace: str | Path, hlo_texts: Sequence[str], steps: int, step_time
     (measured, or the traced span / steps) minus the kernel time."""
     got = attribute(device_events(load_trace(trace)), hlo_texts)
     per_step = {k: 1e3 * v / steps for k, v in got["seconds"].items()}
-    order = [c for c, _ in COMPONENTS] + [OTHER, UNATTRIBUTED]
+    order = [c for c, _ in COMPONENTS] + [OTHER, UNMATCHED, UNATTRIBUTED]
     rows = {k: per_step[k] for k in order if k in per_step}
     busy = sum(rows.values())
     step_ms = 1e3 * (step_time_s if step_time_s is not None else got["span_s"] / steps)
     rows[IDLE] = step_ms - busy
-    return {"per_step_ms": rows, "kernel_ms": busy, "step_ms": step_ms, "steps": steps,
+    top = [dict(t, ms_per_step=1e3 * t.pop("s") / steps) for t in got["top_unscoped"]]
+    return {"per_step_ms": rows, "kernel_ms": busy, "step_ms": step_ms, "steps": steps, "top_unscoped": top,
             "other_programs_ms": {k: 1e3 * v / steps for k, v in got["other_modules_s"].items()}}
 
 
@@ -152,6 +158,10 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines = [f"{'component (from the profiler trace)':<{width}}{'ms/step':>10}{'share':>8}"]
     lines += [f"{k:<{width}}{v:>10.2f}{v / step:>8.1%}" for k, v in rows.items()]
     lines.append(f"{'step':<{width}}{step:>10.2f}{1:>8.0%}")
+    if result.get("top_unscoped"):
+        lines.append("largest kernels outside the named scopes (ms/step, row, kernel, hlo_op, op_name tail):")
+        lines += [f"  {t['ms_per_step']:8.2f}  {t['row'][:10]:<10} {t['kernel'][:40]:<40} {t['hlo_op'][:28]:<28} "
+                  f"{t['op_name'][-90:]}" for t in result["top_unscoped"][:12]]
     return "\n".join(lines)
 
 

@@ -17,6 +17,9 @@ Backends:
   bf16 rounding, 0.17%), and configs with a 64-row token block give inf; 64x128x128 with 3 stages is
   at bf16 rounding at the same speed. The forward config 128x128x64, 4 stages, persistent ran 1.27-1.38x
   the heuristic's speed (bench/moe_layer.md, bench/scripts/probe_tokamax.py).
+- ``"triton"``: this project's Pallas-Triton kernels (``parallelism.gmm_triton``: forward, d(x) on the
+  weights read transposed, d(w) contracting each group's rows), with their own VJP; GPU, and on CPU in
+  Pallas' interpret mode (tests). Rows past ``sum(group_sizes)`` are masked here as for tokamax.
 - ``"dense"``: a masked per-group einsum over ``[G, M, K]``; a reference for tests, O(G) memory.
 And for drop-and-pad: :func:`capacity_matmul` ``[G, C, K] x [G, K, N] -> [G, C, N]``.
 """
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-BACKENDS: tuple[str, ...] = ("ragged_dot", "tokamax", "dense")
+BACKENDS: tuple[str, ...] = ("ragged_dot", "tokamax", "triton", "dense")
 GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 
 _TOKAMAX: dict[str, Any] = {}
@@ -188,6 +191,34 @@ def _tokamax_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
+@jax.custom_vjp
+def _triton_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return _triton_fwd(lhs, rhs, group_sizes)[0]
+
+
+def _triton_fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, tuple]:
+    from parallelism import gmm_triton
+
+    valid = _valid_rows(lhs.shape[0], group_sizes)
+    out = gmm_triton.gmm(lhs, rhs, group_sizes, config=gmm_triton.CONFIGS["fwd"])
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype)), (lhs, rhs, group_sizes)
+
+
+def _triton_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
+    from parallelism import gmm_triton
+
+    lhs, rhs, group_sizes = res
+    valid = _valid_rows(lhs.shape[0], group_sizes)
+    g = g.astype(lhs.dtype)
+    dlhs = gmm_triton.gmm(g, rhs, group_sizes, trans_w=True, config=gmm_triton.CONFIGS["dx"])
+    dlhs = jnp.where(valid[:, None], dlhs, jnp.zeros((), dlhs.dtype))
+    drhs = gmm_triton.tgmm(lhs, g, group_sizes, config=gmm_triton.CONFIGS["dw"], out_dtype=rhs.dtype)
+    return dlhs, drhs, None
+
+
+_triton_matmul.defvjp(_triton_fwd, _triton_bwd)
+
+
 def _dense_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
     g = rhs.shape[0]
     ends = jnp.cumsum(group_sizes)
@@ -211,6 +242,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, ba
         return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
     if backend == "tokamax":
         return _tokamax_matmul(lhs, rhs, group_sizes, out_dtype)
+    if backend == "triton":
+        return _triton_matmul(lhs, rhs, group_sizes)
     return _dense_matmul(lhs, rhs, group_sizes, out_dtype)
 
 

@@ -39,7 +39,7 @@ def _value_and_grads(fn, lhs, rhs):
     return jax.value_and_grad(lambda a, b: jnp.sum(fn(a, b) * probe), argnums=(0, 1))(lhs, rhs)
 
 
-@pytest.mark.parametrize("backend", ["ragged_dot", "dense"])
+@pytest.mark.parametrize("backend", ["ragged_dot", "dense", "triton"])
 @pytest.mark.parametrize("case", sorted(GROUP_SIZES))
 def test_backend_matches_per_group_reference(backend, case):
     lhs, rhs = _inputs()
@@ -152,3 +152,59 @@ def test_bfloat16_output_dtype():
         atol=0.15,
         rtol=0.05,
     )
+
+
+def test_triton_tile_table_hand_computed():
+    from parallelism.gmm_triton import tile_table
+
+    # groups of 5, 0, 9, 2 rows in tiles of 4 (16 rows): tiles [0,4) [4,5) | [5,9) [9,13) [13,14) | [14,16)
+    group, row0, row1 = (np.asarray(a) for a in tile_table(jnp.asarray([5, 0, 9, 2]), 16, 4))
+    assert len(group) == 16 // 4 + 4
+    np.testing.assert_array_equal(group[:6], [0, 0, 2, 2, 2, 3])
+    np.testing.assert_array_equal(row0[:6], [0, 4, 5, 9, 13, 14])
+    np.testing.assert_array_equal(row1[:6], [5, 5, 14, 14, 14, 16])
+    assert (row1[6:] == row0[6:]).all()  # unused tiles: empty ranges
+
+
+@pytest.mark.parametrize("sizes", [[37, 0, 90, 3, 70], [0, 0, 5, 0, 0], [60, 1, 17, 0, 2]])
+def test_triton_kernels_match_per_group_einsum(sizes):
+    """The three Pallas-Triton kernels (interpret mode on CPU) with tiles that cut groups at unaligned
+    rows, a partial last tile running past the array's end, empty groups, and NaN in the padding rows
+    (which the kernels must not read)."""
+    from parallelism import gmm_triton as gt
+
+    rng = np.random.default_rng(3)
+    m, k, n, g = 200, 32, 48, len(sizes)
+    valid = np.arange(m) < sum(sizes)
+    x = np.where(valid[:, None], rng.standard_normal((m, k)), np.nan).astype(np.float32)
+    dy = np.where(valid[:, None], rng.standard_normal((m, n)), np.nan).astype(np.float32)
+    w = rng.standard_normal((g, k, n)).astype(np.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    cfg = gt.Config(block_m=16, block_n=16, block_k=16)
+    starts = np.cumsum([0] + sizes[:-1])
+    want_out, want_dx = np.zeros((m, n), np.float32), np.zeros((m, k), np.float32)
+    want_dw = np.zeros((g, k, n), np.float32)
+    for e, (s0, c) in enumerate(zip(starts, sizes)):
+        want_out[s0:s0 + c] = x[s0:s0 + c] @ w[e]
+        want_dx[s0:s0 + c] = dy[s0:s0 + c] @ w[e].T
+        want_dw[e] = x[s0:s0 + c].T @ dy[s0:s0 + c]
+    out = np.asarray(gt.gmm(jnp.asarray(x), jnp.asarray(w), gs, config=cfg))
+    dx = np.asarray(gt.gmm(jnp.asarray(dy), jnp.asarray(w), gs, trans_w=True, config=cfg))
+    dw = np.asarray(gt.tgmm(jnp.asarray(x), jnp.asarray(dy), gs, config=cfg))
+    assert_close(out[valid], want_out[valid], what="gmm")
+    assert_close(dx[valid], want_dx[valid], what="gmm trans_w")
+    assert_close(dw, want_dw, what="tgmm")
+    with pytest.raises(ValueError, match="do not contract"):
+        gt.gmm(jnp.asarray(x), jnp.asarray(w), gs, trans_w=True)
+
+
+def test_triton_configs_from_file(tmp_path, monkeypatch):
+    from parallelism import gmm_triton as gt
+
+    monkeypatch.setattr(gt, "CONFIGS", dict(gt.CONFIGS))
+    path = tmp_path / "cfg.json"
+    path.write_text('{"dw": {"block_m": 32, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}}')
+    assert gt.load_configs(str(path))["dw"] == gt.Config(32, 64, 128, 4, 4)
+    path.write_text('{"bwd": {}}')
+    with pytest.raises(ValueError, match="unknown kernels"):
+        gt.load_configs(str(path))

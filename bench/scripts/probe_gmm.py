@@ -1,0 +1,146 @@
+"""Grouped-matmul kernels on the GPU, one matmul at a time (issue 6): this project's Pallas-Triton
+kernels (``parallelism.gmm_triton``) over a few tile configs, against tokamax's Mosaic-GPU kernels with
+the configs ``parallelism.grouped_matmul`` uses, and the same FLOPs as one balanced batched einsum (the
+ceiling), all in one process on the same skewed routing; each result checked against a float32
+reference (norm-wise relative error, as bench/scripts/probe_tokamax.py).
+
+  out [M, N] = x @ w[g]  (fwd)    dx [M, K] = dy @ w[g]^T  (dx)    dw [G, K, N] = x_g^T dy_g  (dw)
+
+``--best-out FILE`` writes the fastest accurate Triton config per kernel (the format of
+``MOEVLM_GMM_TRITON_CONFIGS``, read by ``parallelism.gmm_triton``), chosen on the gate_up shape.
+
+  python bench/scripts/probe_gmm.py --out $OUT/gmm_probe.json --best-out $OUT/gmm_triton_configs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from probe_tokamax import SHAPES, group_sizes, per_group_rel, references, rel, timed
+
+from parallelism import gmm_triton as gt
+
+# (block_m, block_n, block_k, num_warps, num_stages); for dw block_m is the rows per step and
+# block_k x block_n the output tile
+FWD = [(128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
+       (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 256, 64, 8, 4)]
+DW = [(64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (32, 128, 128, 4, 4), (128, 128, 128, 8, 3),
+      (64, 256, 128, 8, 3), (64, 128, 256, 8, 3), (64, 64, 128, 4, 4), (128, 128, 64, 8, 3)]
+ACCURATE = 5e-3  # bf16 inputs and output vs float32: ~1.7e-3 measured for correct kernels
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, default=131072, help="token rows (tokens x top-k)")
+    p.add_argument("--groups", type=int, default=128)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--budget", type=float, default=300.0, help="seconds; no new variant starts after this")
+    p.add_argument("--shapes", default="gate_up,down")
+    p.add_argument("--no-tokamax", action="store_true")
+    p.add_argument("--out")
+    p.add_argument("--best-out")
+    args = p.parse_args()
+    t_start = time.perf_counter()
+    bf16 = jnp.bfloat16
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": args.rows, "groups": args.groups}
+    rows: list[dict] = []
+
+    def record(row: dict, fn, inputs, ref, valid, flops, sizes_np) -> None:
+        if time.perf_counter() - t_start > args.budget:
+            row["skipped"] = "budget"
+            rows.append(row)
+            return
+        try:
+            t0 = time.perf_counter()
+            ms, out = timed(jax.jit(fn), inputs, args.iters)
+            row.update(ms=ms, tflops=flops / ms / 1e9, first_s=time.perf_counter() - t0)
+            if row["kernel"] == "dw":
+                row["rel_err"] = rel(out, ref)
+                pg = per_group_rel(out, ref)[sizes_np > 0]
+                row["group_rel_err_max"] = float(pg.max())
+            elif ref is not None:
+                row["rel_err"] = rel(out, ref, valid)
+        except Exception as e:  # noqa: BLE001 - an unsupported config is a result
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}" if str(e) else type(e).__name__
+            traceback.print_exc(limit=2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    tok = None
+    if not args.no_tokamax:
+        try:
+            from tokamax._src.ops.ragged_dot import base
+            from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as pmg
+
+            from parallelism.grouped_matmul import TOKAMAX_SM90_CONFIGS
+            dims = {"fwd": base.DEFAULT_RAGGED_DOT_DIM_NUMS, "dx": base.TRANS_RHS_RAGGED_DOT_DIM_NUMS,
+                    "dw": base.RAGGED_CONTRACTING_DOT_DIM_NUMS}
+
+            def tok(kind):
+                op = pmg.PallasMosaicGpuRaggedDot(config=pmg.Config(**TOKAMAX_SM90_CONFIGS["dw" if kind == "dw" else "fwd"]))
+                return lambda a, b, gs: op(a, b, group_sizes=gs, ragged_dot_dimension_numbers=dims[kind], precision=None,
+                                           preferred_element_type=bf16, activation=None)
+        except Exception as e:  # noqa: BLE001
+            meta["tokamax_error"] = repr(e)
+
+    for shape in args.shapes.split(","):
+        k, n = SHAPES[shape]
+        m, g = args.rows, args.groups
+        key = jax.random.split(jax.random.PRNGKey(0), 3)
+        x = jax.random.normal(key[0], (m, k), jnp.float32).astype(bf16)
+        w = (jax.random.normal(key[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(bf16)
+        dy = jax.random.normal(key[2], (m, n), jnp.float32).astype(bf16)
+        sizes_np = group_sizes(m, g, seed=1)
+        gs = jnp.asarray(sizes_np)
+        ref = dict(zip(("fwd", "dx", "dw"), references(x, w, dy, sizes_np)[:3]))
+        valid = jnp.arange(m) < int(sizes_np.sum())
+        fl = 2.0 * int(sizes_np.sum()) * k * n
+        inputs = {"fwd": (x, w, gs), "dx": (dy, w, gs), "dw": (x, dy, gs)}
+        base_row = dict(shape=shape, load_max_over_mean=float(sizes_np.max() / sizes_np.mean()))
+        xb = x.reshape(g, m // g, k)
+        record(dict(base_row, kernel="fwd", variant="ceiling: balanced batched einsum"),
+               lambda a, b: jnp.einsum("gck,gkn->gcn", a, b), (xb, w), None, None, 2.0 * m * k * n, sizes_np)
+        for kind in ("fwd", "dx", "dw"):
+            if tok is not None:
+                record(dict(base_row, kernel=kind, variant="tokamax (grouped_matmul configs)"), tok(kind), inputs[kind],
+                       ref[kind], valid, fl, sizes_np)
+            for c in (DW if kind == "dw" else FWD):
+                cfg = gt.Config(*c)
+                if kind == "dw":
+                    fn = lambda a, b, s, cfg=cfg: gt.tgmm(a, b, s, config=cfg)  # noqa: E731
+                else:
+                    fn = lambda a, b, s, cfg=cfg, t=kind == "dx": gt.gmm(a, b, s, trans_w=t, config=cfg)  # noqa: E731
+                record(dict(base_row, kernel=kind, variant=f"triton {c}", config=list(c)), fn, inputs[kind], ref[kind],
+                       valid, fl, sizes_np)
+        del ref
+    print(f"\n{'shape':<8} {'kernel':<4} {'variant':<40} {'ms':>7} {'TFLOP/s':>8} {'rel err':>9}")
+    for r in rows:
+        print(f"{r['shape']:<8} {r['kernel']:<4} {r['variant'][:40]:<40} {r.get('ms', float('nan')):>7.3f} "
+              f"{r.get('tflops', float('nan')):>8.1f} {r.get('rel_err', float('nan')):>9.2e} "
+              f"{r.get('error', r.get('skipped', ''))[:80]}")
+    best = {}
+    for kind in ("fwd", "dx", "dw"):
+        ok = [r for r in rows if r["shape"] == args.shapes.split(",")[0] and r["kernel"] == kind and "config" in r
+              and r.get("rel_err", 1.0) < ACCURATE]
+        if ok:
+            best[kind] = min(ok, key=lambda r: r["ms"])["config"]
+    print("best triton configs:", json.dumps(best))
+    if args.best_out and best:
+        with open(args.best_out, "w") as f:
+            json.dump({k: dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), v))
+                       for k, v in best.items()}, f, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows, "best": best}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Grouped matmul as Pallas-Triton kernels (GPU; on CPU they run in Pallas' interpret mode for tests).
+
+The three matmuls of a grouped matmul's forward and backward, rows of ``x`` sorted by group:
+
+  gmm        out [M, N]    = x [M, K] @ w[g(m)] [K, N]         (forward)
+  gmm trans  dx  [M, K]    = dy [M, N] @ w[g(m)]^T              (d x: the same kernel, w read transposed)
+  tgmm       dw  [G, K, N] = x_g^T [K, M_g] @ dy_g [M_g, N]     (d w: the row dimension is contracted)
+
+Tiles: the rows of each group are cut into tiles of ``block_m`` rows starting at the group's first row
+(MegaBlocks / the TPU ``gmm`` layout), so a tile never spans two groups and no row is padded or copied;
+the tile -> (group, first row, end row) table is computed from ``group_sizes`` outside the kernel. The
+static tile count is ``cdiv(M, block_m) + G`` (each group adds at most one partial tile); tiles past the
+real ones exit at once. Rows past ``sum(group_sizes)`` are not written by ``gmm`` (the caller masks them).
+
+Launch order: the first grid dimension varies fastest, so the ``N`` blocks of one row tile run next to
+each other (the tile's ``x`` rows are read from HBM once and reused from L2) and the tiles of one group
+follow each other (its weight matrix stays in L2). ``tgmm`` runs one program per (N block, K block,
+group), groups slowest, each looping over its group's rows in chunks of ``block_m``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile sizes and Triton launch parameters of one kernel."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# per kernel: "fwd" (gmm), "dx" (gmm, w transposed), "dw" (tgmm; block_m = rows per step, block_k x block_n
+# = the output tile). Starting points, not yet measured on the GPU (bench/scripts/probe_gmm.py sweeps them).
+CONFIGS: dict[str, Config] = {"fwd": Config(), "dx": Config(), "dw": Config(block_m=64, block_n=128, block_k=128)}
+CONFIG_ENV = "MOEVLM_GMM_TRITON_CONFIGS"
+
+
+def load_configs(path: str) -> dict[str, Config]:
+    """Replace :data:`CONFIGS` entries from a JSON file ``{"fwd"|"dx"|"dw": {field: value}}`` (what
+    ``bench/scripts/probe_gmm.py --best-out`` writes); read at import from ``$MOEVLM_GMM_TRITON_CONFIGS``."""
+    with open(path) as f:
+        raw = json.load(f)
+    unknown = sorted(set(raw) - set(CONFIGS))
+    if unknown:
+        raise ValueError(f"{path}: unknown kernels {unknown}; known: {sorted(CONFIGS)}")
+    CONFIGS.update({kind: Config(**fields) for kind, fields in raw.items()})
+    return CONFIGS
+
+
+if os.environ.get(CONFIG_ENV):
+    load_configs(os.environ[CONFIG_ENV])
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _fit(cfg: Config, k: int, n: int, what: str, interpret: bool) -> Config:
+    """``cfg`` with block_k / block_n cut to the largest power of two that divides K / N (small test
+    shapes); on the GPU a block under 16 (Triton's smallest dot) is an error."""
+    def fit(block: int, dim: int) -> int:
+        while block > 1 and dim % block:
+            block //= 2
+        return block
+
+    out = dataclasses.replace(cfg, block_k=fit(cfg.block_k, k), block_n=fit(cfg.block_n, n))
+    if not interpret and min(out.block_k, out.block_n) < 16:
+        raise ValueError(f"{what}: K={k} and N={n} need a power-of-two divisor >= 16 for the Triton kernels")
+    return out
+
+
+def tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per tile: group, first row, end row (exclusive; == first row for unused tiles). ``[T]`` each,
+    ``T = cdiv(m, block_m) + G``."""
+    g = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    tiles_per_group = (sizes + block_m - 1) // block_m
+    tile_ends = jnp.cumsum(tiles_per_group)
+    n_tiles = pl.cdiv(m, block_m) + g
+    t = jnp.arange(n_tiles, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), g - 1).astype(jnp.int32)
+    local = t - (tile_ends[group] - tiles_per_group[group])
+    used = t < tile_ends[-1]
+    row0 = jnp.where(used, starts[group] + local * block_m, 0).astype(jnp.int32)
+    row1 = jnp.where(used, ends[group], 0).astype(jnp.int32)
+    return group, row0, row1
+
+
+def _gmm_kernel(group_ref, row0_ref, row1_ref, x_ref, w_ref, o_ref, *, k: int, cfg: Config, trans_w: bool):
+    n_i, t = pl.program_id(0), pl.program_id(1)
+    row0, row1 = row0_ref[t], row1_ref[t]
+
+    @pl.when(row1 > row0)
+    def _():
+        g = group_ref[t]
+        rows = row0 + jnp.arange(cfg.block_m, dtype=jnp.int32)
+        row_mask = (rows < row1)[:, None]
+        a_mask = jnp.broadcast_to(row_mask, (cfg.block_m, cfg.block_k))
+        n_slice = pl.ds(pl.multiple_of(n_i * cfg.block_n, cfg.block_n), cfg.block_n)
+
+        def body(k_i, acc):
+            k_slice = pl.ds(pl.multiple_of(k_i * cfg.block_k, cfg.block_k), cfg.block_k)
+            a = plgpu.load(x_ref.at[pl.ds(row0, cfg.block_m), k_slice], mask=a_mask, other=0.0)
+            if trans_w:  # w [G, N, K]: the tile [block_n, block_k], contracted on its second axis
+                b = plgpu.load(w_ref.at[g, n_slice, k_slice])
+                return acc + plgpu.dot(a, b, trans_b=True)
+            b = plgpu.load(w_ref.at[g, k_slice, n_slice])
+            return acc + plgpu.dot(a, b)
+
+        acc = jax.lax.fori_loop(0, k // cfg.block_k, body, jnp.zeros((cfg.block_m, cfg.block_n), jnp.float32))
+        plgpu.store(o_ref.at[pl.ds(row0, cfg.block_m), n_slice], acc.astype(o_ref.dtype),
+                    mask=jnp.broadcast_to(row_mask, (cfg.block_m, cfg.block_n)))
+
+
+def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False,
+        config: Config | None = None, interpret: bool | None = None) -> jax.Array:
+    """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` (``[G, N, K]`` with ``trans_w``) -> ``[M, N]``.
+    Rows past ``sum(group_sizes)`` are left unwritten."""
+    cfg = config or CONFIGS["dx" if trans_w else "fwd"]
+    m, k = x.shape
+    n = w.shape[1] if trans_w else w.shape[2]
+    if (w.shape[2] if trans_w else w.shape[1]) != k:
+        raise ValueError(f"gmm: x {x.shape} and w {w.shape} (trans_w={trans_w}) do not contract")
+    interpret = _on_cpu() if interpret is None else interpret
+    cfg = _fit(cfg, k, n, "gmm", interpret)
+    group, row0, row1 = tile_table(group_sizes, m, cfg.block_m)
+    kernel = functools.partial(_gmm_kernel, k=k, cfg=cfg, trans_w=trans_w)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(n // cfg.block_n, group.shape[0]),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="gmm_trans" if trans_w else "gmm",
+    )(group, row0, row1, x, w)
+
+
+def _tgmm_kernel(start_ref, size_ref, x_ref, dy_ref, o_ref, *, cfg: Config):
+    n_i, k_i, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, size = start_ref[g], size_ref[g]
+    k_slice = pl.ds(pl.multiple_of(k_i * cfg.block_k, cfg.block_k), cfg.block_k)
+    n_slice = pl.ds(pl.multiple_of(n_i * cfg.block_n, cfg.block_n), cfg.block_n)
+
+    def body(j, acc):
+        row0 = start + j * cfg.block_m
+        mask = ((row0 + jnp.arange(cfg.block_m, dtype=jnp.int32)) < start + size)[:, None]
+        a = plgpu.load(x_ref.at[pl.ds(row0, cfg.block_m), k_slice], other=0.0,
+                       mask=jnp.broadcast_to(mask, (cfg.block_m, cfg.block_k)))
+        b = plgpu.load(dy_ref.at[pl.ds(row0, cfg.block_m), n_slice], other=0.0,
+                       mask=jnp.broadcast_to(mask, (cfg.block_m, cfg.block_n)))
+        return acc + plgpu.dot(a, b, trans_a=True)
+
+    acc = jax.lax.fori_loop(0, (size + cfg.block_m - 1) // cfg.block_m, body,
+                            jnp.zeros((cfg.block_k, cfg.block_n), jnp.float32))
+    o_ref[g, k_slice, n_slice] = acc.astype(o_ref.dtype)
+
+
+def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: Config | None = None,
+         out_dtype=None, interpret: bool | None = None) -> jax.Array:
+    """``x [M, K]``, ``dy [M, N]`` rows sorted by group -> ``[G, K, N]``: per group, the sum over its rows
+    of ``x^T dy`` (zero for empty groups; rows past ``sum(group_sizes)`` are not read)."""
+    cfg = config or CONFIGS["dw"]
+    m, k = x.shape
+    n = dy.shape[1]
+    if dy.shape[0] != m:
+        raise ValueError(f"tgmm: x {x.shape} and dy {dy.shape} need the same rows")
+    interpret = _on_cpu() if interpret is None else interpret
+    cfg = _fit(cfg, k, n, "tgmm", interpret)
+    g = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    starts = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+    return pl.pallas_call(
+        functools.partial(_tgmm_kernel, cfg=cfg),
+        out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype or x.dtype),
+        grid=(n // cfg.block_n, k // cfg.block_k, g),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="tgmm",
+    )(starts, sizes, x, dy)
