@@ -300,9 +300,14 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         log.warning("%s: %d of %d updates skipped for non-finite gradients (grad norms %s)", name,
                     steps[-1]["skipped"], total, [round(s["grad_norm"], 3) for s in steps])
     firsts = [s["time"] for s in timed_steps if s["first_run"]]
-    if firsts:  # the H200 saw ~1.3x slower timed steps; this says whether they were first runs
-        log.warning("%s: %d timed steps were a compiled shape's first run: %.1f ms mean vs %.1f ms median step",
-                    name, len(firsts), 1e3 * statistics.mean(firsts), 1e3 * result["step_time_s"])
+    steady = [s for s in timed_steps if not s["first_run"]]
+    if firsts and steady:  # a compiled shape's first run is ~0.2 s slower on the H200 (bench/step_h200.md run 3)
+        sec = sum(s["time"] for s in steady)
+        result["steady"] = {"steps": len(steady), "tokens_per_s": sum(s["useful_tokens"] for s in steady) / sec,
+                            "mfu": sum(s["flops"] for s in steady) / sec / n_dev / peak if peak else None}
+        log.warning("%s: %d timed steps were a compiled shape's first run: %.1f ms mean vs %.1f ms median step; "
+                    "without them %s useful tokens/s", name, len(firsts), 1e3 * statistics.mean(firsts),
+                    1e3 * result["step_time_s"], f"{result['steady']['tokens_per_s']:,.0f}")
     if result["timed_compiles"]:
         log.warning("%s: %d compiles during timed steps (times include them)", name, result["timed_compiles"])
     if dump is not None:
@@ -371,7 +376,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
             "frozen": sorted(k for k, on in (("vision_model", first.train.freeze_vision_model),
                                               ("vision_projection", first.train.freeze_vision_projection),
                                               ("language_model", first.train.freeze_language_model)) if on),
-            "param_groups": first.train.param_groups, "runs": runs}
+            "param_groups": first.train.param_groups, "xla_flags": os.environ.get("XLA_FLAGS", ""), "runs": runs}
 
 
 # ----------------------------------------------------------------------------- the HF peer
@@ -470,6 +475,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(logging.WARNING if args.quiet else logging.INFO)
+    from moevlm_jax import capture
+
+    try:  # the recipe's compute.capture (XLA command-buffer flags) before anything starts the jax backend
+        capture.apply_capture(*capture.recipe_capture(args.recipe, args.overrides))
+    except (ValueError, capture.CaptureError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         result = run_with_peer(args) if args.peer == "hf" else run_ours(args)
     except (BenchError, ConfigError) as e:

@@ -13,8 +13,10 @@ step time not covered by any kernel is "device idle" (launch gaps, host waits): 
 the measured step by construction (an event whose ``hlo_op`` is unknown but whose ``tf_op`` / ``name``
 argument is itself a name stack is attributed by that). Which events are device kernels: threads named ``Stream #...``
 of ``/device:...`` processes (GPU); where there are none (XLA:CPU), the events with an ``hlo_op``.
-Under command buffers (``capture`` step / scopes) kernels inside a CUDA graph may carry no
-``hlo_op``: they are counted as "unattributed"; profile with ``compute.capture=none`` to see them.
+Under command buffers (``capture`` step / scopes; XLA's default) kernels inside a CUDA graph carry the
+graph's name as ``hlo_op`` or none: fusion kernels are still found by their kernel name (the fusion's
+name with '.' -> '_'), library kernels (cuBLAS, Pallas) are counted "unmatched" / "unattributed":
+profile with ``compute.capture=none`` (the bench applies it: no command buffers) to see them all.
 
 CLI: ``python -m moevlm_jax.trace_breakdown TRACE_DIR HLO.txt [HLO2.txt ...] --steps N``.
 """
@@ -109,6 +111,9 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
     for text in hlo_texts:
         names.setdefault(module_name(text) or "", {}).update(op_names(text))
     merged = {k: v for table in names.values() for k, v in table.items()}  # events without a module
+    # kernels inside a command buffer carry the buffer's name as hlo_op ("command_buffer_763", not in the
+    # HLO); a fusion's kernel is named after the fusion with '.' -> '_' ("input_reduce_fusion_75")
+    by_kernel = {k.replace(".", "_"): v for k, v in merged.items()}
     seconds: dict[str, float] = collections.defaultdict(float)
     top: dict[tuple[str, str, str, str], float] = collections.defaultdict(float)
     other_modules: dict[str, float] = collections.defaultdict(float)
@@ -125,6 +130,8 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
         stack = table.get(op) if op is not None else None
         if stack is None:  # some GPU traces carry the name stack itself (args "tf_op" / "name")
             stack = next((str(args[k]) for k in ("tf_op", "name") if "/" in str(args.get(k, ""))), None)
+        if stack is None:
+            stack = by_kernel.get(str(e.get("name", "")))
         component = UNATTRIBUTED if op is None and stack is None else UNMATCHED if stack is None else component_of(stack)
         seconds[component] += dur
         if component in (OTHER, UNMATCHED, UNATTRIBUTED):

@@ -4,7 +4,7 @@ The dispatcher (``parallelism.dispatch``) and grouped-matmul backend (``parallel
 are chosen from the options and the active sharding context (``parallelism.logical.current()``).
 
 Options (all optional):
-- ``backend``: ``"auto"`` (GPU: tokamax if importable else ragged_dot; else ragged_dot),
+- ``backend``: ``"auto"`` (GPU: triton, this project's Pallas-Triton kernels; else ragged_dot), ``"triton"``,
   ``"tokamax"``, ``"ragged_dot"``, ``"dense"`` (masked per-expert einsum reference), or
   ``"capacity"`` (drop-and-pad batched einsum ``[E, C, H] x [E, H, 2I]``; needs a capacity factor),
   or ``"hybrid"`` (dropless: the padded einsum for each expert's first ``C`` assignments, the

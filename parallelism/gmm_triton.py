@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -42,20 +43,33 @@ class Config:
     num_stages: int = 3
 
 
-# per kernel: "fwd" (gmm), "dx" (gmm, w transposed), "dw" (tgmm; block_m = rows per step, block_k x block_n
-# = the output tile). Starting points, not yet measured on the GPU (bench/scripts/probe_gmm.py sweeps them).
-CONFIGS: dict[str, Config] = {"fwd": Config(), "dx": Config(), "dw": Config(block_m=64, block_n=128, block_k=128)}
+# Per kernel: "fwd" (gmm), "dx" (gmm, w transposed), "dw" (tgmm: block_m = rows per step, block_k x block_n
+# = the output tile); "KIND:KxN" for one shape (gmm: contraction x output columns; tgmm: the output's
+# K x N), else the kernel's default. Measured on an H200 (2026-11-30, bench/moe_layer.md run 6,
+# bench/scripts/probe_gmm.py; 131,072 rows, 128 skewed groups): the fastest of 7-8 configs each, all at
+# bf16 rounding (1.7e-3 vs float32).
+CONFIGS: dict[str, Config] = {
+    "fwd": Config(128, 256, 64, 8, 3), "dx": Config(128, 256, 64, 8, 3), "dw": Config(64, 128, 128, 8, 3),
+    "fwd:768x2048": Config(128, 256, 64, 8, 4), "dx:2048x768": Config(128, 256, 64, 8, 4),  # 30B-A3B down_proj
+    "dw:2048x1536": Config(32, 128, 128, 4, 4),  # 30B-A3B gate_up_proj
+}
 CONFIG_ENV = "MOEVLM_GMM_TRITON_CONFIGS"
+_KEY = re.compile(r"^(fwd|dx|dw)(:\d+x\d+)?$")
+
+
+def config_for(kind: str, k: int, n: int) -> Config:
+    """The config of kernel ``kind`` for contraction/output sizes ``k`` x ``n`` (see :data:`CONFIGS`)."""
+    return CONFIGS.get(f"{kind}:{k}x{n}", CONFIGS[kind])
 
 
 def load_configs(path: str) -> dict[str, Config]:
-    """Replace :data:`CONFIGS` entries from a JSON file ``{"fwd"|"dx"|"dw": {field: value}}`` (what
+    """Update :data:`CONFIGS` from a JSON file ``{"fwd"|"dx"|"dw"[":KxN"]: {field: value}}`` (what
     ``bench/scripts/probe_gmm.py --best-out`` writes); read at import from ``$MOEVLM_GMM_TRITON_CONFIGS``."""
     with open(path) as f:
         raw = json.load(f)
-    unknown = sorted(set(raw) - set(CONFIGS))
+    unknown = sorted(k for k in raw if not _KEY.match(k))
     if unknown:
-        raise ValueError(f"{path}: unknown kernels {unknown}; known: {sorted(CONFIGS)}")
+        raise ValueError(f"{path}: unknown kernels {unknown}; known: fwd, dx, dw, each optionally ':KxN'")
     CONFIGS.update({kind: Config(**fields) for kind, fields in raw.items()})
     return CONFIGS
 
@@ -131,9 +145,9 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
         config: Config | None = None, interpret: bool | None = None) -> jax.Array:
     """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` (``[G, N, K]`` with ``trans_w``) -> ``[M, N]``.
     Rows past ``sum(group_sizes)`` are left unwritten."""
-    cfg = config or CONFIGS["dx" if trans_w else "fwd"]
     m, k = x.shape
     n = w.shape[1] if trans_w else w.shape[2]
+    cfg = config or config_for("dx" if trans_w else "fwd", k, n)
     if (w.shape[2] if trans_w else w.shape[1]) != k:
         raise ValueError(f"gmm: x {x.shape} and w {w.shape} (trans_w={trans_w}) do not contract")
     interpret = _on_cpu() if interpret is None else interpret
@@ -174,9 +188,9 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: Config 
          out_dtype=None, interpret: bool | None = None) -> jax.Array:
     """``x [M, K]``, ``dy [M, N]`` rows sorted by group -> ``[G, K, N]``: per group, the sum over its rows
     of ``x^T dy`` (zero for empty groups; rows past ``sum(group_sizes)`` are not read)."""
-    cfg = config or CONFIGS["dw"]
     m, k = x.shape
     n = dy.shape[1]
+    cfg = config or config_for("dw", k, n)
     if dy.shape[0] != m:
         raise ValueError(f"tgmm: x {x.shape} and dy {dy.shape} need the same rows")
     interpret = _on_cpu() if interpret is None else interpret

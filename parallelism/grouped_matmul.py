@@ -92,21 +92,11 @@ def tokamax_available() -> bool:
 
 
 def default_backend(platform: str | None = None) -> str:
-    """The grouped-matmul backend for ``platform`` (default: jax's default backend)."""
+    """The grouped-matmul backend for ``platform`` (default: jax's default backend): on GPUs this
+    project's Pallas-Triton kernels (Pallas ships with jax; on an H200 1.8x tokamax for the MoE layer,
+    bench/moe_layer.md run 6), elsewhere ``jax.lax.ragged_dot``."""
     platform = platform or jax.default_backend()
-    if platform in GPU_PLATFORMS:
-        if tokamax_available():
-            return "tokamax"
-        if not _TOKAMAX.get("warned"):
-            _TOKAMAX["warned"] = True
-            log.warning(
-                "grouped matmul on GPU without tokamax falls back to jax.lax.ragged_dot, a masked dense "
-                "expansion ~60x slower than a batched einsum that runs out of memory at training sizes; "
-                "install tokamax or use backend='capacity' (%s)",
-                _TOKAMAX.get("error"),
-            )
-        return "ragged_dot"
-    return "ragged_dot"
+    return "triton" if platform in GPU_PLATFORMS else "ragged_dot"
 
 
 def resolve_backend(backend: str | None, platform: str | None = None) -> str:
@@ -200,7 +190,7 @@ def _triton_fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> tuple
     from parallelism import gmm_triton
 
     valid = _valid_rows(lhs.shape[0], group_sizes)
-    out = gmm_triton.gmm(lhs, rhs, group_sizes, config=gmm_triton.CONFIGS["fwd"])
+    out = gmm_triton.gmm(lhs, rhs, group_sizes)
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype)), (lhs, rhs, group_sizes)
 
 
@@ -210,9 +200,9 @@ def _triton_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
     lhs, rhs, group_sizes = res
     valid = _valid_rows(lhs.shape[0], group_sizes)
     g = g.astype(lhs.dtype)
-    dlhs = gmm_triton.gmm(g, rhs, group_sizes, trans_w=True, config=gmm_triton.CONFIGS["dx"])
+    dlhs = gmm_triton.gmm(g, rhs, group_sizes, trans_w=True)
     dlhs = jnp.where(valid[:, None], dlhs, jnp.zeros((), dlhs.dtype))
-    drhs = gmm_triton.tgmm(lhs, g, group_sizes, config=gmm_triton.CONFIGS["dw"], out_dtype=rhs.dtype)
+    drhs = gmm_triton.tgmm(lhs, g, group_sizes, out_dtype=rhs.dtype)
     return dlhs, drhs, None
 
 

@@ -6,8 +6,8 @@ reference (norm-wise relative error, as bench/scripts/probe_tokamax.py).
 
   out [M, N] = x @ w[g]  (fwd)    dx [M, K] = dy @ w[g]^T  (dx)    dw [G, K, N] = x_g^T dy_g  (dw)
 
-``--best-out FILE`` writes the fastest accurate Triton config per kernel (the format of
-``MOEVLM_GMM_TRITON_CONFIGS``, read by ``parallelism.gmm_triton``), chosen on the gate_up shape.
+``--best-out FILE`` writes the fastest accurate Triton config per kernel and shape (the format of
+``MOEVLM_GMM_TRITON_CONFIGS``, read by ``parallelism.gmm_triton``; the first shape's are the defaults).
 
   python bench/scripts/probe_gmm.py --out $OUT/gmm_probe.json --best-out $OUT/gmm_triton_configs.json
 """
@@ -125,17 +125,22 @@ def main() -> int:
         print(f"{r['shape']:<8} {r['kernel']:<4} {r['variant'][:40]:<40} {r.get('ms', float('nan')):>7.3f} "
               f"{r.get('tflops', float('nan')):>8.1f} {r.get('rel_err', float('nan')):>9.2e} "
               f"{r.get('error', r.get('skipped', ''))[:80]}")
-    best = {}
-    for kind in ("fwd", "dx", "dw"):
-        ok = [r for r in rows if r["shape"] == args.shapes.split(",")[0] and r["kernel"] == kind and "config" in r
-              and r.get("rel_err", 1.0) < ACCURATE]
-        if ok:
-            best[kind] = min(ok, key=lambda r: r["ms"])["config"]
+    best = {}  # per kernel (generic: the first shape's) and per kernel and shape ("KIND:KxN", gt.config_for)
+    fields = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    for shape in args.shapes.split(","):
+        k, n = SHAPES[shape]
+        sizes = {"fwd": (k, n), "dx": (n, k), "dw": (k, n)}
+        for kind in ("fwd", "dx", "dw"):
+            ok = [r for r in rows if r["shape"] == shape and r["kernel"] == kind and "config" in r
+                  and r.get("rel_err", 1.0) < ACCURATE]
+            if ok:
+                cfg = dict(zip(fields, min(ok, key=lambda r: r["ms"])["config"]))
+                best.setdefault(kind, cfg)
+                best[f"{kind}:{sizes[kind][0]}x{sizes[kind][1]}"] = cfg
     print("best triton configs:", json.dumps(best))
     if args.best_out and best:
         with open(args.best_out, "w") as f:
-            json.dump({k: dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), v))
-                       for k, v in best.items()}, f, indent=1)
+            json.dump(best, f, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows, "best": best}, f, indent=1)

@@ -236,3 +236,16 @@ def test_hf_peer_compiles_each_block_and_undoes_it():
     assert model._compiled_call_impl is None  # the model itself (image scatter, DeepStack) stays eager
     uncompile_blocks(model)
     assert all(b._compiled_call_impl is None for b in blocks)
+
+
+def test_capture_is_applied_before_the_backend_starts(tmp_path, capsys):
+    """The bench sets the recipe's compute.capture XLA flags like the train CLI; in a process whose
+    jax backend already runs with other flags it refuses with the flag it needs (exit 2), instead of
+    timing a different capture than the one asked for."""
+    import jax
+
+    jax.devices()  # the backend is up: the flags can no longer change
+    recipe, _ = _configs(tmp_path)
+    rc = bench.main(["--recipe", recipe, "--devices", "1", "--steps", "1", "--quiet", "compute.capture=none"])
+    assert rc == 2
+    assert "--xla_gpu_enable_command_buffer=" in capsys.readouterr().err

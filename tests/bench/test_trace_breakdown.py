@@ -50,9 +50,10 @@ def test_hlo_ops_map_to_named_scopes():
 def test_device_kernels_are_attributed_and_add_up_to_the_step(tmp_path):
     """GPU-like trace: a compute stream (counted), a host thread with the same ops (not counted),
     another program's kernel (listed apart), a kernel without hlo_op (unattributed) and one with only
-    a name-stack argument. 2 steps of 100 us: by hand, per step (ms) attention 0.010, expert matmuls
-    0.020, dispatch 0.005, router 0.004, other 0.003, optimizer 0.002, unattributed 0.001, idle
-    0.1 - 0.045 = 0.055."""
+    a name-stack argument, and two kernels of a command buffer (a fusion found by its kernel name, a
+    library GEMM unmatched). 2 steps of 100 us: by hand, per step (ms) attention 0.010 + 0.006, expert
+    matmuls 0.020, dispatch 0.005, router 0.004, other 0.003, optimizer 0.002, unmatched 0.002,
+    unattributed 0.001, idle 0.1 - 0.053 = 0.047."""
     events = _meta(1, "/device:GPU:0", 7, "Stream #7(Compute)") + _meta(2, "/host:CPU", 3, "python3")
     for step in range(2):
         t = step * 100
@@ -62,19 +63,27 @@ def test_device_kernels_are_attributed_and_add_up_to_the_step(tmp_path):
         named = _ev(1, 7, t + 48, 4, None)  # no hlo_op, but the name stack as an argument
         named["args"]["tf_op"] = "jit(_train_step)/transpose(jvp(router))/dot_general"
         events.append(named)
+        # inside a command buffer: hlo_op names the buffer; a fusion's kernel is named after the fusion
+        for ts, dur, kernel in ((t + 52, 6, "fusion_1"), (t + 58, 2, "sm90_xmma_gemm_bf16")):
+            ev = _ev(1, 7, ts, dur, "command_buffer_12")
+            ev["name"] = kernel
+            events.append(ev)
     path = tmp_path / "perfetto_trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     got = tb.breakdown(tmp_path, [HLO], steps=2, step_time_s=100e-6)
     want = {"experts (matmuls + SwiGLU)": 0.020, "permutation / dispatch": 0.005, "router": 0.004,
-            "decoder attention": 0.010, "optimizer update": 0.002, tb.OTHER: 0.003, tb.UNATTRIBUTED: 0.001,
-            tb.IDLE: 0.055}
+            "decoder attention": 0.016, "optimizer update": 0.002, tb.OTHER: 0.003, tb.UNMATCHED: 0.002,
+            tb.UNATTRIBUTED: 0.001, tb.IDLE: 0.047}
     assert got["per_step_ms"].keys() == want.keys()
     for k, v in want.items():
         assert got["per_step_ms"][k] == pytest.approx(v, abs=1e-12), k
     assert got["other_programs_ms"] == pytest.approx({"jit_prefetch": 0.007})
     assert sum(got["per_step_ms"].values()) == pytest.approx(got["step_ms"]) and got["step_ms"] == pytest.approx(0.1)
     assert "decoder attention" in tb.format_table(got)
+    top = {(t["row"], t["kernel"]): t["ms_per_step"] for t in got["top_unscoped"]}
+    assert top[(tb.UNMATCHED, "sm90_xmma_gemm_bf16")] == pytest.approx(0.002)
+    assert top[(tb.OTHER, "add.4")] == pytest.approx(0.003)
 
 
 def test_a_real_xla_cpu_trace(tmp_path):
