@@ -201,11 +201,11 @@ def test_default_recipes_by_platform():
 
 
 def test_h200_recipe_is_the_measured_one_gpu_setting():
-    """configs/recipes/h200.yaml: the sweep's best dropless point (bench/sweep_h200.md) as a recipe."""
+    """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md run 5) as a recipe."""
     from moevlm_jax import config
 
     cfg = load_config("h200", num_devices=1, num_processes=1)
-    assert cfg.name == "h200" and cfg.model["name"] == "proxy" and cfg.train.micro_batch_size == 4
+    assert cfg.name == "h200" and cfg.model["name"] == "proxy" and cfg.train.micro_batch_size == 8
     compute = config.ComputeConfig.from_dict(cfg.compute)
     assert (compute.param_dtype, compute.recompute, compute.recompute_modules, compute.capture) == (
         "bfloat16", "selective", ("core_attn",), "scopes")
