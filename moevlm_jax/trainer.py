@@ -344,7 +344,7 @@ class Trainer:
         explicit ``mesh`` + ``rules``); ``optimizer`` an OptimizerConfig; ``frozen`` group names."""
         if mesh is None:
             mesh = build_mesh(layout, devices)
-        grouped_matmul.preload(mesh.devices.flat[0].platform)  # before any trace: see its docstring
+        grouped_matmul.preload(mesh.devices.flat[0].platform, compute.moe_options().get("backend"))  # see docstring
         rules = normalize_rules(rules if rules is not None else layout.rules)
         groups = None if param_groups is None else tuple((k, tuple(v)) for k, v in sorted(param_groups.items()))
         spec = StepSpec(model=model, compute=compute, mesh=mesh, rules=rules, optimizer=_freeze_items(optimizer),

@@ -77,12 +77,13 @@ def import_tokamax() -> Any | None:
     return module
 
 
-def preload(platform: str) -> None:
-    """Import the GPU kernels' package now, outside any trace (call before the first jit). Imported
-    for the first time inside a trace, tokamax changes jax's tracing context (H200, jax 0.11.2: the
-    train step compiled ahead with 50 context values, called with 56), so the step compiled ahead
-    of time misses the jit cache and compiles again in its first call (bench/step_h200.md)."""
-    if platform in GPU_PLATFORMS:
+def preload(platform: str, backend: str | None = "auto") -> None:
+    """Import the GPU kernels' package now, outside any trace (call before the first jit), when the
+    experts' backend is tokamax. Imported for the first time inside a trace, tokamax changes jax's
+    tracing context (H200, jax 0.11.2: the train step compiled ahead with 50 context values, called
+    with 56), so the step compiled ahead of time misses the jit cache and compiles again in its first
+    call (bench/step_h200.md run 1; gone with this preload, run 3). The Triton kernels need nothing."""
+    if platform in GPU_PLATFORMS and backend == "tokamax":
         import_tokamax()
 
 

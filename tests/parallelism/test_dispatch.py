@@ -93,6 +93,16 @@ def test_dropless_dispatch_equals_single_device(layout, dispatcher, routing):
     assert_close(got[1], want[1], what=f"{layout}/{dispatcher}")
 
 
+@pytest.mark.parametrize(("layout", "dispatcher"), [("expert4_fsdp2", "alltoall"), ("expert2_tensor2_fsdp2", "allgather")])
+def test_triton_kernels_under_expert_parallelism(layout, dispatcher):
+    """The GPU default backend (Pallas-Triton kernels, interpret mode here) inside the EP shard_map."""
+    problem = make_problem(seed=5, routing="skewed")
+    want = value_and_grads(lambda *a: experts_forward(*a, backend="ragged_dot"), *problem)
+    got = _sharded_value_and_grads(layout, problem, dispatcher=dispatcher, backend="triton")
+    assert_close(got[0], want[0], what=f"{layout}/{dispatcher} triton forward")
+    assert_close(got[1], want[1], what=f"{layout}/{dispatcher} triton")
+
+
 @pytest.mark.parametrize(("layout", "dispatcher", "routing", "factor", "overflow"), [
     ("expert8", "alltoall", "skewed", 0.5, 4.0),
     ("expert4_fsdp2", "allgather", "one", 1.0, 0.25),

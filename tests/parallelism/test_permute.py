@@ -53,7 +53,7 @@ def test_expert_capacity_is_megatrons_formula():
     assert expert_capacity(10, 1, 4, 1.1) == 3  # ceil(2.75)
 
 
-@pytest.mark.parametrize("backend", ["capacity", "ragged_dot", "dense"])
+@pytest.mark.parametrize("backend", ["capacity", "ragged_dot", "dense", "triton"])
 @pytest.mark.parametrize("policy", ["position", "probs"])
 def test_capacity_dropping_matches_hand_computation(backend, policy):
     _, _, _, w_gate_up, w_down = make_problem(seed=3, t=6, h=8, e=3, i=4, k=2)
@@ -114,7 +114,7 @@ def test_hybrid_overflow_buffer_or_grouped_fallback(routing, factor, overflow, o
 
 
 @pytest.mark.parametrize("routing", ["random", "one", "skewed"])
-@pytest.mark.parametrize("backend", ["ragged_dot", "dense", "capacity"])
+@pytest.mark.parametrize("backend", ["ragged_dot", "dense", "capacity", "triton"])
 def test_local_experts_match_dense_reference(backend, routing):
     x, idx, w, w_gate_up, w_down = make_problem(seed=1, routing=routing)
     # capacity 8x the mean load is T*K: nothing can drop, so drop-and-pad must equal dropless
