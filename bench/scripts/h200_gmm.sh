@@ -2,7 +2,8 @@
 # Issue 6 on one H200 in one `run` call: the Pallas-Triton grouped-matmul kernels (parallelism/gmm_triton.py)
 # against tokamax and the ceiling, one matmul at a time over tile configs (bench/scripts/probe_gmm.py), then
 # the whole MoE layer (parallelism.bench_moe) with the fastest accurate configs, tokamax, capacity, hybrid and
-# HF's grouped_mm in the same run (PROBE=0: the layer only). STEP=1 adds the proxy step with the Triton experts
+# HF's grouped_mm in the same run (PROBE=0: the layer only; PROBE_SHAPES=gate_up_235b,down_235b SHAPES=235b-a22b
+# for the 235B-A22B experts). STEP=1 adds the proxy step with the Triton experts
 # (recipe h200; MBS=4, DATA=real by default, until STEP_END s);
 # PROFILE=1 a profiled proxy step on mock data (capture none) with the trace breakdown's largest unscoped kernels.
 #   run(command="bash bench/scripts/h200_gmm.sh", carry=[".gpudeps"], timeout_s=600)
@@ -10,11 +11,11 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/gmm.txt" 2>&1; cat "$OUT/gmm.txt"
 left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
-[ "${PROBE:-1}" = 1 ] && (cd bench/scripts && timeout "${PROBE_S:-260}" python3 probe_gmm.py --budget "${PROBE_BUDGET:-200}" \
+[ "${PROBE:-1}" = 1 ] && (cd bench/scripts && timeout "${PROBE_S:-260}" python3 probe_gmm.py --budget "${PROBE_BUDGET:-200}" --shapes "${PROBE_SHAPES:-gate_up,down}" \
     --out "$OUT/gmm_probe.json" --best-out "$OUT/gmm_triton_configs.json" 2>&1 | grep -v "Autotuning cache miss" \
     | tail -60 | tee -a "$OUT/gmm.txt")
 [ -f "$OUT/gmm_triton_configs.json" ] && export MOEVLM_GMM_TRITON_CONFIGS=$OUT/gmm_triton_configs.json
-timeout "$(left "${MOE_END:-540}")" python3 -m parallelism.bench_moe --shapes 30b-a3b --tokens 16384 \
+timeout "$(left "${MOE_END:-540}")" python3 -m parallelism.bench_moe --shapes "${SHAPES:-30b-a3b}" --tokens 16384 \
     --backends "${BACKENDS:-tokamax,triton,capacity,hybrid}" --capacity-factor "${CF:-1.25}" \
     $([ "${MOE_HF:-1}" = 1 ] || echo --no-hf) --iters 10 --out "$OUT/moe_layer.json" 2>&1 \
     | grep -v "Autotuning cache miss" | tee "$OUT/moe_layer.txt"

@@ -2,8 +2,9 @@
 # Issues 8 (+ 6, 7) on one H200 in one `run` call (device tool); results under $OUT (8 files at most).
 #   run(command="bash bench/scripts/h200_step.sh", carry=[".gpudeps"], timeout_s=600)
 # 0. (ATTN_CHECK=1) cuDNN ragged attention gradients with padding (bench/scripts/check_attention_grads.py).
-# 1. (MOE=1) one MoE layer at the 30B-A3B shapes: tokamax (sm90 configs of parallelism/grouped_matmul.py)
-#    and the capacity einsum against the balanced-einsum ceiling, gradients checked against float32;
+# 1. (MOE=1) one MoE layer at the 30B-A3B shapes: the Triton kernels (parallelism/gmm_triton.py; BACKENDS=
+#    e.g. triton,tokamax,capacity,hybrid) and the capacity einsum against the balanced-einsum ceiling,
+#    gradients checked against float32;
 #    MOE_HF=1 adds HF's grouped_mm block (the issue's same-run ratio; the stage then needs ~1 min more).
 # 2. the proxy step: ours on real and mock data + the per-component breakdown, then HF transformers
 #    (eager and torch.compile) on the same batches from the same weights. bf16 parameters and bf16
@@ -21,7 +22,7 @@ T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/step.txt" 2>&1; cat "$OUT/step.txt"
 left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 if [ "${MOE:-0}" = 1 ]; then
-  timeout "${MOE_TIMEOUT:-150}" python3 -m parallelism.bench_moe --shapes 30b-a3b --tokens 16384 --backends tokamax,capacity,hybrid \
+  timeout "${MOE_TIMEOUT:-150}" python3 -m parallelism.bench_moe --shapes 30b-a3b --tokens 16384 --backends "${BACKENDS:-triton,capacity}" \
       --capacity-factor "${CF:-1.25}" $([ "${MOE_HF:-0}" = 1 ] || echo --no-hf) --iters 10 --out "$OUT/moe_layer.json" 2>&1 | grep -v "Autotuning cache miss" | tee -a "$OUT/step.txt"
 fi
 # ATTN_CHECK=1: cuDNN ragged attention's gradients with padding vs XLA, with and without mask_padding_grad

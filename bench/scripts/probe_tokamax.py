@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SHAPES = {"gate_up": (2048, 1536), "down": (768, 2048)}  # 30B-A3B experts: (K, N) of each matmul
+SHAPES = {"gate_up": (2048, 1536), "down": (768, 2048),  # 30B-A3B experts: (K, N) of each matmul
+          "gate_up_235b": (4096, 3072), "down_235b": (1536, 4096)}  # 235B-A22B (probe_gmm.py --shapes)
 
 
 def group_sizes(m: int, g: int, seed: int, align: int = 0) -> np.ndarray:
