@@ -82,6 +82,16 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+_MAX_ELEMENTS = 2**31 - 1  # the kernels' offsets are 32-bit
+
+
+def _check_size(what: str, *arrays: jax.Array | jax.ShapeDtypeStruct) -> None:
+    big = [a.shape for a in arrays if a.size > _MAX_ELEMENTS]
+    if big:
+        raise ValueError(f"{what}: operands of shape {big} exceed 2^31 elements (32-bit offsets in the Triton "
+                         f"kernels); split the rows (smaller micro-batch) or use backend 'tokamax' / 'capacity'")
+
+
 def _fit(cfg: Config, k: int, n: int, what: str, interpret: bool) -> Config:
     """``cfg`` with block_k / block_n cut to the largest power of two that divides K / N (small test
     shapes); on the GPU a block under 16 (Triton's smallest dot) is an error."""
@@ -152,6 +162,7 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
         raise ValueError(f"gmm: x {x.shape} and w {w.shape} (trans_w={trans_w}) do not contract")
     interpret = _on_cpu() if interpret is None else interpret
     cfg = _fit(cfg, k, n, "gmm", interpret)
+    _check_size("gmm", x, w, jax.ShapeDtypeStruct((m, n), x.dtype))
     group, row0, row1 = tile_table(group_sizes, m, cfg.block_m)
     kernel = functools.partial(_gmm_kernel, k=k, cfg=cfg, trans_w=trans_w)
     return pl.pallas_call(
@@ -195,6 +206,7 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: Config 
         raise ValueError(f"tgmm: x {x.shape} and dy {dy.shape} need the same rows")
     interpret = _on_cpu() if interpret is None else interpret
     cfg = _fit(cfg, k, n, "tgmm", interpret)
+    _check_size("tgmm", x, dy, jax.ShapeDtypeStruct((group_sizes.shape[0], k, n), x.dtype))
     g = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     starts = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)

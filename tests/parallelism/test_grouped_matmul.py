@@ -194,6 +194,9 @@ def test_triton_kernels_match_per_group_einsum(sizes):
     assert_close(dw, want_dw, what="tgmm")
     with pytest.raises(ValueError, match="do not contract"):
         gt.gmm(jnp.asarray(x), jnp.asarray(w), gs, trans_w=True)
+    huge = jax.ShapeDtypeStruct((2**21, 2**10), jnp.bfloat16)  # 2^31 elements: traced only, never built
+    with pytest.raises(ValueError, match="exceed 2\\^31"):
+        jax.eval_shape(lambda a, b: gt.gmm(a, b, gs), huge, jax.ShapeDtypeStruct((g, 2**10, 16), jnp.bfloat16))
 
 
 def test_triton_configs_from_file(tmp_path, monkeypatch):
