@@ -27,17 +27,22 @@ from parallelism.logical import constrain
 def scatter_visual_tokens(tokens: jax.Array, is_image: jax.Array, token_valid: jax.Array) -> jax.Array:
     """Place the k-th valid visual token of each row on the row's k-th image token:
     tokens ``[..., B, V, H]``, is_image ``[B, S]``, token_valid ``[B, V]`` -> ``[..., B, S, H]``
-    (zero on non-image rows). Static shapes; cumsum-based gather."""
+    (zero on non-image rows, and on image rows past the row's valid tokens). Static shapes.
+
+    A scatter with unique indices (every token has its own target; tokens with none target distinct
+    out-of-range rows, dropped), so the backward is a gather: the earlier gather formulation read
+    one source row for every sequence position and its backward was a scatter-add with repeated
+    indices, which XLA:GPU runs with bf16 atomics (a 2.4 ms kernel per H200 step, bench/step_h200.md run 5)."""
     b, v = token_valid.shape
-    rank = jnp.cumsum(token_valid, axis=1) - 1
-    slot = jnp.where(token_valid, rank, v)  # invalid tokens scatter out of range (dropped)
-    source = jnp.zeros((b, v), jnp.int32).at[jnp.arange(b)[:, None], slot].set(
-        jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (b, v)), mode="drop")
-    k = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, v - 1)
-    idx = jnp.take_along_axis(source, k, axis=1)  # [B, S]
-    lead = tokens.shape[:-3]
-    gathered = jnp.take_along_axis(tokens, jnp.broadcast_to(idx[..., None], (*lead, b, idx.shape[1], 1)), axis=-2)
-    return jnp.where(is_image[..., None], gathered, jnp.zeros((), tokens.dtype))
+    s = is_image.shape[1]
+    rows = jnp.arange(b)[:, None]
+    img_rank = jnp.where(is_image, jnp.cumsum(is_image, axis=1) - 1, v)  # ranks >= v: dropped
+    pos_of_rank = jnp.broadcast_to(s + jnp.arange(v, dtype=jnp.int32), (b, v)).at[rows, img_rank].set(
+        jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), mode="drop")
+    tok_rank = jnp.clip(jnp.cumsum(token_valid, axis=1) - 1, 0, v - 1)
+    pos = jnp.where(token_valid, jnp.take_along_axis(pos_of_rank, tok_rank, axis=1), s + v + jnp.arange(v))
+    out = jnp.zeros((*tokens.shape[:-3], b, s, tokens.shape[-1]), tokens.dtype)
+    return out.at[..., rows, pos, :].set(tokens, mode="drop", unique_indices=True)
 
 
 class Qwen3VLMoe(nnx.Module):

@@ -3,6 +3,7 @@ layout and position-embedding interpolation taps; the in-graph visual-token scat
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,6 +95,30 @@ def test_scatter_visual_tokens_with_gaps():
     for b in range(2):
         ref[:, b, np.flatnonzero(is_image[b])] = tokens[:, b, np.flatnonzero(valid[b])]
     np.testing.assert_array_equal(out, ref)
+
+
+def test_scatter_visual_tokens_counts_differ_and_backward_is_a_gather():
+    """Row 0 has more image positions than valid tokens (the extra ones stay zero), row 1 more valid
+    tokens than image positions (the extra tokens are dropped); the gradient w.r.t. the tokens is the
+    probe read back at each token's position, and the backward holds no scatter-add (no atomics)."""
+    rng = np.random.default_rng(1)
+    tokens = rng.standard_normal((2, 5, 3)).astype(np.float32)  # [B, V, H]
+    valid = np.array([[1, 0, 1, 0, 0], [1, 1, 1, 1, 0]], bool)
+    is_image = np.zeros((2, 7), bool)
+    is_image[0, [1, 2, 5, 6]] = True
+    is_image[1, [3, 4]] = True
+    probe = rng.standard_normal((2, 7, 3)).astype(np.float32)
+    fn = lambda t: jnp.sum(scatter_visual_tokens(t, jnp.asarray(is_image), jnp.asarray(valid)) * probe)  # noqa: E731
+    out = np.asarray(scatter_visual_tokens(jnp.asarray(tokens), jnp.asarray(is_image), jnp.asarray(valid)))
+    ref, ref_grad = np.zeros((2, 7, 3), np.float32), np.zeros_like(tokens)
+    for b in range(2):
+        pos, src = np.flatnonzero(is_image[b]), np.flatnonzero(valid[b])
+        n = min(len(pos), len(src))
+        ref[b, pos[:n]] = tokens[b, src[:n]]
+        ref_grad[b, src[:n]] = probe[b, pos[:n]]
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_allclose(np.asarray(jax.grad(fn)(jnp.asarray(tokens))), ref_grad, rtol=0, atol=0)
+    assert "scatter-add" not in str(jax.make_jaxpr(jax.grad(fn))(jnp.asarray(tokens)))
 
 
 def test_hf_labels_to_targets():

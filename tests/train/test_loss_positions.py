@@ -77,3 +77,26 @@ def test_capacity_steps():
     assert loss_capacity(mask, groups=1) == 48 and loss_capacity(mask, groups=4) == 48
     mask[:, :300] = 1
     assert loss_capacity(mask, groups=4) is None  # more than half of a group trained: whole rows
+
+
+def test_gather_trained_backward_scatter_has_unique_indices():
+    """The trained positions are distinct (top_k), so the backward of the gather is a scatter that
+    XLA may run without atomics; and the gradient is the cotangent put back at those positions."""
+    rng = np.random.default_rng(2)
+    hidden = jnp.asarray(rng.standard_normal((2, 8, 4)), jnp.float32)
+    mask = jnp.asarray(rng.random((2, 8)) < 0.5, jnp.float32)
+    targets = jnp.zeros((2, 8), jnp.int32)
+    probe = jnp.asarray(rng.standard_normal((1, 5, 4)), jnp.float32)
+
+    def fn(h):
+        hg, _, mg, _ = gather_trained(h, targets, mask, 1, 5)
+        return jnp.sum(hg * probe * mg[..., None])
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(fn))(hidden))
+    assert "scatter-add" in jaxpr and "unique_indices=True" in jaxpr
+    _, _, mg, idx = gather_trained(hidden, targets, mask, 1, 5)
+    want = np.zeros((16, 4), np.float32)
+    for c, (i, m) in enumerate(zip(np.asarray(idx)[0], np.asarray(mg)[0])):
+        if i >= 0:
+            want[i] += np.asarray(probe)[0, c] * m
+    np.testing.assert_allclose(np.asarray(jax.grad(fn)(hidden)).reshape(16, 4), want, rtol=1e-6)
