@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from moevlm_jax.bench_report import format_report, ok, summary_line
+from moevlm_jax.bench_report import format_report, ok, steady_rate, summary_line
 from moevlm_jax.memory import is_oom, peak_device_bytes
 
 log = logging.getLogger("moevlm_jax.bench")
@@ -299,15 +299,12 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     if steps[-1]["skipped"]:  # optax.apply_if_finite's running count: these steps trained nothing
         log.warning("%s: %d of %d updates skipped for non-finite gradients (grad norms %s)", name,
                     steps[-1]["skipped"], total, [round(s["grad_norm"], 3) for s in steps])
-    firsts = [s["time"] for s in timed_steps if s["first_run"]]
-    steady = [s for s in timed_steps if not s["first_run"]]
-    if firsts and steady:  # a compiled shape's first run is ~0.2 s slower on the H200 (bench/step_h200.md run 3)
-        sec = sum(s["time"] for s in steady)
-        result["steady"] = {"steps": len(steady), "tokens_per_s": sum(s["useful_tokens"] for s in steady) / sec,
-                            "mfu": sum(s["flops"] for s in steady) / sec / n_dev / peak if peak else None}
+    result["steady"] = steady_rate(timed_steps, n_dev, peak)
+    if result["steady"]:  # a compiled shape's first run is ~0.25 s slower on the H200 (bench/step_h200.md run 5)
         log.warning("%s: %d timed steps were a compiled shape's first run: %.1f ms mean vs %.1f ms median step; "
-                    "without them %s useful tokens/s", name, len(firsts), 1e3 * statistics.mean(firsts),
-                    1e3 * result["step_time_s"], f"{result['steady']['tokens_per_s']:,.0f}")
+                    "without them %s useful tokens/s", name, result["steady"]["first_runs"],
+                    1e3 * result["steady"]["first_run_s"], 1e3 * result["step_time_s"],
+                    f"{result['steady']['tokens_per_s']:,.0f}")
     if result["timed_compiles"]:
         log.warning("%s: %d compiles during timed steps (times include them)", name, result["timed_compiles"])
     if dump is not None:

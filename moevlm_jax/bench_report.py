@@ -15,6 +15,19 @@ def ok(r: dict[str, Any]) -> bool:
     return r.get("status", "ok") == "ok"
 
 
+def steady_rate(timed: list[dict[str, Any]], n_dev: int, peak: float | None) -> dict[str, Any] | None:
+    """Useful tokens/s and MFU over the timed steps that were not a compiled shape's first run (None
+    when there were no first runs, or only first runs); with the first runs' count and mean time."""
+    firsts = [s["time"] for s in timed if s["first_run"]]
+    steady = [s for s in timed if not s["first_run"]]
+    if not firsts or not steady:
+        return None
+    sec = sum(s["time"] for s in steady)
+    return {"steps": len(steady), "tokens_per_s": sum(s["useful_tokens"] for s in steady) / sec,
+            "mfu": sum(s["flops"] for s in steady) / sec / n_dev / peak if peak else None,
+            "first_runs": len(firsts), "first_run_s": sum(firsts) / len(firsts)}
+
+
 def summary_line(r: dict[str, Any]) -> str:
     """One line per finished run (logged as runs complete, so a killed invocation keeps them)."""
     if not ok(r):

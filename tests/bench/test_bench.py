@@ -249,3 +249,14 @@ def test_capture_is_applied_before_the_backend_starts(tmp_path, capsys):
     rc = bench.main(["--recipe", recipe, "--devices", "1", "--steps", "1", "--quiet", "compute.capture=none"])
     assert rc == 2
     assert "--xla_gpu_enable_command_buffer=" in capsys.readouterr().err
+
+
+def test_steady_rate_leaves_out_first_runs():
+    """Hand-computed: a 1.0 s first run and two 0.5 s steps of 100 useful tokens and 10 FLOPs each."""
+    from moevlm_jax.bench_report import steady_rate
+
+    steps = [dict(time=1.0, first_run=True, useful_tokens=100, flops=10.0)]
+    steps += [dict(time=0.5, first_run=False, useful_tokens=100, flops=10.0)] * 2
+    assert steady_rate(steps, 1, 100.0) == {"steps": 2, "tokens_per_s": 200.0, "mfu": 0.2, "first_runs": 1,
+                                            "first_run_s": 1.0}
+    assert steady_rate(steps[1:], 1, 100.0) is None and steady_rate(steps[:1], 1, None) is None
