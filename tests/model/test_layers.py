@@ -69,6 +69,40 @@ def test_chunked_lm_loss_and_grad_match_dense():
         np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5)
 
 
+def _dot_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
+    """Operand dtypes of every dot_general in a jaxpr and its sub-jaxprs (scan, remat, custom_vjp)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
+            found += _dot_operand_dtypes(sub)
+        for val in eqn.params.values():
+            for j in (val if isinstance(val, (tuple, list)) else (val,)):
+                inner = getattr(j, "jaxpr", j)
+                if hasattr(inner, "eqns"):
+                    found += _dot_operand_dtypes(inner)
+    return found
+
+
+def test_lm_loss_backward_matmuls_run_in_bf16():
+    """bf16 hidden and kernel: the float32 logits' cotangent is cast back to bf16 before the two
+    backward matmuls (no float32 x bf16 GEMM, which runs as TF32 on the GPU); the gradients stay
+    within bf16 rounding of the float32 ones."""
+    rng = np.random.default_rng(4)
+    hidden = jnp.asarray(rng.standard_normal((2, 64, 16)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.standard_normal((16, 32)) * 0.3, jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, 32, (2, 64)), jnp.int32)
+    mask = jnp.asarray(rng.random((2, 64)) < 0.5, jnp.float32)
+    grad = jax.grad(lambda hd, kn: lm_loss(hd, kn, targets, mask, chunk_size=16)[0], argnums=(0, 1))
+    dots = _dot_operand_dtypes(jax.make_jaxpr(grad)(hidden, kernel).jaxpr)
+    assert len(dots) >= 4 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
+    f32 = grad(hidden.astype(jnp.float32), kernel.astype(jnp.float32))
+    for got, want in zip(grad(hidden, kernel), f32):
+        err = jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want)
+        assert float(err) < 1e-2, float(err)
+
+
 def test_router_losses_match_hf_load_balancing():
     rng = np.random.default_rng(2)
     layers, b, s, e, k = 3, 2, 5, 6, 2
