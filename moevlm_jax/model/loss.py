@@ -24,29 +24,59 @@ from parallelism.logical import constrain
 __all__ = ["lm_loss", "load_balancing_loss", "model_loss", "router_z_loss"]
 
 
+VOCAB_ACT = ("act_batch", "act_seq", "act_vocab")
+
+
+def _chunk_ce(h: jax.Array, kernel: jax.Array, t: jax.Array, m: jax.Array, grads: bool):
+    """One chunk: float32 logits (bf16 GEMM, float32 accumulation), masked CE sum; with ``grads``
+    also d(CE)/d(logits) = (softmax - onehot) * mask in the inputs' dtype, d(h) and d(kernel)."""
+    logits = constrain(jnp.einsum("bch,hv->bcv", h, kernel, preferred_element_type=jnp.float32), VOCAB_ACT)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t[..., None].astype(jnp.int32)
+    ce = jnp.sum((lse - jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)) * m)
+    if not grads:
+        return ce, None, None
+    p = jnp.exp(logits - lse[..., None])
+    dlogits = constrain(((p - is_target.astype(jnp.float32)) * m[..., None]).astype(h.dtype), VOCAB_ACT)
+    dh = jnp.einsum("bcv,hv->bch", dlogits, kernel, preferred_element_type=jnp.float32).astype(h.dtype)
+    dk = jnp.einsum("bch,bcv->hv", h, dlogits, preferred_element_type=jnp.float32)
+    return ce, dh, dk
+
+
 @jax.custom_vjp
-def logits_f32(hidden: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``[..., H] x [H, V] -> [..., V]`` float32 (accumulated in float32 from the inputs' dtype). The
-    backward casts the float32 cotangent to the inputs' dtype before its two matmuls, as mixed
-    precision does elsewhere: left to autodiff, a float32 cotangent times a bf16 operand is a float32
-    (TF32 on the H200) GEMM at about half the bf16 rate, on the largest matmuls of the step."""
-    return jnp.einsum("...h,hv->...v", hidden, kernel, preferred_element_type=jnp.float32)
+def chunked_ce(hc: jax.Array, kernel: jax.Array, tc: jax.Array, mc: jax.Array) -> jax.Array:
+    """Masked cross-entropy summed over chunks: hc ``[n, B, c, H]``, kernel ``[H, V]``, tc / mc
+    ``[n, B, c]`` -> float32 scalar. One chunk's logits live at a time.
+
+    Fused linear cross-entropy (as Liger's / Megatron's): under differentiation the forward scan also
+    computes each chunk's d(hidden) and accumulates d(kernel) in float32, from the logits it already
+    holds, and the backward only scales them. Against autodiff of a rematerialised chunk that saves
+    the recomputed logits GEMM (3 vocabulary GEMMs instead of 4), and every GEMM runs in the inputs'
+    dtype: autodiff multiplied the float32 logits' cotangent into bf16 operands, i.e. float32 (TF32 on
+    the H200) GEMMs at about half the bf16 rate, on the step's largest matmuls."""
+    def step(total, xs):
+        return total + _chunk_ce(*xs[:1], kernel, *xs[1:], grads=False)[0], None
+
+    return jax.lax.scan(step, jnp.zeros((), jnp.float32), (hc, tc, mc))[0]
 
 
-def _logits_fwd(hidden: jax.Array, kernel: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return logits_f32(hidden, kernel), (hidden, kernel)
+def _chunked_ce_fwd(hc, kernel, tc, mc):
+    def step(carry, xs):
+        total, dk = carry
+        ce, dh, dk_c = _chunk_ce(xs[0], kernel, xs[1], xs[2], grads=True)
+        return (total + ce, dk + dk_c), dh
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(kernel.shape, jnp.float32))
+    (total, dk), dh = jax.lax.scan(step, init, (hc, tc, mc))
+    return total, (dh, dk, jnp.zeros((0,), kernel.dtype))  # the last: kernel's dtype, as an array
 
 
-def _logits_bwd(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    hidden, kernel = res
-    g = g.astype(hidden.dtype)
-    dh = jnp.einsum("...v,hv->...h", g, kernel, preferred_element_type=jnp.float32).astype(hidden.dtype)
-    lead = "".join(chr(ord("a") + i) for i in range(hidden.ndim - 1))
-    dk = jnp.einsum(f"{lead}h,{lead}v->hv", hidden, g, preferred_element_type=jnp.float32).astype(kernel.dtype)
-    return dh, dk
+def _chunked_ce_bwd(res, g):
+    dh, dk, kernel_like = res
+    return (g * dh).astype(dh.dtype), (g * dk).astype(kernel_like.dtype), None, None
 
 
-logits_f32.defvjp(_logits_fwd, _logits_bwd)
+chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
 
 
 def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask: jax.Array,
@@ -54,7 +84,7 @@ def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask:
     """hidden ``[B, S, H]``, LM head kernel ``[H, V]``, targets ``[B, S]``, loss_mask ``[B, S]`` ->
     (sum of masked token cross-entropies, sum of the mask), both float32 scalars.
 
-    Scans over ``n`` sequence chunks of ``chunk_size`` tokens with a rematerialised body, so only one
+    Scans over ``n`` sequence chunks of ``chunk_size`` tokens (:func:`chunked_ce`), so only one
     chunk's logits ``[B, chunk, V]`` (float32) are live at a time, forward and backward. Chunk j
     holds positions ``j, j + n, j + 2n, ...`` (strided): a sequence split into contiguous blocks
     over devices (context parallelism) keeps each device's share in every chunk, so the scan never
@@ -69,25 +99,10 @@ def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask:
         targets = jnp.pad(targets, ((0, 0), (0, pad)))
         loss_mask = jnp.pad(loss_mask, ((0, 0), (0, pad)))
     n = (s + pad) // c
-    kernel = kernel.astype(hidden.dtype)
-    chunks = (
-        hidden.reshape(b, c, n, h).transpose(2, 0, 1, 3),
-        targets.reshape(b, c, n).transpose(2, 0, 1),
-        loss_mask.astype(jnp.float32).reshape(b, c, n).transpose(2, 0, 1),
-    )
-
-    @jax.checkpoint
-    def chunk_loss(hc, tc, mc):
-        logits = constrain(logits_f32(hc, kernel), ("act_batch", "act_seq", "act_vocab"))
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target_logit = jnp.take_along_axis(logits, tc[..., None].astype(jnp.int32), axis=-1)[..., 0]
-        return jnp.sum((lse - target_logit) * mc)
-
-    def step(total, xs):
-        return total + chunk_loss(*xs), None
-
-    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), chunks)
-    return total, jnp.sum(chunks[2])
+    mc = loss_mask.astype(jnp.float32).reshape(b, c, n).transpose(2, 0, 1)
+    total = chunked_ce(hidden.reshape(b, c, n, h).transpose(2, 0, 1, 3), kernel.astype(hidden.dtype),
+                       targets.reshape(b, c, n).transpose(2, 0, 1), mc)
+    return total, jnp.sum(mc)
 
 
 def model_loss(model: Any, batch: Mapping[str, Any], *, dp_size: int | None = None

@@ -86,9 +86,9 @@ def _dot_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
 
 
 def test_lm_loss_backward_matmuls_run_in_bf16():
-    """bf16 hidden and kernel: the float32 logits' cotangent is cast back to bf16 before the two
-    backward matmuls (no float32 x bf16 GEMM, which runs as TF32 on the GPU); the gradients stay
-    within bf16 rounding of the float32 ones."""
+    """bf16 hidden and kernel: three vocabulary GEMMs per chunk (logits, d(hidden), d(kernel); no
+    recomputed logits), all bf16 x bf16 (autodiff had float32 x bf16, TF32 on the GPU); the gradients
+    stay within bf16 rounding of the float32 ones, and scale with the loss's cotangent."""
     rng = np.random.default_rng(4)
     hidden = jnp.asarray(rng.standard_normal((2, 64, 16)), jnp.bfloat16)
     kernel = jnp.asarray(rng.standard_normal((16, 32)) * 0.3, jnp.bfloat16)
@@ -96,11 +96,14 @@ def test_lm_loss_backward_matmuls_run_in_bf16():
     mask = jnp.asarray(rng.random((2, 64)) < 0.5, jnp.float32)
     grad = jax.grad(lambda hd, kn: lm_loss(hd, kn, targets, mask, chunk_size=16)[0], argnums=(0, 1))
     dots = _dot_operand_dtypes(jax.make_jaxpr(grad)(hidden, kernel).jaxpr)
-    assert len(dots) >= 4 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
+    assert dots == [("bfloat16", "bfloat16")] * 3, dots
     f32 = grad(hidden.astype(jnp.float32), kernel.astype(jnp.float32))
     for got, want in zip(grad(hidden, kernel), f32):
         err = jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want)
         assert float(err) < 1e-2, float(err)
+    scaled = jax.grad(lambda hd, kn: 3.0 * lm_loss(hd, kn, targets, mask, chunk_size=16)[0], argnums=(0, 1))
+    for got, want in zip(scaled(hidden.astype(jnp.float32), kernel.astype(jnp.float32)), f32):
+        np.testing.assert_allclose(got, 3.0 * want, rtol=1e-5, atol=1e-6)
 
 
 def test_router_losses_match_hf_load_balancing():
