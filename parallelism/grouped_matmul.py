@@ -34,6 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from parallelism import gmm_triton
+
 log = logging.getLogger(__name__)
 
 BACKENDS: tuple[str, ...] = ("ragged_dot", "tokamax", "triton", "dense")
@@ -188,16 +190,12 @@ def _triton_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> ja
 
 
 def _triton_fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, tuple]:
-    from parallelism import gmm_triton
-
     valid = _valid_rows(lhs.shape[0], group_sizes)
     out = gmm_triton.gmm(lhs, rhs, group_sizes)
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype)), (lhs, rhs, group_sizes)
 
 
 def _triton_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
-    from parallelism import gmm_triton
-
     lhs, rhs, group_sizes = res
     valid = _valid_rows(lhs.shape[0], group_sizes)
     g = g.astype(lhs.dtype)

@@ -23,7 +23,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from probe_tokamax import SHAPES, group_sizes, per_group_rel, references, rel, timed
+from probe_tokamax import SHAPES, accuracy, error_text, group_sizes, references, timed
 
 from parallelism import gmm_triton as gt
 
@@ -61,14 +61,10 @@ def main() -> int:
             t0 = time.perf_counter()
             ms, out = timed(jax.jit(fn), inputs, args.iters)
             row.update(ms=ms, tflops=flops / ms / 1e9, first_s=time.perf_counter() - t0)
-            if row["kernel"] == "dw":
-                row["rel_err"] = rel(out, ref)
-                pg = per_group_rel(out, ref)[sizes_np > 0]
-                row["group_rel_err_max"] = float(pg.max())
-            elif ref is not None:
-                row["rel_err"] = rel(out, ref, valid)
+            if ref is not None:
+                row.update(accuracy(row["kernel"], out, ref, valid, sizes_np))
         except Exception as e:  # noqa: BLE001 - an unsupported config is a result
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}" if str(e) else type(e).__name__
+            row["error"] = error_text(e)
             traceback.print_exc(limit=2)
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -91,6 +91,20 @@ def per_group_rel(a, b) -> np.ndarray:
     return np.linalg.norm((a - b).reshape(len(a), -1), axis=1) / np.maximum(np.linalg.norm(b.reshape(len(b), -1), axis=1), 1e-30)
 
 
+def accuracy(kind: str, out, ref, valid, sizes_np: np.ndarray) -> dict:
+    """Norm-wise relative error vs the float32 reference; for d(w) also per group (non-empty ones)."""
+    if kind != "dw":
+        return {"rel_err": rel(out, ref, valid)}
+    pg = per_group_rel(out, ref)[sizes_np > 0]
+    return {"rel_err": rel(out, ref), "group_rel_err_max": float(pg.max()),
+            "group_rel_err_median": float(np.median(pg))}
+
+
+def error_text(e: Exception) -> str:
+    """One line for an unsupported config's exception (a result, not a failure)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}" if str(e) else type(e).__name__
+
+
 def timed(fn, args, iters: int) -> tuple[float, object]:
     out = jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
@@ -151,15 +165,9 @@ def main() -> int:
                       preferred_element_type=out_dtype, activation=None)
         try:
             ms, out = timed(f, (a, b, gs), args.iters)
-            row.update(ms=ms, tflops=flops / ms / 1e9)
-            if kind == "dw":
-                row["rel_err"] = rel(out, ref)
-                pg = per_group_rel(out, ref)[sizes_np > 0]
-                row.update(group_rel_err_max=float(pg.max()), group_rel_err_median=float(np.median(pg)))
-            else:
-                row["rel_err"] = rel(out, ref, valid)
+            row.update(ms=ms, tflops=flops / ms / 1e9, **accuracy(kind, out, ref, valid, sizes_np))
         except Exception as e:  # noqa: BLE001 - an unsupported config is a result
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}" if str(e) else type(e).__name__
+            row["error"] = error_text(e)
             traceback.print_exc(limit=2)
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -55,7 +55,8 @@ def chunked_ce(hc: jax.Array, kernel: jax.Array, tc: jax.Array, mc: jax.Array) -
     dtype: autodiff multiplied the float32 logits' cotangent into bf16 operands, i.e. float32 (TF32 on
     the H200) GEMMs at about half the bf16 rate, on the step's largest matmuls."""
     def step(total, xs):
-        return total + _chunk_ce(*xs[:1], kernel, *xs[1:], grads=False)[0], None
+        h, t, m = xs
+        return total + _chunk_ce(h, kernel, t, m, grads=False)[0], None
 
     return jax.lax.scan(step, jnp.zeros((), jnp.float32), (hc, tc, mc))[0]
 
@@ -63,7 +64,8 @@ def chunked_ce(hc: jax.Array, kernel: jax.Array, tc: jax.Array, mc: jax.Array) -
 def _chunked_ce_fwd(hc, kernel, tc, mc):
     def step(carry, xs):
         total, dk = carry
-        ce, dh, dk_c = _chunk_ce(xs[0], kernel, xs[1], xs[2], grads=True)
+        h, t, m = xs
+        ce, dh, dk_c = _chunk_ce(h, kernel, t, m, grads=True)
         return (total + ce, dk + dk_c), dh
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros(kernel.shape, jnp.float32))
