@@ -25,6 +25,10 @@ RECOMPUTE_MODULES = {
 }
 CAPTURE_MODES = ("none", "step", "scopes")
 CAPTURE_SCOPES = ("attn", "moe_router", "moe_preprocess", "full_iteration")  # Megatron's CUDA-graph scope names
+# compute.attention_options: the cuDNN attention's static ragged bound (segments a row; a row with more
+# runs the dense-mask kernel) and a head dim to zero-pad q/k/v to (a kernel tuned for it; None: as is),
+# for the decoder and, with the "vision_" prefix, the vision tower (null: the decoder's value)
+ATTENTION_OPTIONS = {"max_segments": 16, "pad_head_dim": None, "vision_max_segments": None, "vision_pad_head_dim": None}
 RENAMED = {"remat": "recompute", "remat_modules": "recompute_modules"}  # old compute keys -> new
 
 
@@ -68,3 +72,26 @@ def check_recompute_and_capture(c: Any) -> None:
            f"compute.capture_scopes must be a list of {CAPTURE_SCOPES}, got {c.capture_scopes!r}")
     _check(c.capture != "scopes" or c.capture_scopes,
            "compute.capture: scopes needs at least one compute.capture_scopes entry")
+
+
+def check_attention_options(options: Any) -> None:
+    """Validate ``compute.attention_options`` (a mapping; keys and defaults: ATTENTION_OPTIONS)."""
+    _check(hasattr(options, "items"), f"compute.attention_options must be a mapping, got {options!r}")
+    bad = sorted(set(options) - set(ATTENTION_OPTIONS))
+    _check(not bad, f"compute.attention_options: unknown keys {bad}; known: {sorted(ATTENTION_OPTIONS)}")
+    for key, value in options.items():
+        ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+        _check(ok and (value is not None or key != "max_segments"),
+               f"compute.attention_options.{key} must be a positive int{'' if key == 'max_segments' else ' or null'}, got {value!r}")
+        _check(not key.endswith("pad_head_dim") or value is None or value % 8 == 0,
+               f"compute.attention_options.{key} must be a multiple of 8 (cuDNN's head dims), got {value!r}")
+
+
+def attention_kwargs(options: Any, tower: str) -> dict[str, Any]:
+    """``max_segments`` / ``pad_head_dim`` of ``compute.attention_options`` for the decoder ("text")
+    or the vision tower ("vision": its own values where set, else the decoder's)."""
+    merged = {**ATTENTION_OPTIONS, **dict(options)}
+    out = {k: merged[k] for k in ("max_segments", "pad_head_dim")}
+    if tower == "vision":
+        out.update({k: merged[f"vision_{k}"] for k in out if merged[f"vision_{k}"] is not None})
+    return out

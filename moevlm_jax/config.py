@@ -29,6 +29,7 @@ from moevlm_jax.compute_options import (  # noqa: F401 - re-exported: the names 
     RECOMPUTE_MODES,
     RECOMPUTE_MODULES,
     RENAMED,
+    check_attention_options,
     check_recompute_and_capture,
     checkpoint_names_of,
 )
@@ -437,6 +438,7 @@ class ComputeConfig:
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     attention: str = "auto"
+    attention_options: Any = FrozenDict()  # cuDNN ragged bound / head-dim padding: compute_options.ATTENTION_OPTIONS
     scan_layers: bool = True
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = ("core_attn",)
@@ -456,6 +458,7 @@ class ComputeConfig:
             _check(getattr(self, field) in DTYPES, f"compute.{field} must be one of {DTYPES}, got {getattr(self, field)!r}")
         _check(self.attention in ATTENTION_IMPLS, f"compute.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
         check_recompute_and_capture(self)  # moevlm_jax.compute_options
+        check_attention_options(self.attention_options)
         _check(isinstance(self.scan_layers, bool), "compute.scan_layers must be true or false")
         _check(isinstance(self.loss_chunk_size, int) and self.loss_chunk_size > 0,
                f"compute.loss_chunk_size must be a positive int, got {self.loss_chunk_size!r}")

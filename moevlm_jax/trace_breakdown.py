@@ -47,6 +47,23 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
 OTHER, UNATTRIBUTED, IDLE = "other (norms, residuals, casts, ...)", "unattributed (no hlo_op)", "device idle"
 UNMATCHED = "unmatched (hlo_op not in the step's HLO)"
 TOP = 25  # the largest kernels of the other / unmatched / unattributed rows, kept for diagnosis
+TOP_PER_COMPONENT = 6  # the largest kernels of each row
+# kernel kinds by kernel name, first match wins: what a row's time is made of
+KINDS: tuple[tuple[str, str], ...] = (
+    ("attention", r"cudnn|sdpa|fmha|flash|attention"),
+    ("gemm", r"gemm|xmma|nvjet|cutlass|cublas|matmul|gmm|dot"),
+    ("copy", r"memcpy|copy"),
+    ("memset", r"memset"),
+    ("collective", r"nccl|all_reduce|all_gather|all_to_all|reduce_scatter"),
+    ("scatter / gather", r"scatter|gather"),
+    ("reduction fusion", r"reduce"),
+)
+
+
+def kernel_kind(kernel: str) -> str:
+    """A kernel's kind from its name (``KINDS``; else "elementwise / other")."""
+    low = kernel.lower()
+    return next((kind for kind, pattern in KINDS if re.search(pattern, low)), "elementwise / other")
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}", re.MULTILINE)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -116,6 +133,8 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
     by_kernel = {k.replace(".", "_"): v for k, v in merged.items()}
     seconds: dict[str, float] = collections.defaultdict(float)
     top: dict[tuple[str, str, str, str], float] = collections.defaultdict(float)
+    per_kernel: dict[tuple[str, str], list] = {}  # (component, kernel) -> [seconds, an op_name]
+    kinds: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     other_modules: dict[str, float] = collections.defaultdict(float)
     span = [float("inf"), 0.0]
     for e in events:
@@ -134,10 +153,19 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
             stack = by_kernel.get(str(e.get("name", "")))
         component = UNATTRIBUTED if op is None and stack is None else UNMATCHED if stack is None else component_of(stack)
         seconds[component] += dur
+        kernel = str(e.get("name", ""))[:120]
+        kinds[component][kernel_kind(kernel)] += dur
+        slot = per_kernel.setdefault((component, kernel), [0.0, (stack or "")[-160:]])
+        slot[0] += dur
         if component in (OTHER, UNMATCHED, UNATTRIBUTED):
             top[(component, str(e.get("name", ""))[:120], str(op), (stack or "")[-200:])] += dur
     largest = sorted(top.items(), key=lambda kv: -kv[1])[:TOP]
+    by_component: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for (component, kernel), (dur, stack) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0]):
+        if len(by_component[component]) < TOP_PER_COMPONENT:
+            by_component[component].append({"kernel": kernel, "op_name": stack, "s": dur})
     return {"seconds": dict(seconds), "other_modules_s": dict(other_modules),
+            "kinds_s": {c: dict(k) for c, k in kinds.items()}, "top_per_component_s": dict(by_component),
             "top_unscoped": [{"row": k[0], "kernel": k[1], "hlo_op": k[2], "op_name": k[3], "s": v} for k, v in largest],
             "span_s": max(0.0, span[1] - span[0]) if span[1] else 0.0}
 
@@ -154,7 +182,12 @@ def breakdown(trace: str | Path, hlo_texts: Sequence[str], steps: int, step_time
     step_ms = 1e3 * (step_time_s if step_time_s is not None else got["span_s"] / steps)
     rows[IDLE] = step_ms - busy
     top = [dict(t, ms_per_step=1e3 * t.pop("s") / steps) for t in got["top_unscoped"]]
+    kinds = {c: {k: 1e3 * v / steps for k, v in sorted(got["kinds_s"][c].items(), key=lambda kv: -kv[1])}
+             for c in rows if c in got["kinds_s"]}
+    top_per = {c: [dict(t, ms_per_step=1e3 * t.pop("s") / steps) for t in got["top_per_component_s"][c]]
+               for c in rows if c in got["top_per_component_s"]}
     return {"per_step_ms": rows, "kernel_ms": busy, "step_ms": step_ms, "steps": steps, "top_unscoped": top,
+            "kinds_ms": kinds, "top_per_component": top_per,
             "other_programs_ms": {k: 1e3 * v / steps for k, v in got["other_modules_s"].items()}}
 
 
@@ -165,6 +198,10 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines = [f"{'component (from the profiler trace)':<{width}}{'ms/step':>10}{'share':>8}"]
     lines += [f"{k:<{width}}{v:>10.2f}{v / step:>8.1%}" for k, v in rows.items()]
     lines.append(f"{'step':<{width}}{step:>10.2f}{1:>8.0%}")
+    if result.get("kinds_ms"):
+        lines.append("kernel kinds per component (ms/step):")
+        lines += [f"  {c[:34]:<34} " + ", ".join(f"{k} {v:.1f}" for k, v in kinds.items())
+                  for c, kinds in result["kinds_ms"].items()]
     if result.get("top_unscoped"):
         lines.append("largest kernels outside the named scopes (ms/step, row, kernel, hlo_op, op_name tail):")
         lines += [f"  {t['ms_per_step']:8.2f}  {t['row'][:10]:<10} {t['kernel'][:40]:<40} {t['hlo_op'][:28]:<28} "

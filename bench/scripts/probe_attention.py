@@ -7,6 +7,7 @@ Checks each variant against an XLA float32 reference, then times forward and for
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -45,15 +46,25 @@ def ref_attention(q, k, v, segment_ids, causal):
     return jnp.where((segment_ids > 0)[:, :, None, None], out, 0.0)
 
 
-def cudnn_packed(q, k, v, segment_ids, causal, max_segments):
+def cudnn_packed(q, k, v, segment_ids, causal, max_segments, scale=None):
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
     seqlens, offsets = segment_offsets(segment_ids, max_segments)
     out = dot_product_attention(
         q, k, v, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets, kv_offsets=offsets,
-        scale=1.0 / np.sqrt(q.shape[-1]),
+        scale=1.0 / np.sqrt(q.shape[-1]) if scale is None else scale,
         mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK, qkv_layout="BTNH")
     return jnp.where((segment_ids > 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def padded(fn, to):
+    """fn on q/k/v zero-padded along the head dim to ``to`` (scale kept at the true head dim's), the
+    output sliced back: the same attention, run by a kernel tuned for a larger head dim."""
+    def run(q, k, v, s, c):
+        d = q.shape[-1]
+        pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, to - d)])
+        return fn(pad(q), pad(k), pad(v), s, c, scale=1.0 / np.sqrt(d))[..., :d]
+    return run
 
 
 def cudnn_dense_mask(q, k, v, segment_ids, causal):
@@ -66,10 +77,10 @@ def xla_dense_mask(q, k, v, segment_ids, causal):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
 
 
-def cudnn_per_image(q, k, v, segment_ids, causal, images_per_row):
+def cudnn_per_image(q, k, v, segment_ids, causal, images_per_row, scale=None):
     b, s, n, d = q.shape
     r = lambda x: x.reshape(b * images_per_row, s // images_per_row, x.shape[2], d)
-    out = jax.nn.dot_product_attention(r(q), r(k), r(v), is_causal=causal, implementation="cudnn")
+    out = jax.nn.dot_product_attention(r(q), r(k), r(v), is_causal=causal, implementation="cudnn", scale=scale)
     return out.reshape(b, s, n, d)
 
 
@@ -132,7 +143,10 @@ def run_case(name, b, s, n, nk, d, lens, causal, variants, results):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="attn.json")
+    ap.add_argument("--cases", default="dec,vis", help="dec,vis (the first probe) and/or bounds,vis_pad "
+                    "(segment bounds at the step's MBS 8; the vision head dim 72 padded for faster kernels)")
     args = ap.parse_args()
+    cases = set(args.cases.split(","))
     env = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
     for mod in ("flax", "optax", "orbax.checkpoint", "transformers", "torch", "grain", "tokamax"):
         try:
@@ -151,15 +165,31 @@ def main():
         "xla_dense_mask": xla_dense_mask,
     }
     # decoder: B=2, S=4096, 32 q / 4 kv heads, hd 128; one doc a row, then 4 docs of ~1k + padding
-    run_case("dec_1doc", 2, 4096, 32, 4, 128, [4096], True, dec, results)
-    run_case("dec_4docs", 2, 4096, 32, 4, 128, [1500, 1200, 800, 500], True, dec, results)
+    if "dec" in cases:
+        run_case("dec_1doc", 2, 4096, 32, 4, 128, [4096], True, dec, results)
+        run_case("dec_4docs", 2, 4096, 32, 4, 128, [1500, 1200, 800, 500], True, dec, results)
+    if "bounds" in cases:  # the proxy step's decoder: one sample a row (~3.9k tokens + padding), MBS 8
+        bound = {f"cudnn_packed_M{m}": functools.partial(cudnn_packed, max_segments=m) for m in (1, 2, 4, 16)}
+        run_case("dec_1doc_b8", 8, 4096, 32, 4, 128, [3900], True, bound, results)
+    if "vis_pad" in cases:  # the proxy step's vision tower: 8 rows of 4 images x 784 patches, hd 72
+        pk = lambda m: lambda q, k, v, s, c, scale=None: cudnn_packed(q, k, v, s, c, m, scale)
+        pi = lambda q, k, v, s, c, scale=None: cudnn_per_image(q, k, v, s, c, 4, scale)
+        vp = {"cudnn_packed_M16": pk(16), "cudnn_packed_M4": pk(4), "cudnn_per_image": pi}
+        for to in (80, 96, 128):
+            vp[f"cudnn_packed_M4_pad{to}"] = padded(pk(4), to)
+        vp["cudnn_packed_M16_pad128"] = padded(pk(16), 128)
+        vp["cudnn_per_image_pad128"] = padded(pi, 128)
+        run_case("vis_4img_b8", 8, 3136, 16, 16, 72, [784] * 4, False, vp, results)
+        run_case("vis_3img_b8", 8, 3456, 16, 16, 72, [1024, 1200, 1100], False,
+                 {k: vp[k] for k in ("cudnn_packed_M16", "cudnn_packed_M4", "cudnn_packed_M4_pad128")}, results)
     vis = {
         "cudnn_packed_M8": lambda q, k, v, s, c: cudnn_packed(q, k, v, s, c, 8),
         "cudnn_per_image": lambda q, k, v, s, c: cudnn_per_image(q, k, v, s, c, 4),
         "xla_dense_mask": xla_dense_mask,
     }
     # vision: 4 images of 784 patches per row, 16 heads, hd 72, bidirectional
-    run_case("vis_4img", 4, 3136, 16, 16, 72, [784] * 4, False, vis, results)
+    if "vis" in cases:
+        run_case("vis_4img", 4, 3136, 16, 16, 72, [784] * 4, False, vis, results)
     with open(args.out, "w") as f:
         json.dump({"env": env, "results": results}, f, indent=1)
 

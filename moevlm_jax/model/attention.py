@@ -7,8 +7,12 @@ The cuDNN path runs packed segments in cuDNN's ragged (THD) form: per row, the s
 length of each segment, so masked-out blocks between packed samples (or between the images of a
 row) are never computed. A dense boolean mask through cuDNN computes every block (measured on the
 H200: 4 packed documents a row ran ~3.5x slower, see bench/attention.md). The ragged form needs a
-static bound on segments per row (``MAX_PACKED_SEGMENTS``); a row with more falls back, inside the
-same compiled step, to the dense-mask kernel (``lax.cond``), so the result is always right.
+static bound on segments per row (``max_segments``, default ``MAX_PACKED_SEGMENTS``; its cost grows
+with the bound, so a workload that knows its rows sets it: ``compute.attention_options``); a row with
+more falls back, inside the same compiled step, to the dense-mask kernel (``lax.cond``), so the result
+is always right. ``pad_head_dim``: q/k/v zero-padded along the head dim to a size cuDNN has tuned
+kernels for (the vision tower's 72 -> 128), the softmax scale kept at the true head dim's and the
+output sliced back: the same attention (zero columns add nothing to q.k and yield zero outputs).
 
 Context parallelism: given the logical axes of q and k/v, the op asks ``parallelism.context``
 whether the layout splits their sequence; if so it runs over the sequence shards there (K/V
@@ -54,28 +58,37 @@ def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, causal: bo
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array,
                           kv_segment_ids: jax.Array, causal: bool, impl: str = "xla",
-                          scale: float | None = None, logical_axes: tuple[Axes, Axes] | None = None) -> jax.Array:
+                          scale: float | None = None, logical_axes: tuple[Axes, Axes] | None = None,
+                          max_segments: int = MAX_PACKED_SEGMENTS, pad_head_dim: int | None = None) -> jax.Array:
     """q ``[B, Sq, N, D]``, k/v ``[B, Sk, K, D]`` (N a multiple of K), segment ids ``[B, S]`` ->
     ``[B, Sq, N, D]``. Each query attends to keys with its segment id (and at or before it if causal).
     ``logical_axes`` (q's, k/v's): when the layout splits that sequence axis (context parallelism),
-    ``parallelism.context`` runs this attention over the sequence shards."""
+    ``parallelism.context`` runs this attention over the sequence shards. ``max_segments``,
+    ``pad_head_dim``: the cuDNN path's ragged bound and head-dim padding (module docstring)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    opts = dict(causal=causal, impl=impl, scale=scale, max_segments=max_segments, pad_head_dim=pad_head_dim)
     if logical_axes is not None and context.sequence_axes(logical_axes[0]):
-        attend = functools.partial(_attention, causal=causal, impl=impl, scale=scale)
+        attend = functools.partial(_attention, **opts)
         return context.context_parallel_attention(attend, q, k, v, q_segment_ids, kv_segment_ids,
                                                   q_axes=logical_axes[0], kv_axes=logical_axes[1],
                                                   causal=causal, scale=scale)
-    return _attention(q, k, v, q_segment_ids, kv_segment_ids, 0, causal=causal, impl=impl, scale=scale)
+    return _attention(q, k, v, q_segment_ids, kv_segment_ids, 0, **opts)
 
 
-def _attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, *, causal, impl, scale):
+def _attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, *, causal, impl, scale,
+               max_segments=MAX_PACKED_SEGMENTS, pad_head_dim=None):
     """The local attention; query i sits at sequence index ``q_offset + i`` of k/v."""
     b, sq, n, d = q.shape
     kh = k.shape[2]
     impl = resolve_impl(impl, q.dtype, d)
+    if impl == "cudnn" and pad_head_dim is not None and pad_head_dim > d:
+        pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, pad_head_dim - d)])
+        out = _attention(pad(q), pad(k), pad(v), q_segment_ids, kv_segment_ids, q_offset, causal=causal,
+                         impl=impl, scale=scale, max_segments=max_segments)
+        return out[..., :d]
     if impl == "cudnn":
         if q_segment_ids is kv_segment_ids and sq == k.shape[1]:
-            return _cudnn_packed(q, k, v, q_segment_ids, causal, scale)
+            return _cudnn_packed(q, k, v, q_segment_ids, causal, scale, max_segments)
         mask = segment_mask(q_segment_ids, kv_segment_ids, causal, q_offset)
         return _cudnn_dense(q, k, v, mask, causal and sq == k.shape[1], scale)
     mask = segment_mask(q_segment_ids, kv_segment_ids, causal, q_offset)
@@ -117,14 +130,15 @@ def mask_padding_grad(x: jax.Array, valid: jax.Array) -> jax.Array:
     return zero_grad_where(x, valid)
 
 
-def _cudnn_packed(q, k, v, segment_ids, causal, scale):
-    """cuDNN flash attention over the packed segments of each row (THD ragged offsets)."""
+def _cudnn_packed(q, k, v, segment_ids, causal, scale, max_segments=MAX_PACKED_SEGMENTS):
+    """cuDNN flash attention over the packed segments of each row (THD ragged offsets), at most
+    ``max_segments`` a row (rows with more: the dense-mask kernel)."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
     from jax._src.cudnn.fused_attention_stablehlo import (
         dot_product_attention as cudnn_attention,
     )
 
-    lengths, starts = segment_offsets(segment_ids, MAX_PACKED_SEGMENTS)
+    lengths, starts = segment_offsets(segment_ids, max_segments)
 
     def packed(q, k, v):
         valid = segment_ids > 0  # d(q/k/v) at padding: unwritten by cuDNN, zero by definition
@@ -137,5 +151,5 @@ def _cudnn_packed(q, k, v, segment_ids, causal, scale):
     def dense(q, k, v):
         return _cudnn_dense(q, k, v, segment_mask(segment_ids, segment_ids, causal), causal, scale)
 
-    too_many = jnp.max(segment_ids) > MAX_PACKED_SEGMENTS
+    too_many = jnp.max(segment_ids) > max_segments
     return jax.lax.cond(too_many, dense, packed, q, k, v)

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from moevlm_jax.config import ComputeConfig, TextConfig
+from moevlm_jax.compute_options import attention_kwargs
 from moevlm_jax.model.attention import dot_product_attention
 from moevlm_jax.model.layers import (
     Linear,
@@ -46,6 +47,7 @@ class TextAttention(nnx.Module):
                           cfg.num_key_value_heads, cfg.head_dim)
         kw = dict(use_bias=cfg.attention_bias, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
         self.impl = compute.attention
+        self.attn_kw = tuple(attention_kwargs(compute.attention_options, "text").items())  # cuDNN bound, head-dim pad
         self.q_proj = Linear((h,), (n, d), ("embed",), ("q_heads", "head_dim"), **kw)
         self.k_proj = Linear((h,), (k, d), ("embed",), ("kv_heads", "head_dim"), **kw)
         self.v_proj = Linear((h,), (k, d), ("embed",), ("kv_heads", "head_dim"), **kw)
@@ -63,7 +65,7 @@ class TextAttention(nnx.Module):
         k = apply_rotary(checkpoint_name(self.k_norm(k), "layernorm"), cos, sin)
         q, k, v = constrain(q, Q_AXES), constrain(k, KV_AXES), constrain(v, KV_AXES)
         out = dot_product_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                                    causal=True, impl=self.impl, logical_axes=(Q_AXES, KV_AXES))
+                                    causal=True, impl=self.impl, logical_axes=(Q_AXES, KV_AXES), **dict(self.attn_kw))
         out = checkpoint_name(out, "core_attn")
         return checkpoint_name(constrain(self.o_proj(out), INNER), "attn_out")  # row-parallel partial sums
 

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from moevlm_jax.config import ComputeConfig, VisionConfig
+from moevlm_jax.compute_options import attention_kwargs
 from moevlm_jax.model.attention import dot_product_attention
 from moevlm_jax.model.layers import (
     LayerNorm,
@@ -57,6 +58,7 @@ class VisionAttention(nnx.Module):
     def __init__(self, cfg: VisionConfig, compute: ComputeConfig, rngs: nnx.Rngs):
         pd, c, n, d = dtype_of(compute.param_dtype), cfg.hidden_size, cfg.num_heads, cfg.head_dim
         self.impl = compute.attention
+        self.attn_kw = tuple(attention_kwargs(compute.attention_options, "vision").items())  # cuDNN bound, head-dim pad
         self.qkv = Linear((c,), (3, n, d), ("vis_embed",), (None, "vis_heads", "vis_head_dim"),
                           use_bias=True, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
         self.proj = Linear((n, d), (c,), ("vis_heads", "vis_head_dim"), ("vis_embed",),
@@ -68,7 +70,7 @@ class VisionAttention(nnx.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = dot_product_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                                    causal=False, impl=self.impl)
+                                    causal=False, impl=self.impl, **dict(self.attn_kw))
         out = checkpoint_name(out, "core_attn")
         return checkpoint_name(self.proj(out), "attn_out")
 

@@ -84,6 +84,25 @@ def test_device_kernels_are_attributed_and_add_up_to_the_step(tmp_path):
     top = {(t["row"], t["kernel"]): t["ms_per_step"] for t in got["top_unscoped"]}
     assert top[(tb.UNMATCHED, "sm90_xmma_gemm_bf16")] == pytest.approx(0.002)
     assert top[(tb.OTHER, "add.4")] == pytest.approx(0.003)
+    # each row's kernels by kind and its largest kernels (by hand from the events above)
+    assert got["kinds_ms"][tb.UNMATCHED] == pytest.approx({"gemm": 0.002})
+    assert got["kinds_ms"]["permutation / dispatch"] == pytest.approx({"scatter / gather": 0.005})
+    attn = [(t["kernel"], t["ms_per_step"]) for t in got["top_per_component"]["decoder attention"]]
+    assert attn == [("fusion.1", pytest.approx(0.010)), ("fusion_1", pytest.approx(0.006))]
+    assert "kernel kinds per component" in tb.format_table(got)
+
+
+def test_kernel_kinds_by_name():
+    """Kernel names as they appear in H200 traces."""
+    assert tb.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
+    assert tb.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm"
+    assert tb.kernel_kind("gmm_triton_kernel") == "gemm"
+    assert tb.kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"  # cuBLAS 13
+    assert tb.kernel_kind("MemcpyD2D") == "copy"
+    assert tb.kernel_kind("Memset 3") == "memset"
+    assert tb.kernel_kind("input_scatter_fusion_37") == "scatter / gather"
+    assert tb.kernel_kind("input_add_reduce_fusion_10") == "reduction fusion"
+    assert tb.kernel_kind("loop_multiply_fusion_3") == "elementwise / other"
 
 
 def test_a_real_xla_cpu_trace(tmp_path):

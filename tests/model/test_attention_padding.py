@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from moevlm_jax.model.attention import mask_padding_grad
 
@@ -55,3 +56,53 @@ def test_mask_is_the_identity_forward_and_inside_jit():
     np.testing.assert_array_equal(jax.jit(mask_padding_grad)(x, valid), x)
     g = jax.jit(jax.grad(lambda x: jnp.sum(mask_padding_grad(x, valid) * 3.0)))(x)
     np.testing.assert_array_equal(g[0, :, 0, 0], [3.0, 3.0, 0.0, 3.0, 0.0, 0.0])
+
+
+def test_head_dim_padding_and_segment_bound_reach_the_cudnn_path(monkeypatch):
+    """``pad_head_dim`` (the vision tower's 72 -> 128 on the GPU): q/k/v reach the cuDNN kernel
+    zero-padded to 128 with the softmax scale of the true head dim and ``max_segments`` as given; the
+    output and the gradients equal the unpadded attention's. cuDNN is GPU only: a stand-in kernel
+    records what it receives and computes XLA attention on it."""
+    from moevlm_jax.model import attention
+
+    seen = []
+
+    def fake_cudnn(q, k, v, segment_ids, causal, scale, max_segments=attention.MAX_PACKED_SEGMENTS):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1], scale, max_segments))
+        return attention._attention(q, k, v, segment_ids, segment_ids, 0, causal=causal, impl="xla", scale=scale)
+
+    monkeypatch.setattr(attention, "_cudnn_packed", fake_cudnn)
+    rng = np.random.default_rng(1)
+    b, s, n, d = 2, 10, 4, 72
+    q, k, v = (jnp.asarray(rng.normal(size=(b, s, n, d)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray([[1] * 4 + [2] * 6, [1] * 7 + [0] * 3])
+    ct = jnp.asarray(rng.normal(size=(b, s, n, d)), jnp.float32)
+
+    def loss(q, k, v, impl, **kw):
+        out = attention.dot_product_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=False,
+                                              impl=impl, **kw)
+        return jnp.sum(jnp.where((seg > 0)[:, :, None, None], out, 0.0) * ct), out
+
+    (got_l, got), got_g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+        q, k, v, "cudnn", max_segments=4, pad_head_dim=128)
+    (_, want), want_g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, "xla")
+    assert seen and all(x == (128, 128, 128, pytest.approx(72**-0.5), 4) for x in seen)
+    assert got.shape == (b, s, n, d)
+    valid = (seg > 0)[:, :, None, None]
+    np.testing.assert_allclose(jnp.where(valid, got, 0), jnp.where(valid, want, 0), rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_g, want_g):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_options_per_tower_and_bad_values():
+    from moevlm_jax.compute_options import attention_kwargs
+    from moevlm_jax.config import ComputeConfig
+
+    c = ComputeConfig(attention_options={"max_segments": 2, "vision_max_segments": 4, "vision_pad_head_dim": 128})
+    assert attention_kwargs(c.attention_options, "text") == {"max_segments": 2, "pad_head_dim": None}
+    assert attention_kwargs(c.attention_options, "vision") == {"max_segments": 4, "pad_head_dim": 128}
+    assert attention_kwargs(ComputeConfig().attention_options, "vision") == {"max_segments": 16, "pad_head_dim": None}
+    for bad, words in (({"max_segment": 2}, "unknown keys"), ({"max_segments": 0}, "positive int"),
+                       ({"max_segments": None}, "positive int"), ({"vision_pad_head_dim": 100}, "multiple of 8")):
+        with pytest.raises(ValueError, match=words):
+            ComputeConfig(attention_options=bad)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 8 on one H200 in one `run` call: attention kernel variants (bench/scripts/probe_attention.py, CASES)
+# then the profiled proxy step (recipe h200, mock data, MBS 8, capture none: every kernel visible) once
+# per variant of VARIANTS (';'-separated override lists; "-" = the recipe as is), each with its trace
+# breakdown; MEMSETS=1 also dumps the memset / copy events of the first variant's trace
+# (bench/scripts/trace_events.py). Results under $OUT: log.txt, attn.json, step_<i>.json, events.json.
+#   run(command="VARIANTS='-;compute.scan_layers=false' bash bench/scripts/h200_variants.sh", carry=[".gpudeps"])
+set -uo pipefail
+T0=$(date +%s)
+source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
+left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
+if [ -n "${CASES:-}" ]; then
+  timeout "${PROBE_S:-200}" python3 bench/scripts/probe_attention.py --cases "$CASES" --out "$OUT/attn.json" 2>&1 \
+      | grep -v "Autotuning cache miss" | tee -a "$OUT/log.txt"
+fi
+i=0
+IFS=';' read -ra VS <<< "${VARIANTS:--}"
+for v in "${VS[@]}"; do
+  [ "$(left "${END:-590}")" -lt 60 ] && { echo "no time for variant $i: $v" | tee -a "$OUT/log.txt"; break; }
+  ov=$([ "$v" = "-" ] || echo "$v")
+  echo "=== variant $i: ${v}" | tee -a "$OUT/log.txt"
+  rm -rf /tmp/prof$i /tmp/bw$i; mkdir -p /tmp/bw$i
+  timeout "$(left "${END:-590}")" python3 -m moevlm_jax.bench --recipe h200 --peer none --data mock --mbs "${MBS:-8}" \
+      --warmup 2 --steps 4 --profile /tmp/prof$i --work-dir /tmp/bw$i --out "$OUT/step_$i.json" compute.capture=none $ov 2>&1 \
+      | grep -v "Autotuning cache miss" | grep -v "^  " | tail -22 | tee -a "$OUT/log.txt"
+  if [ "$i" = 0 ] && [ "${MEMSETS:-0}" = 1 ]; then
+    python3 bench/scripts/trace_events.py /tmp/prof0 --match 'Memset|Memcpy' --steps 4 --out "$OUT/events.json" 2>&1 \
+        | head -25 | tee -a "$OUT/log.txt"
+  fi
+  i=$((i + 1))
+done
+echo "wall $(( $(date +%s) - T0 )) s"
