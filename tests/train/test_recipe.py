@@ -98,6 +98,16 @@ def test_new_keys_without_near_miss_pass_to_the_schema(files):
     assert cfg.model["text_config"]["rope_theta"] == 10000
 
 
+def test_a_present_key_with_a_prefix_word_is_not_a_typo(files):
+    """compute.attention_options' per-tower keys (vision_max_segments next to max_segments); a real
+    typo beside them is still named."""
+    keys = ["compute.attention_options.max_segments=2", "compute.attention_options.vision_max_segments=4",
+            "compute.attention_options.vision_pad_head_dim=128"]
+    cfg = load_config(files["recipe"], overrides=keys, num_devices=1, num_processes=1)
+    assert cfg.compute["attention_options"] == {"max_segments": 2, "vision_max_segments": 4, "vision_pad_head_dim": 128}
+    assert "did you mean 'max_segments'" in _error(files["recipe"], keys[0], "compute.attention_options.max_segmnets=3")
+
+
 def test_all_errors_reported_together(files):
     msg = _error(files["recipe"], "optimizer.lrr=1", "train.stepz=3")
     assert "optimizer.lrr" in msg and "train.stepz" in msg and "'steps'" in msg
