@@ -459,8 +459,9 @@ def run_with_peer(args: argparse.Namespace) -> dict[str, Any]:
             continue
         best = min(hf, key=lambda p: p["step_time_s"])
         eager = next((p for p in hf if p["mode"] == "eager"), None)  # the loss check: eager from the initial weights
+        rate = lambda x: (x.get("steady") or x)["tokens_per_s"]  # noqa: E731 - without compiles / first runs
         r["vs_hf"] = {"hf_best": best["side"], "tokens_per_s_ratio": r["tokens_per_s"] / best["tokens_per_s"],
-                      "loss": None if eager is None else compare_losses(r, eager, strict)}
+                      "steady_ratio": rate(r) / rate(best), "loss": None if eager is None else compare_losses(r, eager, strict)}
     return result
 
 

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from moevlm_jax.bench_report import steady_rate
+
 IGNORE = -100
 
 
@@ -94,6 +96,15 @@ def load_steps(directory: str | Path) -> list[dict[str, np.ndarray]]:
 
 
 # ----------------------------------------------------------------------------- the torch side
+
+def graph_count() -> int:
+    """Graphs torch.compile (dynamo) has traced so far in this process (0 when torch is absent)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
 
 def compile_blocks(model: Any) -> Any:
     """``torch.compile`` per transformer block (every vision block and decoder layer), as torchtitan
@@ -244,18 +255,22 @@ class Peer:
         if self.cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        times, losses = [], []
+        times, losses, compiled = [], [], []
         for host, lr in zip(batches, run["lrs"]):
-            t0 = time.perf_counter()
+            graphs, t0 = graph_count(), time.perf_counter()
             losses.append(self.step(forward, host, lr))
             times.append(time.perf_counter() - t0)
+            compiled.append(graph_count() > graphs)  # torch.compile traced a new graph (a new shape) in this step
         timed = run["timed"]
         total = sum(times[i] for i in timed)
         useful = sum(run["useful_tokens"][i] for i in timed)
         trained = sum(run["trained_tokens"][i] for i in timed)
         flops = sum(run["flops"][i] for i in timed)
         return {"name": run["name"], "side": f"hf-{mode}", "mode": mode, "steps": len(times),
-                "step_times_s": times, "losses": losses, "timed": timed,
+                "step_times_s": times, "losses": losses, "timed": timed, "compiled_per_step": compiled,
+                # without the timed steps that compiled (real data's new shapes): ours' "steady" counterpart
+                "steady": steady_rate([{"time": times[i], "useful_tokens": run["useful_tokens"][i], "flops": run["flops"][i],
+                                        "first_run": compiled[i]} for i in timed], 1, None),
                 "step_time_s": statistics.median(times[i] for i in timed), "timed_time_s": total,
                 "useful_tokens": useful, "trained_tokens": trained, "flops": flops,
                 "tokens_per_s": useful / total, "trained_tokens_per_s": trained / total,

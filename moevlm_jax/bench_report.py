@@ -28,6 +28,14 @@ def steady_rate(timed: list[dict[str, Any]], n_dev: int, peak: float | None) -> 
             "first_runs": len(firsts), "first_run_s": sum(firsts) / len(firsts)}
 
 
+def _steady(r: dict[str, Any]) -> str:
+    """The ours/HF ratio without each side's compiling / first-run steps, where it differs."""
+    v = r["vs_hf"]
+    if v.get("steady_ratio") is None or abs(v["steady_ratio"] - v["tokens_per_s_ratio"]) < 5e-4:
+        return ""
+    return f" ({v['steady_ratio']:.3f} without steps that compiled or ran a shape first)"
+
+
 def summary_line(r: dict[str, Any]) -> str:
     """One line per finished run (logged as runs complete, so a killed invocation keeps them)."""
     if not ok(r):
@@ -75,11 +83,11 @@ def format_report(result: dict[str, Any]) -> str:
     for r in result["runs"]:
         if "vs_hf" in r and r["vs_hf"]["loss"] is None:
             lines.append(f"ours/HF ({r['name']}, HF best {r['vs_hf']['hf_best']}): useful tokens/s ratio "
-                         f"{r['vs_hf']['tokens_per_s_ratio']:.3f}; no HF eager run to check the losses against")
+                         f"{r['vs_hf']['tokens_per_s_ratio']:.3f}{_steady(r)}; no HF eager run to check the losses against")
         elif "vs_hf" in r:
             v, loss = r["vs_hf"], r["vs_hf"]["loss"]
             lines.append(f"ours/HF ({r['name']}, HF best {v['hf_best']}): useful tokens/s ratio "
-                         f"{v['tokens_per_s_ratio']:.3f}; cross-entropy step 1 ours {loss['ours'][0]:.6f} vs HF "
+                         f"{v['tokens_per_s_ratio']:.3f}{_steady(r)}; cross-entropy step 1 ours {loss['ours'][0]:.6f} vs HF "
                          f"{loss['hf'][0]:.6f} (rel {loss['first_rel_diff']:.1e}, all {len(loss['ours'])} steps max rel "
                          f"{loss['max_rel_diff']:.1e}, rtol {loss['rtol']:.0e}: "
                          f"{'agree' if loss['first_step_agrees'] else 'DISAGREE'})")

@@ -218,8 +218,12 @@ def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any, Any], tup
                                      offset=layer_offset + start, scan=compute.scan_layers)
     if compute.scan_layers:
         return jax.lax.scan(lambda c, inputs: step(c, *inputs, side), carry, (state, xs))
+    # unrolled: each layer's slice from one split per stacked leaf, whose transpose (the stacked
+    # gradient) is one concatenate, not a sum of per-layer pads
+    layers = jax.tree.map(lambda a: [x[0] for x in jax.lax.split(a, (1,) * (stop - start))], (state, xs))
     ys = []
     for i in range(stop - start):
-        carry, y = step(carry, *jax.tree.map(lambda a, i=i: a[i], (state, xs)), side)
+        carry, y = step(carry, *jax.tree.map(lambda parts, i=i: parts[i], layers, is_leaf=lambda x: isinstance(x, list)),
+                        side)
         ys.append(y)
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys and ys[0] is not None else None

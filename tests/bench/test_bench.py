@@ -260,3 +260,29 @@ def test_steady_rate_leaves_out_first_runs():
     assert steady_rate(steps, 1, 100.0) == {"steps": 2, "tokens_per_s": 200.0, "mfu": 0.2, "first_runs": 1,
                                             "first_run_s": 1.0}
     assert steady_rate(steps[1:], 1, 100.0) is None and steady_rate(steps[:1], 1, None) is None
+
+
+def test_hf_steps_that_compiled_are_left_out_of_its_steady_rate(monkeypatch):
+    """HF's torch.compile traces a new graph for each new shape (real data: several shapes), inside
+    the timed steps: those steps are marked and left out of the HF side's ``steady`` rate, as ours
+    leaves out each compiled shape's first run. A compiled function with dynamo's "eager" backend
+    (no C++ compiler needed) on shapes 3, 3, 5, 5, 3: steps 0 and 2 trace a graph."""
+    import torch
+
+    from moevlm_jax import bench_hf
+
+    f = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=False)
+    sizes = [3, 3, 5, 5, 3]
+    monkeypatch.setattr(bench_hf, "load_steps", lambda d: [{"n": n} for n in sizes])
+    runner = object.__new__(bench_hf.Peer)
+    runner.torch, runner.cuda = torch, False
+    runner.tensors = lambda b: b
+    runner.step = lambda forward, host, lr: {"loss": float(forward(torch.ones(host["n"]))), "ce": 0.0, "aux": 0.0}
+    run = {"name": "r", "batch_dir": "-", "lrs": [0.1] * 5, "timed": [1, 2, 3, 4], "useful_tokens": [100] * 5,
+           "trained_tokens": [50] * 5, "flops": [1.0] * 5}
+    got = runner._run(run, "compile", f)
+    assert got["compiled_per_step"] == [True, False, True, False, False]
+    t = got["step_times_s"]
+    assert got["steady"]["steps"] == 3 and got["steady"]["first_runs"] == 1
+    assert got["steady"]["tokens_per_s"] == pytest.approx(300 / (t[1] + t[3] + t[4]))
+    assert got["tokens_per_s"] == pytest.approx(400 / sum(t[1:]))
