@@ -47,6 +47,7 @@ from jax.sharding import Mesh
 from moevlm_jax import optim
 from moevlm_jax.config import ComputeConfig, ModelConfig, freeze
 from moevlm_jax.model import router as moe_router
+from moevlm_jax.model.batch import segments_over_bound
 from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from parallelism import grouped_matmul, sharding
@@ -338,6 +339,7 @@ class Trainer:
     def __init__(self, spec: StepSpec):
         self.spec = spec
         self.compiled: set[tuple] = set()  # (kind, shapes, capacity) seen: one compile each
+        self.bound_warned: set[str] | None = set() if jax.default_backend() == "gpu" and spec.compute.attention != "xla" else None
 
     @classmethod
     def create(cls, model: ModelConfig, compute: ComputeConfig, layout: Layout | None, optimizer: Any, *,
@@ -418,6 +420,8 @@ class Trainer:
         leading microbatch axis ``[G, rows / G, ...]`` (``positions`` ``[G, 3, rows / G, S]``)."""
         arrays = {k: np.asarray(host_batch[k]) for k in MODEL_KEYS if k in host_batch}
         counts = _counts(arrays)
+        if self.bound_warned is not None:  # cuDNN's ragged bound: a warning when rows hold more segments
+            segments_over_bound(arrays, self.spec.compute.attention_options, self.bound_warned)
         local_groups = max(self.spec.dp_size // jax.process_count(), 1)
         capacity = loss_capacity(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)
         leading = 0

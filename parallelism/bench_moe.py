@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m parallelism.bench_moe", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     p.add_argument("--tokens", type=int, default=16384, help="token rows per device")
-    p.add_argument("--backends", default="tokamax,ragged_dot,capacity,hybrid", help="experts_forward backends to time")
+    p.add_argument("--backends", default="triton,tokamax,ragged_dot,capacity,hybrid", help="experts_forward backends to time")
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--zipf", type=float, default=0.2, help="router bias -s*log(rank+1): expert-load skew")
     p.add_argument("--iters", type=int, default=10)

@@ -124,3 +124,30 @@ def hf_labels_to_targets(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     nxt = np.concatenate([labels[:, 1:], np.full((labels.shape[0], 1), -100, labels.dtype)], axis=1)
     mask = nxt != -100
     return np.where(mask, nxt, 0).astype(np.int32), mask.astype(np.float32)
+
+
+def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: set[str]) -> dict[str, int]:
+    """Rows of a host batch holding more segments (packed samples; images for the vision tower) than
+    the cuDNN ragged attention's bound (``compute.attention_options``): the step then runs that
+    attention on the dense-mask kernel for the whole batch (exact, but slower; bench/attention.md).
+    Returns ``{"text" | "vision": rows over}`` and logs a warning the first time per tower (``warned``)."""
+    import logging
+
+    from moevlm_jax.compute_options import attention_kwargs
+
+    over = {}
+    for tower, key in (("text", "segment_ids"), ("vision", "patch_segment_ids")):
+        if key not in arrays or not np.asarray(arrays[key]).size:
+            continue
+        bound = attention_kwargs(options, tower)["max_segments"]
+        most = np.asarray(arrays[key]).reshape(-1, np.shape(arrays[key])[-1]).max(axis=-1)
+        n = int(np.count_nonzero(most > bound))
+        if n:
+            over[tower] = n
+            if tower not in warned:
+                warned.add(tower)
+                logging.getLogger(__name__).warning(
+                    "%d row(s) hold more %s segments than compute.attention_options.%smax_segments=%d (up to %d): "
+                    "on the GPU these batches run the dense-mask attention kernel (exact, slower); raise the bound",
+                    n, tower, "vision_" if tower == "vision" else "", bound, int(most.max()))
+    return over

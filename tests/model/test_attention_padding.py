@@ -106,3 +106,23 @@ def test_attention_options_per_tower_and_bad_values():
                        ({"max_segments": None}, "positive int"), ({"vision_pad_head_dim": 100}, "multiple of 8")):
         with pytest.raises(ValueError, match=words):
             ComputeConfig(attention_options=bad)
+
+
+def test_rows_over_the_segment_bound_are_counted_and_named_once(caplog):
+    """Host-side check of a batch against compute.attention_options: text rows with 1 and 3 packed
+    samples against a bound of 2, vision rows with 4 and 5 images against a bound of 4."""
+    from moevlm_jax.model.batch import segments_over_bound
+
+    arrays = {"segment_ids": np.array([[1, 1, 1, 0], [1, 2, 3, 3]]),
+              "patch_segment_ids": np.array([[1, 2, 3, 4, 0], [1, 2, 3, 4, 5]])}
+    warned: set[str] = set()
+    options = {"max_segments": 2, "vision_max_segments": 4}
+    with caplog.at_level("WARNING"):
+        assert segments_over_bound(arrays, options, warned) == {"text": 1, "vision": 1}
+        assert segments_over_bound(arrays, options, warned) == {"text": 1, "vision": 1}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and warned == {"text", "vision"}
+    assert "attention_options.max_segments=2 (up to 3)" in warnings[0]
+    assert "attention_options.vision_max_segments=4 (up to 5)" in warnings[1]
+    assert segments_over_bound(arrays, {"max_segments": 3, "vision_max_segments": 5}, set()) == {}
+    assert segments_over_bound(arrays, {}, set()) == {}  # the default bound 16

@@ -14,17 +14,18 @@ def test_bench_moe_tiny_runs_and_agrees(tmp_path, capsys):
     variants = {r["variant"].split(" (")[0] for r in results}
     for name in (
         "ceiling",
+        "triton",
         "ragged_dot",
         "capacity",
         "hybrid",
-        "ragged_dot + capacity_factor 1.0",
+        "triton + capacity_factor 1.0",
         "hf grouped_mm",
         "ep2 alltoall",
         "ep2 allgather",
     ):
         assert name in variants, (name, sorted(variants))
     checks = {r["variant"]: r for r in results if r["variant"].startswith("check")}
-    names = ("ragged_dot", "capacity", "hybrid", "ragged_dot+cf", "hf experts", "ep2 alltoall", "ep2 allgather",
+    names = ("triton", "ragged_dot", "capacity", "hybrid", "triton+cf", "hf experts", "ep2 alltoall", "ep2 allgather",
              "ep2 alltoall hybrid")
     assert set(checks) == {f"check {name} vs f32" for name in names}
     for r in checks.values():
