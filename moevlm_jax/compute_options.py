@@ -10,18 +10,26 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 # Checkpoint names (``jax.ad_checkpoint.checkpoint_name``) a recompute policy chooses among:
 #   layernorm  norm outputs                core_attn  attention output before the out-projection
 #   qkv_proj   q/k/v projections           attn_out   attention out-projection output
-#   mlp_hidden MLP hidden (decoder: gate/up projections; vision: fc1 + activation)
+#   mlp_hidden MLP hidden before its activation (decoder: gate/up projections; vision: fc1)
 #   mlp        dense / vision MLP output
 #   moe_router router logits               moe        MoE block output
-#   moe_act    expert activation (inside parallelism.experts.experts_forward)
-CHECKPOINT_NAMES = ("layernorm", "qkv_proj", "core_attn", "attn_out", "mlp_hidden", "mlp", "moe_router", "moe", "moe_act")
+#   moe_permuted token rows in the experts' layout     moe_gate_up  the experts' gate/up matmul output
+#   moe_act    expert activation (SwiGLU)  moe_expert_out  the experts' down matmul output
+# (the moe_* inside parallelism.permute). Selective recompute saves every name not listed under a
+# recompute module, as Megatron recomputes only those modules: a tensor the backward needs and no name
+# covers (e.g. an activation's input) would make jax.checkpoint recompute the matmul behind it.
+CHECKPOINT_NAMES = ("layernorm", "qkv_proj", "core_attn", "attn_out", "mlp_hidden", "mlp", "moe_router", "moe",
+                    "moe_permuted", "moe_gate_up", "moe_act", "moe_expert_out")
 # Megatron's recompute modules -> the checkpoint names they stand for
 RECOMPUTE_MODULES = {
     "core_attn": ("core_attn",),
     "moe_act": ("moe_act",),
     "layernorm": ("layernorm",),
     "mlp": ("mlp_hidden", "mlp"),
-    "moe": ("moe_router", "moe", "moe_act"),
+    "moe": ("moe_router", "moe", "moe_permuted", "moe_gate_up", "moe_act", "moe_expert_out"),
+    # not Megatron's: the expert matmuls' inputs/outputs (recompute both grouped matmuls in the backward,
+    # keeping only moe_act; ~3 GB less a layer at the proxy's MBS 8, bench/step_h200.md run 8 notes)
+    "experts": ("moe_permuted", "moe_gate_up", "moe_expert_out"),
 }
 CAPTURE_MODES = ("none", "step", "scopes")
 CAPTURE_SCOPES = ("attn", "moe_router", "moe_preprocess", "full_iteration")  # Megatron's CUDA-graph scope names

@@ -25,9 +25,10 @@ from jax.ad_checkpoint import checkpoint_name
 from parallelism.grouped_matmul import capacity_matmul, grouped_matmul
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input)
+MOE_GATE_UP = "moe_gate_up"  # first grouped matmul's output (SwiGLU's input, needed by its backward)
 MOE_ACT = "moe_act"  # SwiGLU output (the down projection's input)
-MOE_EXPERT_OUT = "moe_expert_out"  # down projection output, before the combine
-CHECKPOINT_NAMES: tuple[str, ...] = (MOE_PERMUTED, MOE_ACT, MOE_EXPERT_OUT)
+MOE_EXPERT_OUT = "moe_expert_out"  # down projection output, before the combine (d(routing weights) needs it)
+CHECKPOINT_NAMES: tuple[str, ...] = (MOE_PERMUTED, MOE_GATE_UP, MOE_ACT, MOE_EXPERT_OUT)
 DROP_POLICIES: tuple[str, ...] = ("probs", "position")
 
 
@@ -172,7 +173,7 @@ def expert_ffn(
     """SwiGLU experts on expert-sorted rows ``[M, H]``; w_gate_up ``[G, H, 2I]``, w_down ``[G, I, H]``."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
     with jax.named_scope(FFN_SCOPE):
-        h = grouped_matmul(rows, w_gate_up, group_sizes, backend=backend)
+        h = checkpoint_name(grouped_matmul(rows, w_gate_up, group_sizes, backend=backend), MOE_GATE_UP)
         act = checkpoint_name(swiglu(h), MOE_ACT)
         y = grouped_matmul(act, w_down, group_sizes, backend=backend)
     return checkpoint_name(y, MOE_EXPERT_OUT)
@@ -182,7 +183,7 @@ def capacity_ffn(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> ja
     """SwiGLU experts on the drop-and-pad buffer ``[G, C, H]`` -> ``[G, C, H]`` (batched einsum)."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
     with jax.named_scope(FFN_SCOPE):
-        act = checkpoint_name(swiglu(capacity_matmul(rows, w_gate_up)), MOE_ACT)
+        act = checkpoint_name(swiglu(checkpoint_name(capacity_matmul(rows, w_gate_up), MOE_GATE_UP)), MOE_ACT)
         y = capacity_matmul(act, w_down)
     return checkpoint_name(y, MOE_EXPERT_OUT)
 

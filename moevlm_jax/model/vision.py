@@ -88,7 +88,8 @@ class VisionMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x ``[..., C]`` -> ``[..., C]``."""
-        h = checkpoint_name(activation(self.act)(self.linear_fc1(x)), "mlp_hidden")
+        # fc1's output is what GELU's backward needs: saved, the activation is recomputed (elementwise)
+        h = activation(self.act)(checkpoint_name(self.linear_fc1(x), "mlp_hidden"))
         return checkpoint_name(self.linear_fc2(h), "mlp")
 
 

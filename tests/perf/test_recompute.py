@@ -33,10 +33,12 @@ F32 = {"dtype": "float32", "param_dtype": "float32"}
 B, S, P = 2, 16, 16  # rows, tokens, patches
 # What one layer saves under selective with no recompute module (reference: the layers' code):
 # decoder: input / post-attention RMSNorm + q_norm + k_norm outputs, q/k/v, attention output,
-# o_proj output; MoE: router logits and the expert activation; dense: gate and up projections.
-# Vision: norm1 / norm2, fused qkv, attention output, proj output, fc1 activation.
+# o_proj output; MoE: router logits, the experts' permuted rows, gate/up output, activation and down
+# output (so no grouped matmul runs again in the backward); dense: gate and up projections.
+# Vision: norm1 / norm2, fused qkv, attention output, proj output, fc1 output (GELU's input).
 SAVED = {
-    "moe": {"layernorm": 4, "qkv_proj": 3, "core_attn": 1, "attn_out": 1, "moe_router": 1, "moe_act": 1},
+    "moe": {"layernorm": 4, "qkv_proj": 3, "core_attn": 1, "attn_out": 1, "moe_router": 1, "moe_permuted": 1,
+            "moe_gate_up": 1, "moe_act": 1, "moe_expert_out": 1},
     "dense": {"layernorm": 4, "qkv_proj": 3, "core_attn": 1, "attn_out": 1, "mlp_hidden": 2},
     "vision": {"layernorm": 2, "qkv_proj": 1, "core_attn": 1, "attn_out": 1, "mlp_hidden": 1},
 }
@@ -145,7 +147,12 @@ def test_full_none_and_offload_residuals():
     moved = collections.Counter(f"float32{list(s)}".replace(" ", "") for s in (attn, act))
     assert device(none) - device(res) == moved and not device(res) - device(none)  # the rest stays as under none
     names, res = _residuals("moe", recompute="full", offload=("moe",))
-    assert not names and len(_host(res)) == 2  # moe = router logits + expert activation (block output unused)
+    # moe = router logits + the experts' permuted rows, gate/up output, activation, down output (block output unused)
+    t = CFG.text_config
+    rows = B * S * t.num_experts_per_tok
+    want = [[B, S, t.num_experts], [rows, 2 * t.moe_intermediate_size], [rows, t.moe_intermediate_size],
+            [rows, t.hidden_size], [rows, t.hidden_size]]
+    assert not names and _host(res) == sorted(f"float32{w}".replace(" ", "") for w in want)
 
 
 def test_vision_tower_follows_its_own_policy():
