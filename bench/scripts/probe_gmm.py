@@ -14,7 +14,6 @@ reference (norm-wise relative error, as bench/scripts/probe_tokamax.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -23,7 +22,15 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
-from probe_tokamax import SHAPES, accuracy, error_text, group_sizes, references, timed
+from probe_tokamax import (
+    SHAPES,
+    accuracy,
+    error_text,
+    group_sizes,
+    probe_arguments,
+    references,
+    timed,
+)
 
 from parallelism import gmm_triton as gt
 
@@ -37,14 +44,8 @@ ACCURATE = 5e-3  # bf16 inputs and output vs float32: ~1.7e-3 measured for corre
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--rows", type=int, default=131072, help="token rows (tokens x top-k)")
-    p.add_argument("--groups", type=int, default=128)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--budget", type=float, default=300.0, help="seconds; no new variant starts after this")
-    p.add_argument("--shapes", default="gate_up,down")
+    p = probe_arguments(300.0)
     p.add_argument("--no-tokamax", action="store_true")
-    p.add_argument("--out")
     p.add_argument("--best-out")
     args = p.parse_args()
     t_start = time.perf_counter()

@@ -116,14 +116,20 @@ def timed(fn, args, iters: int) -> tuple[float, object]:
     return statistics.median(ts) * 1e3, out
 
 
-def main() -> int:
+def probe_arguments(budget: float) -> argparse.ArgumentParser:
+    """The grouped-matmul probes' shared arguments (this probe and probe_gmm.py)."""
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=131072, help="token rows (tokens x top-k)")
     p.add_argument("--groups", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--budget", type=float, default=240.0, help="seconds; no new variant starts after this")
+    p.add_argument("--budget", type=float, default=budget, help="seconds; no new variant starts after this")
     p.add_argument("--shapes", default="gate_up,down")
     p.add_argument("--out")
+    return p
+
+
+def main() -> int:
+    p = probe_arguments(240.0)
     args = p.parse_args()
 
     import tokamax

@@ -8,10 +8,15 @@ size, and its frame; the data pipeline uses it to build ``patch_rc`` / ``patch_h
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+from moevlm_jax.compute_options import attention_kwargs
 from moevlm_jax.config import ModelConfig
 from moevlm_jax.model.mrope import mrope_position_ids
+
+log = logging.getLogger(__name__)
 
 
 def patch_layout(image_grid_thw: np.ndarray, spatial_merge_size: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -131,10 +136,6 @@ def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: 
     the cuDNN ragged attention's bound (``compute.attention_options``): the step then runs that
     attention on the dense-mask kernel for the whole batch (exact, but slower; bench/attention.md).
     Returns ``{"text" | "vision": rows over}`` and logs a warning the first time per tower (``warned``)."""
-    import logging
-
-    from moevlm_jax.compute_options import attention_kwargs
-
     over = {}
     for tower, key in (("text", "segment_ids"), ("vision", "patch_segment_ids")):
         if key not in arrays or not np.asarray(arrays[key]).size:
@@ -146,7 +147,7 @@ def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: 
             over[tower] = n
             if tower not in warned:
                 warned.add(tower)
-                logging.getLogger(__name__).warning(
+                log.warning(
                     "%d row(s) hold more %s segments than compute.attention_options.%smax_segments=%d (up to %d): "
                     "on the GPU these batches run the dense-mask attention kernel (exact, slower); raise the bound",
                     n, tower, "vision_" if tower == "vision" else "", bound, int(most.max()))
