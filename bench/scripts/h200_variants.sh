@@ -6,9 +6,9 @@
 # (bench/scripts/trace_events.py). Results under $OUT: log.txt, attn.json, step_<i>.json, events.json.
 #   run(command="VARIANTS='-;compute.scan_layers=false' bash bench/scripts/h200_variants.sh", carry=[".gpudeps"])
 set -uo pipefail
-set -f  # override values such as compute.recompute_modules=[core_attn] are not globs
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
+set -f  # after gpu_env.sh (its wheel list is a glob): override values such as [core_attn] are not globs
 left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 if [ -n "${CASES:-}" ]; then
   timeout "${PROBE_S:-200}" python3 bench/scripts/probe_attention.py --cases "$CASES" --out "$OUT/attn.json" 2>&1 \

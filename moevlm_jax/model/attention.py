@@ -22,9 +22,11 @@ gathered or passed around a ring, masks from global positions). No mesh logic li
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from parallelism import context
 from parallelism.grouped_matmul import zero_grad_where
@@ -34,6 +36,8 @@ Axes = tuple[str | None, ...]
 # Static bound on packed segments per row for cuDNN's ragged form. Its cost grows with the bound
 # (H200, B=2 S=4096: 8 -> 383, 64 -> 253 TFLOP/s forward+backward), so keep it small.
 MAX_PACKED_SEGMENTS = 16
+# The checkpoint name of a fused attention kernel's residuals (compute_options.CHECKPOINT_NAMES)
+RESIDUAL_NAME = "core_attn"
 
 
 def resolve_impl(impl: str, dtype: jnp.dtype, head_dim: int) -> str:
@@ -132,24 +136,69 @@ def mask_padding_grad(x: jax.Array, valid: jax.Array) -> jax.Array:
 
 def _cudnn_packed(q, k, v, segment_ids, causal, scale, max_segments=MAX_PACKED_SEGMENTS):
     """cuDNN flash attention over the packed segments of each row (THD ragged offsets), at most
-    ``max_segments`` a row (rows with more: the dense-mask kernel)."""
+    ``max_segments`` a row (rows with more: the dense-mask kernel); the kernel's residuals are kept
+    under the checkpoint name "core_attn" (``kernel_with_fallback``)."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
     from jax._src.cudnn.fused_attention_stablehlo import (
         dot_product_attention as cudnn_attention,
     )
 
-    lengths, starts = segment_offsets(segment_ids, max_segments)
-
-    def packed(q, k, v):
-        valid = segment_ids > 0  # d(q/k/v) at padding: unwritten by cuDNN, zero by definition
+    def packed(q, k, v, ids):
+        lengths, starts = segment_offsets(ids, max_segments)
+        valid = ids > 0  # d(q/k/v) at padding: unwritten by cuDNN, zero by definition
         q, k, v = (mask_padding_grad(x, valid) for x in (q, k, v))
         out = cudnn_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts,
                               kv_offsets=starts, scale=scale,
                               mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK, qkv_layout="BTNH")
-        return jnp.where((segment_ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+        return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
 
-    def dense(q, k, v):
-        return _cudnn_dense(q, k, v, segment_mask(segment_ids, segment_ids, causal), causal, scale)
+    def dense(q, k, v, ids):
+        return _cudnn_dense(q, k, v, segment_mask(ids, ids, causal), causal, scale)
 
-    too_many = jnp.max(segment_ids) > max_segments
-    return jax.lax.cond(too_many, dense, packed, q, k, v)
+    return kernel_with_fallback(jnp.max(segment_ids) > max_segments, packed, dense, q, k, v, segment_ids)
+
+
+def kernel_with_fallback(use_fallback: jax.Array, primary: Callable, fallback: Callable, q: jax.Array,
+                         k: jax.Array, v: jax.Array, ids: jax.Array, name: str = RESIDUAL_NAME) -> jax.Array:
+    """``lax.cond(use_fallback, fallback, primary, q, k, v, ids)`` whose backward reuses ``primary``'s
+    own residuals (a flash kernel's output and softmax statistics, its inputs), placed under the
+    checkpoint name ``name``.
+
+    A fused kernel's residuals are not the tensors the model names: under a remat policy they would be
+    recomputed, i.e. the whole forward kernel would run again in every backward even with "core_attn"
+    saved (measured on the H200: the cuDNN forward ran twice a step). Named, the policy decides:
+    "core_attn" among the recompute modules recomputes the attention, else its residuals are kept.
+    The fallback (rows over the ragged bound) recomputes its forward in the backward."""
+    treedef: list[Any] = []
+
+    def primary_vjp(q, k, v, ids):
+        out, pullback = jax.vjp(lambda q, k, v: primary(q, k, v, ids), q, k, v)
+        leaves, tree = jax.tree.flatten(pullback)
+        treedef[:] = [tree]
+        return out, leaves
+
+    def fallback_bwd(q, k, v, ids, g):
+        return jax.vjp(lambda q, k, v: fallback(q, k, v, ids), q, k, v)[1](g)
+
+    @jax.custom_vjp
+    def run(use_fallback, q, k, v, ids):
+        return jax.lax.cond(use_fallback, fallback, primary, q, k, v, ids)
+
+    def run_fwd(use_fallback, q, k, v, ids):
+        shapes = jax.eval_shape(primary_vjp, q, k, v, ids)[1]
+
+        def fallback_vjp(q, k, v, ids):
+            return fallback(q, k, v, ids), [jnp.zeros(s.shape, s.dtype) for s in shapes]
+
+        out, leaves = jax.lax.cond(use_fallback, fallback_vjp, primary_vjp, q, k, v, ids)
+        return out, (use_fallback, q, k, v, ids, [checkpoint_name(x, name) for x in leaves])
+
+    def run_bwd(res, g):
+        use_fallback, q, k, v, ids, leaves = res
+        tree = treedef[0]
+        grads = jax.lax.cond(use_fallback, fallback_bwd, lambda *_: jax.tree.unflatten(tree, leaves)(g),
+                             q, k, v, ids, g)
+        return (None, *grads, None)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(use_fallback, q, k, v, ids)
