@@ -107,6 +107,9 @@ class TrainConfig:
     profile_steps: int = 0  # 0: no profile; else trace this many steps
     profile_start_step: int = 10
     profile_dir: str | None = None  # None: <run_dir>/profile
+    # JAX's persistent compilation cache (compiled steps reused by later runs of the same program;
+    # MaxText's jax_cache_dir); None: JAX's own setting (JAX_COMPILATION_CACHE_DIR, default off)
+    compilation_cache_dir: str | None = None
 
 
 @dataclasses.dataclass

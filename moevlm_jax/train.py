@@ -143,6 +143,24 @@ def eval_record(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def apply_compilation_cache(path: str | None) -> Path | None:
+    """Point JAX's persistent compilation cache at ``path`` (``train.compilation_cache_dir``, ``~``
+    expanded, created): a later run of the same program on the same devices loads its compiled steps
+    instead of compiling them (unrolled layers take ~60 s a batch shape on the H200, bench/step_h200.md
+    run 10). The cache is re-checked, so this works in a process that compiled already. None: unchanged."""
+    if not path:
+        return None
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    where = Path(path).expanduser()
+    where.mkdir(parents=True, exist_ok=True)
+    if jax.config.jax_compilation_cache_dir != str(where):
+        cc.reset_cache()  # JAX decides once per process whether a cache is used
+        cc.set_cache_dir(str(where))
+        log.info("compilation cache: %s", where)
+    return where
+
+
 # ----------------------------------------------------------------------------- the loop
 
 def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None = None) -> dict[str, Any]:
@@ -154,6 +172,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     except capture.CaptureError as e:
         raise ConfigError(f"compute.capture {sections.compute.capture}: {e}") from None
     tr = cfg.train
+    apply_compilation_cache(tr.compilation_cache_dir)
     try:  # the layout against the model and the batch shape, before anything compiles
         validate_layout(sections.model, cfg.layout, batch_size=tr.micro_batch_size * cfg.data_parallel_size,
                         seq_len=tr.seq_len)
