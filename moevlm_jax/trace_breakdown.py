@@ -170,11 +170,38 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
             "span_s": max(0.0, span[1] - span[0]) if span[1] else 0.0}
 
 
+def idle_gaps(events: Iterable[Mapping[str, Any]], steps: int, min_us: float = 2.0, top: int = 10) -> dict[str, Any]:
+    """Where the device waits: gaps of at least ``min_us`` between the kernels of all streams together
+    (a kernel on one stream covers another's gap), grouped by the kernels on either side (name and
+    hlo_op), per step. The largest gap of each step is usually the step boundary (dispatch of the next
+    step, the loader); the others are in-step waits, e.g. a ``lax.cond``'s predicate read by the host.
+    Returns ``gap_ms`` (per step, all gaps), ``count`` (per step), ``largest_ms`` (the ``steps``
+    largest single gaps, i.e. ~one a step) and ``sites`` (the ``top`` groups by time)."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e) for e in events)
+    label = lambda e: f"{str(e.get('name', ''))[:48]} [{e.get('args', {}).get('hlo_op')}]"  # noqa: E731
+    sites: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    singles: list[float] = []
+    end, last = None, None
+    for start, stop, e in spans:
+        if end is not None and start - end >= min_us:
+            sites[(label(last), label(e))].append(start - end)
+            singles.append(start - end)
+        if end is None or stop > end:
+            end, last = stop, e
+    per = max(steps, 1)
+    ranked = sorted(sites.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"gap_ms": sum(singles) * 1e-3 / per, "count": len(singles) / per,
+            "largest_ms": [g * 1e-3 for g in sorted(singles, reverse=True)[:per]],
+            "sites": [{"before": b, "after": a, "ms_per_step": sum(g) * 1e-3 / per, "count_per_step": len(g) / per,
+                       "max_us": max(g)} for (b, a), g in ranked]}
+
+
 def breakdown(trace: str | Path, hlo_texts: Sequence[str], steps: int, step_time_s: float | None = None
               ) -> dict[str, Any]:
     """Per-step ms per component from the trace of ``steps`` steps; ``device idle`` = step time
     (measured, or the traced span / steps) minus the kernel time."""
-    got = attribute(device_events(load_trace(trace)), hlo_texts)
+    events = device_events(load_trace(trace))
+    got = attribute(events, hlo_texts)
     per_step = {k: 1e3 * v / steps for k, v in got["seconds"].items()}
     order = [c for c, _ in COMPONENTS] + [OTHER, UNMATCHED, UNATTRIBUTED]
     rows = {k: per_step[k] for k in order if k in per_step}
@@ -187,7 +214,7 @@ def breakdown(trace: str | Path, hlo_texts: Sequence[str], steps: int, step_time
     top_per = {c: [dict(t, ms_per_step=1e3 * t.pop("s") / steps) for t in got["top_per_component_s"][c]]
                for c in rows if c in got["top_per_component_s"]}
     return {"per_step_ms": rows, "kernel_ms": busy, "step_ms": step_ms, "steps": steps, "top_unscoped": top,
-            "kinds_ms": kinds, "top_per_component": top_per,
+            "kinds_ms": kinds, "top_per_component": top_per, "idle_gaps": idle_gaps(events, steps),
             "other_programs_ms": {k: 1e3 * v / steps for k, v in got["other_modules_s"].items()}}
 
 
@@ -202,6 +229,12 @@ def format_table(result: Mapping[str, Any]) -> str:
         lines.append("kernel kinds per component (ms/step):")
         lines += [f"  {c[:34]:<34} " + ", ".join(f"{k} {v:.1f}" for k, v in kinds.items())
                   for c, kinds in result["kinds_ms"].items()]
+    gaps = result.get("idle_gaps")
+    if gaps and gaps["count"]:
+        lines.append(f"device idle gaps: {gaps['gap_ms']:.2f} ms/step in {gaps['count']:.0f} gaps a step; largest "
+                     + ", ".join(f"{g:.2f}" for g in gaps["largest_ms"][:4]) + " ms; by the kernels around them:")
+        lines += [f"  {g['ms_per_step']:8.2f} ms/step {g['count_per_step']:6.1f}x  max {g['max_us']:8.1f} us  "
+                  f"{g['before'][:60]} -> {g['after'][:60]}" for g in gaps["sites"][:8]]
     if result.get("top_unscoped"):
         lines.append("largest kernels outside the named scopes (ms/step, row, kernel, hlo_op, op_name tail):")
         lines += [f"  {t['ms_per_step']:8.2f}  {t['row'][:10]:<10} {t['kernel'][:40]:<40} {t['hlo_op'][:28]:<28} "

@@ -92,6 +92,23 @@ def test_device_kernels_are_attributed_and_add_up_to_the_step(tmp_path):
     assert "kernel kinds per component" in tb.format_table(got)
 
 
+def test_idle_gaps_by_the_kernels_around_them():
+    """Two streams; by hand (us): k1 [0,10] on A and kb [5,25] on B cover each other, then A idles until
+    k2 at 30 (5 us after kb), k3 [40,41] -> k4 [51,60] and k3 [60,61] -> k4 [71,80] wait 10 us each, and
+    the next step's k1 starts at 200 (a 120 us step boundary). Two steps."""
+    ev = lambda tid, ts, dur, op: _ev(1, tid, ts, dur, op)  # noqa: E731
+    events = [ev(7, 0, 10, "k1"), ev(8, 5, 20, "kb"), ev(7, 30, 10, "k2"), ev(7, 40, 1, "k3"), ev(7, 51, 9, "k4"),
+              ev(7, 60, 1, "k3"), ev(7, 71, 9, "k4"), ev(7, 200, 10, "k1"), ev(7, 210, 1, "k3")]
+    got = tb.idle_gaps(events, steps=2)
+    assert got["gap_ms"] == pytest.approx((5 + 10 + 10 + 120) * 1e-3 / 2)
+    assert got["count"] == 2 and got["largest_ms"] == pytest.approx([0.120, 0.010])
+    sites = [(g["before"], g["after"], g["count_per_step"], g["max_us"]) for g in got["sites"]]
+    assert sites == [("k4 [k4]", "k1 [k1]", 0.5, 120), ("k3 [k3]", "k4 [k4]", 1.0, 10), ("kb [kb]", "k2 [k2]", 0.5, 5)]
+    assert tb.idle_gaps(events, steps=2, min_us=6)["count"] == 1.5  # the 5 us gap is below the threshold
+    text = tb.format_table({"per_step_ms": {tb.IDLE: 0.07}, "step_ms": 0.1, "idle_gaps": got})
+    assert "device idle gaps: 0.07 ms/step in 2 gaps a step" in text and "k3 [k3] -> k4 [k4]" in text
+
+
 def test_kernel_kinds_by_name():
     """Kernel names as they appear in H200 traces."""
     assert tb.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
