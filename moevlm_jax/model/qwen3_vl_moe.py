@@ -24,6 +24,18 @@ from moevlm_jax.model.vision import VisionModel
 from parallelism.logical import constrain
 
 
+def spread_placeholders(input_ids: jax.Array, is_image: jax.Array, vocab_size: int) -> jax.Array:
+    """The ids the embedding lookup reads: each image placeholder position reads its own table row
+    (its flat position modulo ``vocab_size``) instead of the image token's.
+
+    Placeholder embeddings are replaced by the vision features, so their gradient is exactly zero
+    whichever row they read; but with one shared row, the embedding gradient's scatter-add (atomic
+    adds on the GPU) piles thousands of positions a row onto that one row (the proxy data: most of
+    the tokens). Spread, the same zeros land on distinct rows. The forward output is unchanged."""
+    flat = jnp.arange(input_ids.size, dtype=jnp.int32).reshape(input_ids.shape) % vocab_size
+    return jnp.where(is_image, flat.astype(input_ids.dtype), input_ids)
+
+
 def scatter_visual_tokens(tokens: jax.Array, is_image: jax.Array, token_valid: jax.Array) -> jax.Array:
     """Place the k-th valid visual token of each row on the row's k-th image token:
     tokens ``[..., B, V, H]``, is_image ``[B, S]``, token_valid ``[B, V]`` -> ``[..., B, S, H]``
@@ -73,15 +85,17 @@ class Qwen3VLMoe(nnx.Module):
         input_ids = jnp.asarray(batch["input_ids"])
         segment_ids = jnp.asarray(batch["segment_ids"])
         positions = jnp.asarray(batch["positions"])
-        x = self.language_model.embed(input_ids)
         deepstack = None
         pixels = batch.get("pixel_values")
-        if pixels is not None and pixels.shape[1] > 0:
+        images = pixels is not None and pixels.shape[1] > 0
+        is_image = input_ids == self.config.image_token_id
+        vocab = self.config.text_config.vocab_size
+        x = self.language_model.embed(spread_placeholders(input_ids, is_image, vocab) if images else input_ids)
+        if images:
             merged, ds = self.visual(jnp.asarray(pixels), jnp.asarray(batch["patch_rc"]), jnp.asarray(batch["patch_hw"]),
                                      jnp.asarray(batch["patch_segment_ids"]))
             unit = self.config.vision_config.spatial_merge_size**2
             token_valid = jnp.asarray(batch["patch_segment_ids"])[:, ::unit] > 0
-            is_image = input_ids == self.config.image_token_id
             x = jnp.where(is_image[..., None], scatter_visual_tokens(merged.astype(x.dtype), is_image, token_valid), x)
             x = constrain(x, ("act_batch", "act_norm_seq", "act_embed"))
             if ds is not None:
