@@ -3,7 +3,7 @@
 # then the profiled proxy step (recipe h200, mock data, MBS 8, capture none: every kernel visible) once
 # per variant of VARIANTS (';'-separated override lists; "-" = the recipe as is), each with its trace
 # breakdown; MEMSETS=1 also dumps the memset / copy events of the first variant's trace
-# (bench/scripts/trace_events.py). Results under $OUT: log.txt, attn.json, step_<i>.json, events.json.
+# (bench/scripts/trace_events.py); HLO=1 keeps the first variant's compiled step HLO (gzip). Results under $OUT: log.txt, attn.json, step_<i>.json, events.json.
 #   run(command="VARIANTS='-;compute.scan_layers=false' bash bench/scripts/h200_variants.sh", carry=[".gpudeps"])
 set -uo pipefail
 T0=$(date +%s)
@@ -24,6 +24,9 @@ for v in "${VS[@]}"; do
   timeout "$(left "${END:-590}")" python3 -m moevlm_jax.bench --recipe h200 --peer none --data mock --mbs "${MBS:-8}" \
       --warmup 2 --steps 4 --profile /tmp/prof$i --work-dir /tmp/bw$i --out "$OUT/step_$i.json" compute.capture=none $ov 2>&1 \
       | grep -v "Autotuning cache miss" | grep -v "^  " | tail -22 | tee -a "$OUT/log.txt"
+  if [ "$i" = 0 ] && [ "${HLO:-0}" = 1 ]; then  # the profiled step's HLO, to read a trace's fusions offline
+    for h in $(set +f; ls /tmp/prof0/*/train_step_*.hlo.txt 2>/dev/null); do gzip -c "$h" > "$OUT/step_0_$(basename "$h").gz"; done
+  fi
   if [ "$i" = 0 ] && [ "${MEMSETS:-0}" = 1 ]; then
     python3 bench/scripts/trace_events.py /tmp/prof0 --match 'Memset|Memcpy' --steps 4 --out "$OUT/events.json" 2>&1 \
         | head -25 | tee -a "$OUT/log.txt"
