@@ -140,18 +140,19 @@ def _steady(args: argparse.Namespace, gpu: bool) -> tuple[int, int]:
 
 def _precompile(trainer: Any, state: Any, batch: Any) -> Any:
     """Compile the train step for this batch's shapes without running it (the jit cache keeps it)."""
-    return trainer.lower_step(state, batch.arrays, batch.capacity).compile()
+    return trainer.lower_step(state, batch.arrays, batch.capacity, bounded=batch.bounded).compile()
 
 
 def _shape_key(batch: Any) -> tuple:
-    """What selects the compiled train step: the arrays' shapes and the loss capacity."""
-    return tuple(sorted((k, v.shape) for k, v in batch.arrays.items())), batch.capacity
+    """What selects the compiled train step: the arrays' shapes, the loss capacity, the bound check."""
+    return tuple(sorted((k, v.shape) for k, v in batch.arrays.items())), batch.capacity, batch.bounded
 
 
 def _shape_label(batch: Any) -> str:
     """'patches 3328, loss capacity 3584': what selects the compiled executable (rows and seq fixed)."""
     pv = batch.arrays.get("pixel_values")
-    return f"patches {pv.shape[-2] if pv is not None else 0}, loss capacity {batch.capacity}"
+    fallback = "" if batch.bounded else ", attention fallback"
+    return f"patches {pv.shape[-2] if pv is not None else 0}, loss capacity {batch.capacity}{fallback}"
 
 
 def _save_initial(trainer: Any, state: Any, path: Path, gpu: bool) -> None:

@@ -36,11 +36,12 @@ import optax
 from flax import nnx
 
 from moevlm_jax import optim
+from moevlm_jax.model.batch import loss_capacity
 from moevlm_jax.model.layers import dtype_of, run_stack
 from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import scatter_visual_tokens
 from moevlm_jax.model.rotary import mrope_cos_sin
-from moevlm_jax.trainer import gather_trained, loss_capacity
+from moevlm_jax.trainer import gather_trained
 from parallelism.dispatch import ExpertTopology
 from parallelism.experts import resolve_options
 from parallelism.hybrid import hybrid_buffer_ffn, hybrid_slots

@@ -98,10 +98,11 @@ def abstract_batch(trainer: Any, mbs: int, seq_len: int, patches: int) -> dict[s
     return {k: jax.ShapeDtypeStruct(s, d, sharding=shards[k]) for k, (s, d) in shapes.items()}
 
 
-def lower_step(trainer: Any, state: Any, arrays: Mapping[str, Any], capacity: int | None = None) -> Any:
+def lower_step(trainer: Any, state: Any, arrays: Mapping[str, Any], capacity: int | None = None,
+               bounded: bool = False) -> Any:
     """``jax.stages.Lowered`` of the trainer's train step for these (concrete or abstract) inputs;
     ``.compile()`` gives an executable to call as ``compiled(state, arrays)``."""
-    return trainer.lower_step(state, arrays, capacity)
+    return trainer.lower_step(state, arrays, capacity, bounded=bounded)
 
 
 def init_state(trainer: Any, seed: int = 0, compiler_options: Mapping[str, Any] | None = None) -> Any:

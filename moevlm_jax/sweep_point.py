@@ -81,15 +81,17 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     if len(caps) > 1:  # one program per point: the largest loss capacity serves every batch (same loss)
         cap = None if None in caps else max(caps)
         batches = [dataclasses.replace(b, capacity=cap) for b in batches]
+    if not all(b.bounded for b in batches):  # likewise: one batch over the ragged bound, all with the fallback
+        batches = [dataclasses.replace(b, bounded=False) for b in batches]
     options = spec.get("compiler_options") or {}
     state = memory.init_state(trainer, 0, options)
     compiled: dict[tuple, Any] = {}
     compile_s, mem = 0.0, None
     for b in batches:  # one compile per batch shape and loss capacity, all before the timed steps
-        key = (tuple(sorted((k, v.shape) for k, v in b.arrays.items())), b.capacity)
+        key = (tuple(sorted((k, v.shape) for k, v in b.arrays.items())), b.capacity, b.bounded)
         if key not in compiled:
             t0 = time.perf_counter()
-            lowered = memory.lower_step(trainer, state, b.arrays, b.capacity)
+            lowered = memory.lower_step(trainer, state, b.arrays, b.capacity, b.bounded)
             compiled[key] = lowered.compile(dict(options)) if options else lowered.compile()
             compile_s += time.perf_counter() - t0
             fields = memory.memory_fields(compiled[key])
@@ -98,7 +100,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
             log.info("compiled batch shape #%d in %.1fs", len(compiled), time.perf_counter() - t0)
 
     def run(b: Any, st: Any) -> tuple[Any, Any]:
-        return compiled[(tuple(sorted((k, v.shape) for k, v in b.arrays.items())), b.capacity)](st, b.arrays)
+        return compiled[(tuple(sorted((k, v.shape) for k, v in b.arrays.items())), b.capacity, b.bounded)](st, b.arrays)
 
     metrics = None
     for b in batches[:warmup]:

@@ -16,7 +16,7 @@ Megatron Bridge, ``moevlm_jax.optim``) and is sharded like them.
 The steps are module-level ``jax.jit`` functions whose static argument is a hashable
 :class:`StepSpec` (model/compute/optimizer configs, mesh, rules, accumulation, frozen groups), so
 two trainers with equal specs share compiled programs (a resumed run compiles nothing new in the
-same process). They compile once per batch shape (patch bucket) and loss capacity.
+same process). They compile once per batch shape (patch bucket), loss capacity and ``bounded``.
 
 Loss: cross-entropy summed over trained tokens (``loss_mask``) of each microbatch, divided by the
 trained tokens of the whole global batch, plus the router losses per ``ComputeConfig.router``
@@ -47,7 +47,8 @@ from jax.sharding import Mesh
 from moevlm_jax import optim
 from moevlm_jax.config import ComputeConfig, ModelConfig, freeze
 from moevlm_jax.model import router as moe_router
-from moevlm_jax.model.batch import segments_over_bound
+from moevlm_jax.model.attention import rows_within_bound
+from moevlm_jax.model.batch import loss_capacity, segments_over_bound
 from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from parallelism import grouped_matmul, sharding
@@ -59,7 +60,6 @@ log = logging.getLogger(__name__)
 PyTree = Any
 MODEL_KEYS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask",
               "pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
-MIN_CAPACITY = 32  # smallest gathered-positions buffer per group (fewer distinct compiled shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,29 +168,6 @@ def gather_trained(hidden: jax.Array, targets: jax.Array, loss_mask: jax.Array, 
     return hidden, targets, mask, jnp.where(valid, idx, -1)
 
 
-def capacity_step(n: int) -> int:
-    """Smallest m * 2^k >= n with m in {4, 5, 6, 7} (quarter steps between powers of two)."""
-    if n <= 4:
-        return 4
-    k = max((n - 1).bit_length() - 3, 0)
-    return -(-n // (1 << k)) * (1 << k)
-
-
-def loss_capacity(loss_mask: np.ndarray, groups: int, microbatches: int = 1) -> int | None:
-    """Static gather size for a host loss_mask ``[rows, S]`` split into ``microbatches`` x ``groups``
-    consecutive row groups: the most trained tokens of a group, rounded up by :func:`capacity_step`
-    (at least MIN_CAPACITY); None (whole rows) when that exceeds half a group's positions."""
-    mask = np.asarray(loss_mask) > 0
-    per_group = mask.reshape(microbatches * groups, -1)
-    most = int(np.max(np.count_nonzero(per_group, axis=-1), initial=0))
-    if jax.process_count() > 1:  # every process must compile the same program
-        from jax.experimental import multihost_utils
-
-        most = int(np.max(multihost_utils.process_allgather(np.asarray(most))))
-    cap = max(MIN_CAPACITY, capacity_step(most))
-    return None if 2 * cap > per_group.shape[-1] else cap
-
-
 def ce_and_argmax(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, mask: jax.Array,
                   chunk_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """hidden ``[B, S, H]``, kernel ``[H, V]``, targets/mask ``[B, S]`` -> (masked CE sum, mask sum,
@@ -250,10 +227,10 @@ def _tree_norm(tree: PyTree) -> jax.Array:
     return jnp.sqrt(sum(leaves)) if leaves else jnp.zeros((), jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "capacity"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("spec", "capacity", "bounded"), donate_argnames=("state",))
 def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: StepSpec,
-                capacity: int | None) -> tuple[dict[str, Any], dict[str, jax.Array]]:
-    with sharding_context(spec.mesh, spec.rules, spec.layout_options):
+                capacity: int | None, bounded: bool = False) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+    with sharding_context(spec.mesh, spec.rules, spec.layout_options), rows_within_bound(bounded):
         graphdef = _abstract(spec)[0]
         mask = _mask(spec)
         tx, schedule = _optimizer(spec)
@@ -290,10 +267,10 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
         return new, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "capacity"))
+@functools.partial(jax.jit, static_argnames=("spec", "capacity", "bounded"))
 def _eval_step(params: PyTree, batch: dict[str, jax.Array], *, spec: StepSpec,
-               capacity: int | None) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
-    with sharding_context(spec.mesh, spec.rules, spec.layout_options):
+               capacity: int | None, bounded: bool = False) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
+    with sharding_context(spec.mesh, spec.rules, spec.layout_options), rows_within_bound(bounded):
         model = nnx.merge(_abstract(spec)[0], params)
         hidden, _ = model.hidden_states(batch)
         targets, mask = batch["targets"], batch["loss_mask"]
@@ -324,13 +301,14 @@ def _with_optimizer(spec: StepSpec, params: PyTree, rkey: jax.Array) -> dict[str
 
 @dataclasses.dataclass
 class DeviceBatch:
-    """A batch placed on the mesh: ``arrays`` (global jax arrays; train batches have a leading
-    microbatch axis), the static loss ``capacity`` and host-side ``counts`` (tokens, useful_tokens,
-    trained_tokens)."""
+    """A batch on the mesh: ``arrays`` (global; train batches have a leading microbatch axis), the static
+    loss ``capacity``, host-side ``counts`` (tokens, useful_tokens, trained_tokens) and ``bounded``: no
+    row over the cuDNN ragged bounds (no device-side fallback then: ``attention.rows_within_bound``)."""
 
     arrays: dict[str, jax.Array]
     capacity: int | None
     counts: dict[str, float]
+    bounded: bool = False
 
 
 class Trainer:
@@ -338,7 +316,7 @@ class Trainer:
 
     def __init__(self, spec: StepSpec):
         self.spec = spec
-        self.compiled: set[tuple] = set()  # (kind, shapes, capacity) seen: one compile each
+        self.compiled: set[tuple] = set()  # (kind, shapes, capacity, bounded) seen: one compile each
         self.bound_warned: set[str] | None = set() if jax.default_backend() == "gpu" and spec.compute.attention != "xla" else None
 
     @classmethod
@@ -420,15 +398,15 @@ class Trainer:
         leading microbatch axis ``[G, rows / G, ...]`` (``positions`` ``[G, 3, rows / G, S]``)."""
         arrays = {k: np.asarray(host_batch[k]) for k in MODEL_KEYS if k in host_batch}
         counts = _counts(arrays)
-        if self.bound_warned is not None:  # cuDNN's ragged bound: a warning when rows hold more segments
-            segments_over_bound(arrays, self.spec.compute.attention_options, self.bound_warned)
+        # cuDNN's ragged bound, checked on the host (a warning on the GPU when rows hold more segments)
+        bounded = not segments_over_bound(arrays, self.spec.compute.attention_options, self.bound_warned)
         local_groups = max(self.spec.dp_size // jax.process_count(), 1)
         capacity = loss_capacity(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)
         leading = 0
         if train:
             arrays = optim.split_microbatches(arrays, self.spec.grad_accum)
             leading = 1
-        return DeviceBatch(self._place(arrays, leading), capacity, counts)
+        return DeviceBatch(self._place(arrays, leading), capacity, counts, bounded)
 
     def _place(self, arrays: dict[str, np.ndarray], leading: int) -> dict[str, jax.Array]:
         procs = jax.process_count()
@@ -440,28 +418,28 @@ class Trainer:
         shards = sharding.batch_shardings(shapes, self.mesh, self.spec.rules, leading)
         return {k: jax.make_array_from_process_local_data(shards[k], x, shapes[k]) for k, x in arrays.items()}
 
-    def _note_compile(self, kind: str, arrays: Mapping[str, jax.Array], capacity: int | None) -> None:
-        key = (kind, tuple(sorted((k, v.shape) for k, v in arrays.items())), capacity)
+    def _note_compile(self, kind: str, arrays: Mapping[str, jax.Array], capacity: int | None, bounded: bool) -> None:
+        key = (kind, tuple(sorted((k, v.shape) for k, v in arrays.items())), capacity, bounded)
         if key not in self.compiled:
             self.compiled.add(key)
             shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items() if k in ("input_ids", "pixel_values"))
-            log.info("%s step: new batch shape (%s; loss capacity %s) -> compile #%d", kind, shapes,
-                     capacity or "full rows", len(self.compiled))
+            log.info("%s step: new batch shape (%s; loss capacity %s%s) -> compile #%d", kind, shapes,
+                     capacity or "full rows", "" if bounded else "; attention fallback", len(self.compiled))
 
     # -- steps
     def step(self, state: dict[str, Any], batch: DeviceBatch) -> tuple[dict[str, Any], dict[str, jax.Array]]:
         """One optimizer step over the global batch (``state`` is donated); metrics stay on device:
         loss, ce_loss, router_aux_loss, router_z_loss, router_loss, moe/load_* (expert load, see
         ``router.expert_load_metrics``), grad_norm, lr, skipped, trained_tokens."""
-        self._note_compile("train", batch.arrays, batch.capacity)
-        return _train_step(state, batch.arrays, spec=self.spec, capacity=batch.capacity)
+        self._note_compile("train", batch.arrays, batch.capacity, batch.bounded)
+        return _train_step(state, batch.arrays, spec=self.spec, capacity=batch.capacity, bounded=batch.bounded)
 
     def lower_step(self, state: Any, arrays: Mapping[str, Any], capacity: int | None = None, *,
-                   trace_only: bool = False) -> Any:
+                   bounded: bool = False, trace_only: bool = False) -> Any:
         """The train step for these (concrete or ``ShapeDtypeStruct``) inputs, ahead of time: ``Lowered``
-        (``.compile()`` fills the same cache :meth:`step` uses), or ``Traced`` with ``trace_only``."""
+        (``.compile()`` fills :meth:`step`'s cache; ``bounded`` as the batch's), or ``Traced``."""
         stage = _train_step.trace if trace_only else _train_step.lower
-        return stage(state, dict(arrays), spec=self.spec, capacity=capacity)
+        return stage(state, dict(arrays), spec=self.spec, capacity=capacity, bounded=bounded)
 
     def lower_init(self, seed: int = 0) -> Any:
         """``Lowered`` of :meth:`init_state`'s compiled initialiser (e.g. to compile with options)."""
@@ -471,8 +449,9 @@ class Trainer:
         """Teacher-forced eval of one batch: ({ce_sum, tokens}, argmax predictions ``[B, S]`` int32
         for this process's rows; -1 where the loss mask is 0 when trained positions were gathered)."""
         batch = self.prepare(host_batch, train=False)
-        self._note_compile("eval", batch.arrays, batch.capacity)
-        metrics, pred, idx = _eval_step(params, batch.arrays, spec=self.spec, capacity=batch.capacity)
+        self._note_compile("eval", batch.arrays, batch.capacity, batch.bounded)
+        metrics, pred, idx = _eval_step(params, batch.arrays, spec=self.spec, capacity=batch.capacity,
+                                        bounded=batch.bounded)
         pred = sharding.host_rows(pred)
         if idx is None:
             return {k: float(v) for k, v in jax.device_get(metrics).items()}, pred

@@ -21,7 +21,10 @@ gathered or passed around a ring, masks from global positions). No mesh logic li
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import jax
@@ -38,6 +41,21 @@ Axes = tuple[str | None, ...]
 MAX_PACKED_SEGMENTS = 16
 # The checkpoint name of a fused attention kernel's residuals (compute_options.CHECKPOINT_NAMES)
 RESIDUAL_NAME = "core_attn"
+_WITHIN_BOUND = contextvars.ContextVar("attention_rows_within_bound", default=False)
+
+
+@contextlib.contextmanager
+def rows_within_bound(within: bool = True) -> Iterator[None]:
+    """While tracing inside: the caller promises that no row holds more segments than the cuDNN
+    path's ``max_segments`` (the trainer checks every batch on the host:
+    ``model.batch.segments_over_bound``), so the ragged kernel runs without its device-side dense-mask
+    fallback, a ``lax.cond`` whose predicate the host reads (~96 us a call on the H200,
+    bench/step_h200.md run 11; 70 conds a proxy step)."""
+    token = _WITHIN_BOUND.set(within)
+    try:
+        yield
+    finally:
+        _WITHIN_BOUND.reset(token)
 
 
 def resolve_impl(impl: str, dtype: jnp.dtype, head_dim: int) -> str:
@@ -155,14 +173,15 @@ def _cudnn_packed(q, k, v, segment_ids, causal, scale, max_segments=MAX_PACKED_S
     def dense(q, k, v, ids):
         return _cudnn_dense(q, k, v, segment_mask(ids, ids, causal), causal, scale)
 
-    return kernel_with_fallback(jnp.max(segment_ids) > max_segments, packed, dense, q, k, v, segment_ids)
+    too_many = None if _WITHIN_BOUND.get() else jnp.max(segment_ids) > max_segments
+    return kernel_with_fallback(too_many, packed, dense, q, k, v, segment_ids)
 
 
-def kernel_with_fallback(use_fallback: jax.Array, primary: Callable, fallback: Callable, q: jax.Array,
+def kernel_with_fallback(use_fallback: jax.Array | None, primary: Callable, fallback: Callable, q: jax.Array,
                          k: jax.Array, v: jax.Array, ids: jax.Array, name: str = RESIDUAL_NAME) -> jax.Array:
-    """``lax.cond(use_fallback, fallback, primary, q, k, v, ids)`` whose backward reuses ``primary``'s
-    own residuals (a flash kernel's output and softmax statistics, its inputs), placed under the
-    checkpoint name ``name``.
+    """``lax.cond(use_fallback, fallback, primary, q, k, v, ids)`` (``use_fallback`` None: ``primary``
+    alone, no cond) whose backward reuses ``primary``'s own residuals (a flash kernel's output and
+    softmax statistics, its inputs), placed under the checkpoint name ``name``.
 
     A fused kernel's residuals are not the tensors the model names: under a remat policy they would be
     recomputed, i.e. the whole forward kernel would run again in every backward even with "core_attn"
@@ -180,24 +199,28 @@ def kernel_with_fallback(use_fallback: jax.Array, primary: Callable, fallback: C
     def fallback_bwd(q, k, v, ids, g):
         return jax.vjp(lambda q, k, v: fallback(q, k, v, ids), q, k, v)[1](g)
 
+    bounded = use_fallback is None
+    use_fallback = jnp.zeros((), bool) if bounded else use_fallback
+
     @jax.custom_vjp
     def run(use_fallback, q, k, v, ids):
-        return jax.lax.cond(use_fallback, fallback, primary, q, k, v, ids)
+        return primary(q, k, v, ids) if bounded else jax.lax.cond(use_fallback, fallback, primary, q, k, v, ids)
 
     def run_fwd(use_fallback, q, k, v, ids):
+        if bounded:
+            out, leaves = primary_vjp(q, k, v, ids)
+            return out, ([checkpoint_name(x, name) for x in leaves],)
         shapes = jax.eval_shape(primary_vjp, q, k, v, ids)[1]
 
         def fallback_vjp(q, k, v, ids):
             return fallback(q, k, v, ids), [jnp.zeros(s.shape, s.dtype) for s in shapes]
 
         out, leaves = jax.lax.cond(use_fallback, fallback_vjp, primary_vjp, q, k, v, ids)
-        return out, (use_fallback, q, k, v, ids, [checkpoint_name(x, name) for x in leaves])
+        return out, ([checkpoint_name(x, name) for x in leaves], use_fallback, q, k, v, ids)
 
     def run_bwd(res, g):
-        use_fallback, q, k, v, ids, leaves = res
-        tree = treedef[0]
-        grads = jax.lax.cond(use_fallback, fallback_bwd, lambda *_: jax.tree.unflatten(tree, leaves)(g),
-                             q, k, v, ids, g)
+        saved = lambda *_: jax.tree.unflatten(treedef[0], res[0])(g)
+        grads = saved() if bounded else jax.lax.cond(res[1], fallback_bwd, saved, *res[2:], g)
         return (None, *grads, None)
 
     run.defvjp(run_fwd, run_bwd)

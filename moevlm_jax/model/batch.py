@@ -3,13 +3,16 @@
 ``patch_layout`` gives each flattened patch its (row, col) in its image's patch grid, the grid
 size, and its frame; the data pipeline uses it to build ``patch_rc`` / ``patch_hw`` /
 ``patch_segment_ids``. ``hf_inputs_to_batch`` turns HF model inputs (flat ``pixel_values`` +
-``image_grid_thw`` + ``attention_mask``) into the per-row batch of ARCHITECTURE.md.
+``image_grid_thw`` + ``attention_mask``) into the per-row batch of ARCHITECTURE.md. The trainer's
+per-batch statics come from here too: the loss ``capacity`` (``loss_capacity``) and whether every
+row is within the cuDNN ragged bounds (``segments_over_bound``).
 """
 
 from __future__ import annotations
 
 import logging
 
+import jax
 import numpy as np
 
 from moevlm_jax.compute_options import attention_kwargs
@@ -17,6 +20,7 @@ from moevlm_jax.config import ModelConfig
 from moevlm_jax.model.mrope import mrope_position_ids
 
 log = logging.getLogger(__name__)
+MIN_CAPACITY = 32  # smallest gathered-positions buffer per group (fewer distinct compiled shapes)
 
 
 def patch_layout(image_grid_thw: np.ndarray, spatial_merge_size: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -131,11 +135,12 @@ def hf_labels_to_targets(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(mask, nxt, 0).astype(np.int32), mask.astype(np.float32)
 
 
-def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: set[str]) -> dict[str, int]:
+def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: set[str] | None) -> dict[str, int]:
     """Rows of a host batch holding more segments (packed samples; images for the vision tower) than
     the cuDNN ragged attention's bound (``compute.attention_options``): the step then runs that
     attention on the dense-mask kernel for the whole batch (exact, but slower; bench/attention.md).
-    Returns ``{"text" | "vision": rows over}`` and logs a warning the first time per tower (``warned``)."""
+    Returns ``{"text" | "vision": rows over}`` and logs a warning the first time per tower (``warned``;
+    None: no warning, e.g. where the attention is not cuDNN's)."""
     over = {}
     for tower, key in (("text", "segment_ids"), ("vision", "patch_segment_ids")):
         if key not in arrays or not np.asarray(arrays[key]).size:
@@ -145,10 +150,33 @@ def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: 
         n = int(np.count_nonzero(most > bound))
         if n:
             over[tower] = n
-            if tower not in warned:
+            if warned is not None and tower not in warned:
                 warned.add(tower)
                 log.warning(
                     "%d row(s) hold more %s segments than compute.attention_options.%smax_segments=%d (up to %d): "
                     "on the GPU these batches run the dense-mask attention kernel (exact, slower); raise the bound",
                     n, tower, "vision_" if tower == "vision" else "", bound, int(most.max()))
     return over
+
+
+def capacity_step(n: int) -> int:
+    """Smallest m * 2^k >= n with m in {4, 5, 6, 7} (quarter steps between powers of two)."""
+    if n <= 4:
+        return 4
+    k = max((n - 1).bit_length() - 3, 0)
+    return -(-n // (1 << k)) * (1 << k)
+
+
+def loss_capacity(loss_mask: np.ndarray, groups: int, microbatches: int = 1) -> int | None:
+    """Static gather size for a host loss_mask ``[rows, S]`` split into ``microbatches`` x ``groups``
+    consecutive row groups: the most trained tokens of a group, rounded up by :func:`capacity_step`
+    (at least MIN_CAPACITY); None (whole rows) when that exceeds half a group's positions."""
+    mask = np.asarray(loss_mask) > 0
+    per_group = mask.reshape(microbatches * groups, -1)
+    most = int(np.max(np.count_nonzero(per_group, axis=-1), initial=0))
+    if jax.process_count() > 1:  # every process must compile the same program
+        from jax.experimental import multihost_utils
+
+        most = int(np.max(multihost_utils.process_allgather(np.asarray(most))))
+    cap = max(MIN_CAPACITY, capacity_step(most))
+    return None if 2 * cap > per_group.shape[-1] else cap

@@ -74,3 +74,34 @@ def test_saved_core_attn_keeps_the_kernels_residuals():
     saved = saved_residuals(jax.checkpoint(_layer(attention.kernel_with_fallback), policy=keep),
                                               *args)
     assert sum("named 'core_attn'" in why for _, why in saved) >= 2  # the output and the kernel's residuals
+
+
+def _bounded(use_fallback, primary, fallback, q, k, v, ids):  # the caller checked the bound: no cond
+    return attention.kernel_with_fallback(None, primary, fallback, q, k, v, ids)
+
+
+@pytest.mark.parametrize("saved", [("core_attn",), ()])
+def test_without_the_fallback_no_cond_and_the_same_gradients(saved):
+    """``use_fallback`` None (the trainer checked the rows on the host, ``attention.rows_within_bound``):
+    the kernel alone, no cond in the forward or the backward, the plain function's gradients; its
+    forward runs once with core_attn saved, twice with it recomputed."""
+    args = _data(False)
+    policy = jax.checkpoint_policies.save_only_these_names(*saved)
+    fn = jax.checkpoint(_layer(_bounded), policy=policy)
+    got = jax.grad(fn, argnums=(0, 1, 2, 3))(*args)
+    want = jax.grad(_layer(_plain), argnums=(0, 1, 2, 3))(*args)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    jaxpr = str(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2, 3)))(*args))
+    assert " cond[" not in jaxpr and "cond(" not in jaxpr
+    assert _exp_count(fn, *args) == (1 if saved else 2)
+
+
+def test_rows_within_bound_is_a_trace_time_context():
+    assert not attention._WITHIN_BOUND.get()
+    with attention.rows_within_bound():
+        assert attention._WITHIN_BOUND.get()
+        with attention.rows_within_bound(False):
+            assert not attention._WITHIN_BOUND.get()
+        assert attention._WITHIN_BOUND.get()
+    assert not attention._WITHIN_BOUND.get()

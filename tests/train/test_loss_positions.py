@@ -8,13 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moevlm_jax.model.batch import capacity_step, loss_capacity
 from moevlm_jax.model.loss import lm_loss
-from moevlm_jax.trainer import (
-    capacity_step,
-    ce_and_argmax,
-    gather_trained,
-    loss_capacity,
-)
+from moevlm_jax.trainer import ce_and_argmax, gather_trained
 
 
 def _inputs(b=4, s=160, h=8, v=50, seed=0):
