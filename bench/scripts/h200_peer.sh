@@ -3,6 +3,9 @@
 # OURS_MBS (recipe h200's 8; HF runs out of memory there), then the bench with the HF peer at PEER_MBS (4:
 # HF's best, DESIGN.md) on the same batches: ours, HF eager and HF per-block torch.compile at that MBS.
 # OURS_LAST=1: the peer first, ours alone in the time left (when compiles are slow, e.g. unrolled layers).
+# PEER_EXTRA: overrides for the peer invocation only, e.g. 'compute.scan_layers=true' (ours at PEER_MBS
+# then serves the same-batch loss check and compiles in ~25 s a shape instead of ~60; the ratio is ours
+# alone at OURS_MBS, recipe as is, over HF's best). Budget: ours alone ~280 s (4 shapes unrolled), peer ~250 s.
 # Results under $OUT: log.txt, ours_mbs<N>.json, peer_mbs<M>.json (or the sides' files if time ran out).
 #   run(command="bash bench/scripts/h200_peer.sh", carry=[".gpudeps"], timeout_s=600)
 set -uo pipefail
@@ -17,7 +20,7 @@ ours() {  # ours alone at MBS $O, for at most $1 s
 }
 [ "${OURS_LAST:-0}" = 1 ] || ours "${OURS_S:-210}"
 timeout "$(left "${END:-585}")" python3 -m moevlm_jax.bench --recipe h200 --peer hf --data real --mbs "$P" --warmup 3 --steps 6 \
-    --work-dir /tmp/bp --out "$OUT/peer_mbs$P.json" ${EXTRA:-} 2>&1 | grep -v "Autotuning cache miss" | tail -30 | tee -a "$OUT/log.txt"
+    --work-dir /tmp/bp --out "$OUT/peer_mbs$P.json" ${EXTRA:-} ${PEER_EXTRA:-} 2>&1 | grep -v "Autotuning cache miss" | tail -30 | tee -a "$OUT/log.txt"
 pkill -f moevlm_jax.bench_hf
 if [ ! -f "$OUT/peer_mbs$P.json" ]; then  # stopped before the combined report: keep each side's file
   for f in ours.json hf.json; do [ -f "/tmp/bp/$f" ] && cp "/tmp/bp/$f" "$OUT/peer_mbs${P}_$f"; done
