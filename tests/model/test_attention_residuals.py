@@ -105,3 +105,35 @@ def test_rows_within_bound_is_a_trace_time_context():
             assert not attention._WITHIN_BOUND.get()
         assert attention._WITHIN_BOUND.get()
     assert not attention._WITHIN_BOUND.get()
+
+
+def test_the_cudnn_path_traces_without_conds_within_the_bound(monkeypatch):
+    """The real cuDNN path (``attention._cudnn_packed``), traced on CPU (its cuDNN version and GPU checks
+    patched; nothing runs): within the bound no cond and, with core_attn saved, one forward kernel and
+    one backward kernel in the gradient; recomputed, the forward twice; without the promise the
+    fallback's conds are there. Fresh functions per trace: jax.checkpoint caches its traces by
+    function (the trainer's layer bodies are new closures in every trace of the step)."""
+    import re
+
+    from jax._src.cudnn import fused_attention_stablehlo as fas
+
+    monkeypatch.setattr(fas, "check_cudnn_version", lambda: 91400)
+    monkeypatch.setattr(fas, "check_compute_capability", lambda capability: True)
+    q = jnp.ones((2, 16, 4, 8), jnp.bfloat16)
+    seg = jnp.asarray([[1] * 10 + [2] * 6, [1] * 16])
+
+    def counts(saved, within):
+        def loss(q):
+            out = attention._attention(q, q, q, seg, seg, 0, causal=True, impl="cudnn", scale=0.3, max_segments=2)
+            return out.astype(jnp.float32).sum()
+
+        fn = jax.checkpoint(loss, policy=jax.checkpoint_policies.save_only_these_names(*saved))
+        with attention.rows_within_bound(within):
+            text = str(jax.make_jaxpr(jax.grad(fn))(q))
+        return tuple(len(re.findall(rf"= {p}\[", text)) for p in
+                     ("cond", "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper"))
+
+    assert counts(("core_attn",), True) == (0, 1, 1)
+    assert counts((), True) == (0, 2, 1)
+    conds, fwd, bwd = counts(("core_attn",), False)
+    assert conds >= 2 and bwd >= 1
