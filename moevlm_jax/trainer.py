@@ -48,7 +48,7 @@ from moevlm_jax import optim
 from moevlm_jax.config import ComputeConfig, ModelConfig, freeze
 from moevlm_jax.model import router as moe_router
 from moevlm_jax.model.attention import rows_within_bound
-from moevlm_jax.model.batch import loss_capacity, segments_over_bound
+from moevlm_jax.model.batch import agreed_max, loss_capacity, segments_over_bound
 from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from parallelism import grouped_matmul, sharding
@@ -398,8 +398,10 @@ class Trainer:
         leading microbatch axis ``[G, rows / G, ...]`` (``positions`` ``[G, 3, rows / G, S]``)."""
         arrays = {k: np.asarray(host_batch[k]) for k in MODEL_KEYS if k in host_batch}
         counts = _counts(arrays)
-        # cuDNN's ragged bound, checked on the host (a warning on the GPU when rows hold more segments)
-        bounded = not segments_over_bound(arrays, self.spec.compute.attention_options, self.bound_warned)
+        # cuDNN's ragged bound, checked on the host (a warning on the GPU when rows hold more segments);
+        # one process's rows over it: every process runs the step with the fallback
+        over = segments_over_bound(arrays, self.spec.compute.attention_options, self.bound_warned)
+        bounded = not agreed_max(int(bool(over)))
         local_groups = max(self.spec.dp_size // jax.process_count(), 1)
         capacity = loss_capacity(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)
         leading = 0

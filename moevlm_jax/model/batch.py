@@ -159,6 +159,16 @@ def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: 
     return over
 
 
+def agreed_max(value: int) -> int:
+    """The largest ``value`` over all processes (each computes a per-batch static from its own rows;
+    every process must compile the same program)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value))))
+
+
 def capacity_step(n: int) -> int:
     """Smallest m * 2^k >= n with m in {4, 5, 6, 7} (quarter steps between powers of two)."""
     if n <= 4:
@@ -173,10 +183,6 @@ def loss_capacity(loss_mask: np.ndarray, groups: int, microbatches: int = 1) -> 
     (at least MIN_CAPACITY); None (whole rows) when that exceeds half a group's positions."""
     mask = np.asarray(loss_mask) > 0
     per_group = mask.reshape(microbatches * groups, -1)
-    most = int(np.max(np.count_nonzero(per_group, axis=-1), initial=0))
-    if jax.process_count() > 1:  # every process must compile the same program
-        from jax.experimental import multihost_utils
-
-        most = int(np.max(multihost_utils.process_allgather(np.asarray(most))))
+    most = agreed_max(int(np.max(np.count_nonzero(per_group, axis=-1), initial=0)))
     cap = max(MIN_CAPACITY, capacity_step(most))
     return None if 2 * cap > per_group.shape[-1] else cap
