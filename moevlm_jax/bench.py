@@ -10,9 +10,10 @@ peak device memory, and compile time; a table on stdout and JSON with ``--out``.
 
 Steady state: a second loader reads the run's batches ahead, every distinct batch shape (patch
 bucket, loss capacity) is compiled before anything is timed, then ``--warmup`` steps and ``--steps``
-timed steps run from the real loader. A timed step is the wall time from asking the loader for its
-batch to the step's outputs being ready (``block_until_ready``): it includes the input wait, which
-is also reported on its own. Compiles during timed steps are counted (``timed_compiles``; 0 expected).
+timed steps run from the real loader as the trainer runs them (step k dispatched, then step k-1
+waited for: the next batch is read and placed while a step runs). A timed step is the wall time from
+one step's outputs being ready to the next's; the input time (reading and placing a batch,
+overlapped) is reported on its own. Compiles during timed steps are counted (0 expected).
 
 - ``--data``: comma list of ``real`` (the recipe's data), ``mock`` (``--mock-data``, default the
   recipe's mock counterpart: ``mock`` for gpu-default, ``mock_small`` for cpu-default) or data
@@ -46,17 +47,26 @@ from typing import Any
 
 import numpy as np
 
-from moevlm_jax.bench_report import format_report, ok, steady_rate, summary_line
+from moevlm_jax.bench_report import (
+    compare_losses,
+    format_report,
+    ok,
+    steady_rate,
+    summary_line,
+)
+from moevlm_jax.bench_steps import (
+    COMPILES,
+    listen_for_compiles,
+    precompile,
+    run_steps,
+    shape_key,
+)
 from moevlm_jax.memory import is_oom, peak_device_bytes
 
 log = logging.getLogger("moevlm_jax.bench")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MOCK = {"gpu-default": "mock", "cpu-default": "mock_small"}
-LOSS_RTOL = {"float32": 1e-3, "bfloat16": 3e-2}  # ours vs HF cross-entropy, relative
-_COMPILES = {"seconds": 0.0, "count": 0, "listening": False}
-COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                  "/jax/core/compile/backend_compile_duration")
 
 
 class BenchError(RuntimeError):
@@ -104,12 +114,6 @@ def command(args: argparse.Namespace) -> str:
     return " ".join(["python -m moevlm_jax.bench", *args.argv])
 
 
-def _on_event(event: str, duration: float, **_: Any) -> None:
-    if event in COMPILE_EVENTS:
-        _COMPILES["seconds"] += duration
-        _COMPILES["count"] += event == COMPILE_EVENTS[-1]
-
-
 def variants(args: argparse.Namespace, recipe: str) -> list[Variant]:
     """The ``--data`` items with their overrides (see the module docstring)."""
     real = [o for o in args.overrides if not o.startswith("mock.")]
@@ -136,23 +140,6 @@ def _steady(args: argparse.Namespace, gpu: bool) -> tuple[int, int]:
     if warmup < 0 or steps < 1:
         raise BenchError(f"--warmup {warmup} must be >= 0 and --steps {steps} >= 1")
     return warmup, steps
-
-
-def _precompile(trainer: Any, state: Any, batch: Any) -> Any:
-    """Compile the train step for this batch's shapes without running it (the jit cache keeps it)."""
-    return trainer.lower_step(state, batch.arrays, batch.capacity, bounded=batch.bounded).compile()
-
-
-def _shape_key(batch: Any) -> tuple:
-    """What selects the compiled train step: the arrays' shapes, the loss capacity, the bound check."""
-    return tuple(sorted((k, v.shape) for k, v in batch.arrays.items())), batch.capacity, batch.bounded
-
-
-def _shape_label(batch: Any) -> str:
-    """'patches 3328, loss capacity 3584': what selects the compiled executable (rows and seq fixed)."""
-    pv = batch.arrays.get("pixel_values")
-    fallback = "" if batch.bounded else ", attention fallback"
-    return f"patches {pv.shape[-2] if pv is not None else 0}, loss capacity {batch.capacity}{fallback}"
 
 
 def _save_initial(trainer: Any, state: Any, path: Path, gpu: bool) -> None:
@@ -203,17 +190,17 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         _save_initial(trainer, state, model_dir, gpu)
     trace = Path(args.profile) / name.replace(" ", "_") if args.profile else None
     # every batch shape the run will meet, compiled before timing (a second loader reads ahead)
-    c0, compile_s = dict(_COMPILES), 0.0
+    c0, compile_s = dict(COMPILES), 0.0
     ahead = data_lib.build_loader(sections.data, **shard)
     seen: set = set()
     try:
         for _ in range(total):
             batch = trainer.prepare(next(ahead))
-            key = _shape_key(batch)
+            key = shape_key(batch)
             if key not in seen:
                 seen.add(key)
                 t0 = time.perf_counter()
-                compiled = _precompile(trainer, state, batch)
+                compiled = precompile(trainer, state, batch)
                 compile_s += time.perf_counter() - t0
                 if trace is not None:  # the step's HLO maps trace events to the model's named scopes
                     trace.mkdir(parents=True, exist_ok=True)
@@ -229,35 +216,30 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     tracing = False
     # every shape was compiled above: any compile from here on is logged with JAX's reason for the
     # cache miss (the H200 run saw one in its first warmup step, bench/step_h200.md)
-    explain, ran = jax.config.jax_explain_cache_misses, set()
+    explain = jax.config.jax_explain_cache_misses
     jax.config.update("jax_explain_cache_misses", True)
+
+    def start_trace() -> None:
+        nonlocal tracing
+        jax.profiler.start_trace(str(trace), create_perfetto_trace=True)
+        tracing = True
+
+    def finish(k: int, batch: Any, host: dict, metrics: Any, info: dict[str, Any]) -> None:
+        nonlocal t_ready
+        jax.block_until_ready(metrics)  # step k done (one executable: its state too)
+        now = time.perf_counter()
+        m = jax.device_get(metrics)
+        steps.append({**info, "timed": k >= warmup, "time": now - t_ready, **batch.counts,
+                      "flops": flops.batch_flops(shape, host), "loss": float(m["loss"]), "ce_loss": float(m["ce_loss"]),
+                      "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]), "skipped": int(m.get("skipped", 0))})
+        t_ready = now
+        if dump is None:  # the peer needs every batch, the breakdown the last one
+            hosts.clear()
+        hosts.append({k2: np.asarray(host[k2]) for k2 in data_lib.MODEL_KEYS if k2 in host})
+
+    t_ready = time.perf_counter()
     try:
-        for k in range(total):
-            timed = k >= warmup
-            if trace is not None and k == warmup:
-                jax.profiler.start_trace(str(trace), create_perfetto_trace=True)
-                tracing = True
-            before = _COMPILES["count"]
-            t0 = time.perf_counter()
-            host = next(loader)
-            batch = trainer.prepare(host)
-            t1 = time.perf_counter()
-            key = _shape_key(batch)
-            first_run = key not in ran  # this executable's first run
-            ran.add(key)
-            state, metrics = trainer.step(state, batch)
-            jax.block_until_ready((state, metrics))
-            t2 = time.perf_counter()
-            m = jax.device_get(metrics)
-            steps.append({"timed": timed, "time": t2 - t0, "input": t1 - t0, "compiles": _COMPILES["count"] - before,
-                          **batch.counts, "flops": flops.batch_flops(shape, host), "loss": float(m["loss"]),
-                          "ce_loss": float(m["ce_loss"]), "lr": float(m["lr"]),
-                          "grad_norm": float(m["grad_norm"]), "skipped": int(m.get("skipped", 0)),
-                          "first_run": first_run, "shape": _shape_label(batch)})
-            keep = {k2: np.asarray(host[k2]) for k2 in data_lib.MODEL_KEYS if k2 in host}
-            if dump is None:  # the peer needs every batch, the breakdown the last one
-                hosts.clear()
-            hosts.append(keep)
+        state = run_steps(trainer, state, loader, total, warmup, finish, start_trace if trace is not None else None)
         source = loader.summary()
     finally:
         jax.config.update("jax_explain_cache_misses", explain)
@@ -286,7 +268,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         "useful_fraction": useful / max(sum(s["tokens"] for s in timed_steps), 1.0),
         "tflops_per_device": per_device / 1e12, "mfu": per_device / peak if peak else None,
         "peak_bytes": peak_device_bytes(trainer.mesh.local_devices),  # the process's peak so far (runs go in MBS order)
-        "compile_s": compile_s, "compile_events_s": _COMPILES["seconds"] - c0["seconds"], "init_state_s": init_s,
+        "compile_s": compile_s, "compile_events_s": COMPILES["seconds"] - c0["seconds"], "init_state_s": init_s,
         "compiled_shapes": len(seen), "timed_compiles": sum(s["compiles"] for s in timed_steps),
         "profile": str(trace) if trace is not None else None,
     }
@@ -330,9 +312,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
 
     from moevlm_jax.recipe import default_recipe, load_config
 
-    if not _COMPILES["listening"]:
-        jax.monitoring.register_event_duration_secs_listener(_on_event)
-        _COMPILES["listening"] = True
+    listen_for_compiles()
     platform = jax.default_backend()
     recipe = args.recipe or default_recipe(platform)
     model = args.model or ("tiny" if args.recipe is None and platform == "cpu" else None)
@@ -395,20 +375,6 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
-
-
-def compare_losses(ours: dict[str, Any], hf: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """Cross-entropy (and the objective: + router aux loss) step by step, ours vs the HF eager run on
-    the same batches from the same initial weights."""
-    a, b = np.asarray(ours["ce_loss_per_step"]), np.asarray([s["ce"] for s in hf["losses"]])
-    ta, tb = np.asarray(ours["loss_per_step"]), np.asarray([s["loss"] for s in hf["losses"]])
-    rel = np.abs(a - b) / np.maximum(np.abs(b), 1e-12)
-    rel_total = np.abs(ta - tb) / np.maximum(np.abs(tb), 1e-12)
-    tol = LOSS_RTOL[dtype]
-    return {"ours": a.tolist(), "hf": b.tolist(), "ours_objective": ta.tolist(), "hf_objective": tb.tolist(),
-            "first_rel_diff": float(rel[0]), "max_rel_diff": float(rel.max()),
-            "max_rel_diff_objective": float(rel_total.max()), "rtol": tol,
-            "first_step_agrees": bool(rel[0] <= tol), "all_steps_agree": bool(np.all(rel <= tol))}
 
 
 def peer_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+LOSS_RTOL = {"float32": 1e-3, "bfloat16": 3e-2}  # ours vs HF cross-entropy, relative
+
 
 def _fmt(x: Any, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
@@ -109,3 +113,17 @@ def format_report(result: dict[str, Any]) -> str:
     if result.get("peer"):
         lines.append("HF peer: " + ", ".join(f"{k} {v}" for k, v in result["peer"]["info"].items()))
     return "\n".join(lines)
+
+
+def compare_losses(ours: dict[str, Any], hf: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """Cross-entropy (and the objective: + router aux loss) step by step, ours vs the HF eager run on
+    the same batches from the same initial weights."""
+    a, b = np.asarray(ours["ce_loss_per_step"]), np.asarray([s["ce"] for s in hf["losses"]])
+    ta, tb = np.asarray(ours["loss_per_step"]), np.asarray([s["loss"] for s in hf["losses"]])
+    rel = np.abs(a - b) / np.maximum(np.abs(b), 1e-12)
+    rel_total = np.abs(ta - tb) / np.maximum(np.abs(tb), 1e-12)
+    tol = LOSS_RTOL[dtype]
+    return {"ours": a.tolist(), "hf": b.tolist(), "ours_objective": ta.tolist(), "hf_objective": tb.tolist(),
+            "first_rel_diff": float(rel[0]), "max_rel_diff": float(rel.max()),
+            "max_rel_diff_objective": float(rel_total.max()), "rtol": tol,
+            "first_step_agrees": bool(rel[0] <= tol), "all_steps_agree": bool(np.all(rel <= tol))}

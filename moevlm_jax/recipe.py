@@ -199,7 +199,8 @@ def _resolve_reference(section: str, ref: Any, sources: dict[str, str]) -> dict[
 def set_dotted(tree: dict[str, Any], key: str, value: Any, check_typos: bool = True) -> None:
     """Set ``tree['a']['b'] = value`` for key 'a.b'. With ``check_typos``, a key that is absent but
     a near miss of a present one is an error (sections whose schema cannot name its fields); a key that
-    is a present key with a prefix word (``vision_max_segments`` next to ``max_segments``) is not."""
+    is a present key with a word before or after it (``vision_max_segments`` next to ``max_segments``,
+    ``capture_scopes`` next to ``capture``) is not."""
     parts = key.split(".")
     if parts[0] not in SECTIONS:
         raise ConfigError(f"unknown setting '{key}'{near_miss(parts[0], SECTIONS)} "
@@ -213,7 +214,7 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any, check_typos: bool = T
             raise ConfigError(f"'{key}': '{'.'.join(parts[:i + 1])}' is {child!r}, not a mapping")
         node = child
     last = parts[-1]
-    prefixed = any(last.endswith("_" + str(k)) for k in node)
+    prefixed = any(last.endswith("_" + str(k)) or last.startswith(str(k) + "_") for k in node)
     if len(parts) > 1 and check_typos and last not in node and not prefixed and near_miss(last, list(node)):
         raise ConfigError(f"unknown key '{key}'{near_miss(last, list(node))} "
                           f"(keys there: {', '.join(map(str, node))})")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 8 on one H200 in one `run` call: attention kernel variants (bench/scripts/probe_attention.py, CASES)
 # then the profiled proxy step (recipe h200, mock data, MBS 8, capture none: every kernel visible) once
-# per variant of VARIANTS (';'-separated override lists; "-" = the recipe as is), each with its trace
+# per variant of VARIANTS (';'-separated override lists; "-" = the recipe as is; a word mbs=N sets that
+# variant's micro-batch size, else MBS or 8), each with its trace
 # breakdown; MEMSETS=1 also dumps the memset / copy events of the first variant's trace
 # (bench/scripts/trace_events.py); HLO=1 keeps the first variant's compiled step HLO (gzip). Results under $OUT: log.txt, attn.json, step_<i>.json, events.json.
 #   run(command="VARIANTS='-;compute.scan_layers=false' bash bench/scripts/h200_variants.sh", carry=[".gpudeps"])
@@ -18,10 +19,11 @@ i=0
 IFS=';' read -ra VS <<< "${VARIANTS:--}"
 for v in "${VS[@]}"; do
   [ "$(left "${END:-590}")" -lt 60 ] && { echo "no time for variant $i: $v" | tee -a "$OUT/log.txt"; break; }
-  ov=$([ "$v" = "-" ] || echo "$v")
+  ov="" mb=${MBS:-8}
+  for t in $v; do case $t in mbs=*) mb=${t#mbs=} ;; -) ;; *) ov="$ov $t" ;; esac; done
   echo "=== variant $i: ${v}" | tee -a "$OUT/log.txt"
   rm -rf /tmp/prof$i /tmp/bw$i; mkdir -p /tmp/bw$i
-  timeout "$(left "${END:-590}")" python3 -m moevlm_jax.bench --recipe h200 --peer none --data mock --mbs "${MBS:-8}" \
+  timeout "$(left "${END:-590}")" python3 -m moevlm_jax.bench --recipe h200 --peer none --data mock --mbs "$mb" \
       --warmup 2 --steps 4 --profile /tmp/prof$i --work-dir /tmp/bw$i --out "$OUT/step_$i.json" compute.capture=none $ov 2>&1 \
       | grep -v "Autotuning cache miss" | grep -v "^  " | tail -22 | tee -a "$OUT/log.txt"
   if [ "$i" = 0 ] && [ "${HLO:-0}" = 1 ]; then  # the profiled step's HLO, to read a trace's fusions offline

@@ -86,8 +86,46 @@ def test_throughput_is_counted_from_the_batches(run):
         # every update applied (a run whose updates are skipped for non-finite gradients trains nothing)
         assert r["skipped_per_step"] == [0] * (WARMUP + STEPS) and all(np.isfinite(r["grad_norm_per_step"]))
         assert all(g > 0 for g in r["grad_norm_per_step"])
-        assert all(0 < w < t for w, t in zip(r["input_per_step"], r["time_per_step"]))
+        assert all(w > 0 for w in r["input_per_step"]) and all(t > 0 for t in r["time_per_step"])
     assert result["runs"][0]["compile_s"] > 0 and not result["runs"][0]["mock"] and result["runs"][1]["mock"]
+
+
+class _Batch:
+    def __init__(self, k: int) -> None:
+        self.arrays, self.capacity, self.bounded, self.k = {"input_ids": np.zeros((1, 4 + k % 2))}, None, True, k
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_steps_run_as_the_trainer_runs_them(trace):
+    """bench.run_steps: batch k+1 read and placed and step k+1 dispatched before step k is waited
+    for (as moevlm_jax.train runs), except before the profiler trace starts (the warm-up drained
+    first); every step finished once, in order, with its own batch and its shape's first run marked."""
+    events: list[tuple] = []
+
+    class Trainer:
+        def prepare(self, host):
+            events.append(("prepare", host))
+            return _Batch(host)
+
+        def step(self, state, batch):
+            events.append(("dispatch", batch.k))
+            return state + 1, {"step": batch.k}
+
+    def finish(k, batch, host, metrics, info):
+        assert k == batch.k == host == metrics["step"] and info["compiles"] == 0
+        events.append(("wait", k, info["first_run"]))
+
+    total, warmup = 5, 2
+    start = (lambda: events.append(("trace",))) if trace else None
+    assert bench.run_steps(Trainer(), 0, iter(range(total)), total, warmup, finish, start) == total
+    waits = [e for e in events if e[0] == "wait"]
+    assert waits == [("wait", k, k < 2) for k in range(total)]  # two shapes, alternating
+    at = {e[:2]: n for n, e in enumerate(events)}
+    ahead = [at[("dispatch", k + 1)] < at[("wait", k)] for k in range(total - 1)]
+    assert ahead == [not (trace and k == warmup - 1) for k in range(total - 1)]
+    assert all(at[("prepare", k)] < at[("dispatch", k)] for k in range(total))
+    if trace:  # the trace starts after the warm-up steps are finished, before step `warmup` is read
+        assert at[("wait", warmup - 1)] < events.index(("trace",)) < at[("prepare", warmup)]
 
 
 def test_real_and_mock_ratio(run):

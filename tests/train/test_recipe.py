@@ -106,6 +106,11 @@ def test_a_present_key_with_a_prefix_word_is_not_a_typo(files):
     cfg = load_config(files["recipe"], overrides=keys, num_devices=1, num_processes=1)
     assert cfg.compute["attention_options"] == {"max_segments": 2, "vision_max_segments": 4, "vision_pad_head_dim": 128}
     assert "did you mean 'max_segments'" in _error(files["recipe"], keys[0], "compute.attention_options.max_segmnets=3")
+    # a present key with a word after it: compute.capture_scopes next to a recipe's compute.capture
+    cfg = load_config(files["recipe"], overrides=["compute.capture=scopes", "compute.capture_scopes=[full_iteration]"],
+                      num_devices=1, num_processes=1)
+    assert cfg.compute["capture_scopes"] == ["full_iteration"]
+    assert "did you mean 'capture'" in _error(files["recipe"], "compute.capture=none", "compute.captur=scopes")
 
 
 def test_all_errors_reported_together(files):
