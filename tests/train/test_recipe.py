@@ -216,14 +216,15 @@ def test_default_recipes_by_platform():
 
 
 def test_h200_recipe_is_the_measured_one_gpu_setting():
-    """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md runs 9-10) as a recipe."""
+    """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md runs 9-14) as a recipe."""
     from moevlm_jax import config
 
     cfg = load_config("h200", num_devices=1, num_processes=1)
-    assert cfg.name == "h200" and cfg.model["name"] == "proxy" and cfg.train.micro_batch_size == 8
+    assert cfg.name == "h200" and cfg.model["name"] == "proxy" and cfg.train.micro_batch_size == 10
     compute = config.ComputeConfig.from_dict(cfg.compute)
     assert (compute.param_dtype, compute.recompute, compute.recompute_modules, compute.capture) == (
-        "bfloat16", "selective", (), "none")
+        "bfloat16", "selective", (), "scopes")
+    assert compute.capture_scopes == ("full_iteration",)
     assert compute.scan_layers is False
     assert compute.attention_options == {"max_segments": 2, "vision_max_segments": 4}
     assert cfg.optimizer.state_dtype == "bfloat16" and cfg.data["seq_len"] == 4096
