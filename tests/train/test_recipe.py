@@ -216,7 +216,7 @@ def test_default_recipes_by_platform():
 
 
 def test_h200_recipe_is_the_measured_one_gpu_setting():
-    """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md runs 9-14) as a recipe."""
+    """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md runs 9-16) as a recipe."""
     from moevlm_jax import config
 
     cfg = load_config("h200", num_devices=1, num_processes=1)
