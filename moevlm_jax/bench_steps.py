@@ -55,7 +55,8 @@ def run_steps(trainer: Any, state: Any, loader: Any, total: int, warmup: int, fi
     for k in range(total):
         if start_trace is not None and k == warmup:
             if pending is not None:
-                pending = finish(*pending)
+                finish(*pending)
+                pending = None
             start_trace()
         t0 = time.perf_counter()
         host = next(loader)
