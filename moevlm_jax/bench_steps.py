@@ -34,8 +34,10 @@ def precompile(trainer: Any, state: Any, batch: Any) -> Any:
 
 
 def shape_key(batch: Any) -> tuple:
-    """What selects the compiled train step: the arrays' shapes, the loss capacity, the bound check."""
-    return tuple(sorted((k, v.shape) for k, v in batch.arrays.items())), batch.capacity, batch.bounded
+    """What selects the compiled train step (``trainer.compile_key`` of the batch)."""
+    from moevlm_jax.trainer import compile_key
+
+    return compile_key(batch.arrays, batch.capacity, batch.bounded)
 
 
 def shape_label(batch: Any) -> str:

@@ -299,6 +299,11 @@ def _with_optimizer(spec: StepSpec, params: PyTree, rkey: jax.Array) -> dict[str
 
 # ----------------------------------------------------------------------------- the trainer
 
+def compile_key(arrays: Mapping[str, Any], capacity: int | None, bounded: bool) -> tuple:
+    """What selects a compiled step for a batch: its arrays' shapes, the loss capacity, the bound check."""
+    return tuple(sorted((k, v.shape) for k, v in arrays.items())), capacity, bounded
+
+
 @dataclasses.dataclass
 class DeviceBatch:
     """A batch on the mesh: ``arrays`` (global; train batches have a leading microbatch axis), the static
@@ -421,7 +426,7 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(shards[k], x, shapes[k]) for k, x in arrays.items()}
 
     def _note_compile(self, kind: str, arrays: Mapping[str, jax.Array], capacity: int | None, bounded: bool) -> None:
-        key = (kind, tuple(sorted((k, v.shape) for k, v in arrays.items())), capacity, bounded)
+        key = (kind, *compile_key(arrays, capacity, bounded))
         if key not in self.compiled:
             self.compiled.add(key)
             shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items() if k in ("input_ids", "pixel_values"))

@@ -9,8 +9,9 @@ row) are never computed. A dense boolean mask through cuDNN computes every block
 H200: 4 packed documents a row ran ~3.5x slower, see bench/attention.md). The ragged form needs a
 static bound on segments per row (``max_segments``, default ``MAX_PACKED_SEGMENTS``; its cost grows
 with the bound, so a workload that knows its rows sets it: ``compute.attention_options``); a row with
-more falls back, inside the same compiled step, to the dense-mask kernel (``lax.cond``), so the result
-is always right. ``pad_head_dim``: q/k/v zero-padded along the head dim to a size cuDNN has tuned
+more runs the dense-mask kernel, so the result is always right: the trainer checks each batch's rows
+on the host and traces the step under :func:`rows_within_bound` when they hold (no fallback
+compiled), else compiles a step with the fallback (a ``lax.cond`` per call: ~96 us each on the H200). ``pad_head_dim``: q/k/v zero-padded along the head dim to a size cuDNN has tuned
 kernels for (the vision tower's 72 -> 128), the softmax scale kept at the true head dim's and the
 output sliced back: the same attention (zero columns add nothing to q.k and yield zero outputs).
 
