@@ -2,7 +2,7 @@
 
 ``SampleProcessor(index, raw)`` decodes the record, processes its images (``data.image``), applies
 the chat template (``data.chat``), computes MRoPE positions per sample
-(``moevlm_jax.model.mrope.mrope_position_ids``) and shifts the targets within the sample. Every
+(``data.mrope.mrope_position_ids``) and shifts the targets within the sample. Every
 failure becomes ``{"skip": reason, "index": i}`` so that the packer can count it; nothing raises.
 
 A sample is a dict of numpy arrays (``L`` tokens, ``N`` patches, ``n`` images)::
@@ -27,7 +27,7 @@ from data.config import DataConfig
 from data.image import ImageSkip, decode_image, process_image
 from data.records import RecordError, decode_record, from_llava
 from data.tokenizer import Tokenizer, load_tokenizer
-from moevlm_jax.model.mrope import mrope_position_ids
+from data.mrope import mrope_position_ids
 
 log = logging.getLogger(__name__)
 

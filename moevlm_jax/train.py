@@ -1,8 +1,8 @@
 """The main job: ``python -m moevlm_jax.train [--recipe R] [--model M] [--layout L] [--data D]
 [--steps N] [--run-dir DIR] [--resume] [key=value ...]``.
 
-config (moevlm_jax.recipe, validated once) -> mesh over all devices (the layout) -> sharded train
-state + compiled step (moevlm_jax.trainer) -> grain loader (this host's shard) -> loop: step,
+config (moevlm_jax.config.run, validated once) -> mesh over all devices (the layout) -> sharded train
+state + compiled step (moevlm_jax.training.trainer) -> grain loader (this host's shard) -> loop: step,
 metrics (metrics.jsonl, TensorBoard, progress bar), held-out evaluation, async orbax checkpoints,
 profile window -> summary table. ``--resume`` continues the run in ``--run-dir`` from its latest
 checkpoint: parameters, optimizer state, step, RNG and the data iterator.
@@ -24,10 +24,13 @@ import numpy as np
 from flax import nnx
 
 import data as data_lib
-from moevlm_jax import capture, flops, memory, optim
-from moevlm_jax.checkpoint import Checkpointer, resume_step
-from moevlm_jax.config import ComputeConfig, ModelConfig
-from moevlm_jax.metrics import (
+from moevlm_jax.training import capture
+from moevlm_jax.tools import flops
+from moevlm_jax.tools import memory
+from moevlm_jax.training import optimizer as optim
+from moevlm_jax.training.checkpoint import Checkpointer, resume_step
+from moevlm_jax.model.config import ComputeConfig, ModelConfig
+from moevlm_jax.training.metrics import (
     MetricsWriter,
     ProfileWindow,
     Progress,
@@ -36,9 +39,9 @@ from moevlm_jax.metrics import (
     read_metrics,
 )
 from moevlm_jax.model.router import ExpertBias
-from moevlm_jax.recipe import RunConfig, add_arguments, from_args, save_config
-from moevlm_jax.schema import ConfigError, near_miss
-from moevlm_jax.trainer import Trainer
+from moevlm_jax.config.run import RunConfig, add_arguments, from_args, save_config
+from moevlm_jax.config.schema import ConfigError, near_miss
+from moevlm_jax.training.trainer import Trainer
 from parallelism.validate import LayoutError, validate_layout
 
 log = logging.getLogger("moevlm_jax.train")

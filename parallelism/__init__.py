@@ -1,5 +1,5 @@
 """Meshes, layouts, logical-axis rules, expert dispatch, grouped matmul, pipeline (recompute policies:
-moevlm_jax.model.layers; command-buffer capture: moevlm_jax.capture).
+moevlm_jax.model.layers; command-buffer capture: moevlm_jax.training.capture).
 
 Logical axis vocabulary (model code uses only these names):
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 6 on one H200 in one `run` call: the Pallas-Triton grouped-matmul kernels (parallelism/gmm_triton.py)
 # against tokamax and the ceiling, one matmul at a time over tile configs (bench/scripts/probe_gmm.py), then
-# the whole MoE layer (parallelism.bench_moe) with the fastest accurate configs, tokamax, capacity, hybrid and
+# the whole MoE layer (moevlm_jax.tools.bench_moe) with the fastest accurate configs, tokamax, capacity, hybrid and
 # HF's grouped_mm in the same run (PROBE=0: the layer only; PROBE_SHAPES=gate_up_235b,down_235b SHAPES=235b-a22b
 # for the 235B-A22B experts). STEP=1 adds the proxy step with the Triton experts
 # (recipe h200; MBS=4, DATA=real by default, until STEP_END s);
@@ -15,19 +15,19 @@ left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
     --out "$OUT/gmm_probe.json" --best-out "$OUT/gmm_triton_configs.json" 2>&1 | grep -v "Autotuning cache miss" \
     | tail -60 | tee -a "$OUT/gmm.txt")
 [ -f "$OUT/gmm_triton_configs.json" ] && export MOEVLM_GMM_TRITON_CONFIGS=$OUT/gmm_triton_configs.json
-timeout "$(left "${MOE_END:-540}")" python3 -m parallelism.bench_moe --shapes "${SHAPES:-30b-a3b}" --tokens 16384 \
+timeout "$(left "${MOE_END:-540}")" python3 -m moevlm_jax.tools.bench_moe --shapes "${SHAPES:-30b-a3b}" --tokens 16384 \
     --backends "${BACKENDS:-tokamax,triton,capacity,hybrid}" --capacity-factor "${CF:-1.25}" \
     $([ "${MOE_HF:-1}" = 1 ] || echo --no-hf) --iters 10 --out "$OUT/moe_layer.json" 2>&1 \
     | grep -v "Autotuning cache miss" | tee "$OUT/moe_layer.txt"
 if [ "${STEP:-0}" = 1 ] && [ "$(left 590)" -ge 120 ]; then
   mkdir -p /tmp/bw
-  timeout "$(left "${STEP_END:-590}")" python3 -m moevlm_jax.bench --recipe h200 --peer none --data "${DATA:-real}" \
+  timeout "$(left "${STEP_END:-590}")" python3 -m moevlm_jax.tools.bench --recipe h200 --peer none --data "${DATA:-real}" \
       --mbs "${MBS:-4}" --warmup 3 --steps 6 --work-dir /tmp/bw --out "$OUT/step_triton.json" compute.moe.backend=triton 2>&1 \
       | grep -v "Autotuning cache miss" | tail -30 | tee "$OUT/step_triton.txt"
 fi
 if [ "${PROFILE:-0}" = 1 ] && [ "$(left 590)" -ge 100 ]; then
   mkdir -p /tmp/bp
-  timeout "$(left 590)" python3 -m moevlm_jax.bench --recipe h200 --peer none --data mock --mbs "${MBS:-4}" --warmup 2 --steps 4 \
+  timeout "$(left 590)" python3 -m moevlm_jax.tools.bench --recipe h200 --peer none --data mock --mbs "${MBS:-4}" --warmup 2 --steps 4 \
       --profile /tmp/prof --work-dir /tmp/bp --out "$OUT/step_profile.json" compute.capture=none ${EXTRA:-} 2>&1 \
       | grep -v "Autotuning cache miss" | tail -45 | tee "$OUT/step_profile.txt"
 fi

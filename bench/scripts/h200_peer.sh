@@ -16,13 +16,13 @@ left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 O=${OURS_MBS:-8} P=${PEER_MBS:-4}
 mkdir -p /tmp/bo /tmp/bp
 ours() {  # ours alone at MBS $O, for at most $1 s
-  timeout "$1" python3 -m moevlm_jax.bench --recipe h200 --peer none --data real --mbs "$O" --warmup 3 --steps 6 \
+  timeout "$1" python3 -m moevlm_jax.tools.bench --recipe h200 --peer none --data real --mbs "$O" --warmup 3 --steps 6 \
       --work-dir /tmp/bo --out "$OUT/ours_mbs$O.json" ${EXTRA:-} 2>&1 | grep -v "Autotuning cache miss" | tail -8 | tee -a "$OUT/log.txt"
 }
 [ "${OURS_LAST:-0}" = 1 ] || ours "${OURS_S:-210}"
-timeout "$(left "${END:-585}")" python3 -m moevlm_jax.bench --recipe h200 --peer hf --data real --mbs "$P" --warmup 3 --steps 6 \
+timeout "$(left "${END:-585}")" python3 -m moevlm_jax.tools.bench --recipe h200 --peer hf --data real --mbs "$P" --warmup 3 --steps 6 \
     --work-dir /tmp/bp --out "$OUT/peer_mbs$P.json" ${EXTRA:-} ${PEER_EXTRA:-} 2>&1 | grep -v "Autotuning cache miss" | tail -30 | tee -a "$OUT/log.txt"
-pkill -f moevlm_jax.bench_hf
+pkill -f moevlm_jax.tools.bench_hf
 if [ ! -f "$OUT/peer_mbs$P.json" ]; then  # stopped before the combined report: keep each side's file
   for f in ours.json hf.json; do [ -f "/tmp/bp/$f" ] && cp "/tmp/bp/$f" "$OUT/peer_mbs${P}_$f"; done
 fi

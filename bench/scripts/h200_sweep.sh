@@ -17,7 +17,7 @@ if [ "${PROBE:-0}" = 1 ]; then
 fi
 sweep() {  # out-dir, then sweep args
   local out=$1; shift
-  timeout "$(left "${BUDGET:-575}")" python3 -m moevlm_jax.sweep --model proxy --layout fsdp --steps 5 --warmup 2 \
+  timeout "$(left "${BUDGET:-575}")" python3 -m moevlm_jax.tools.sweep --model proxy --layout fsdp --steps 5 --warmup 2 \
       --timeout "${POINT_TIMEOUT:-150}" --out "/tmp/$out" "$@" --state-dtype bfloat16 param_dtype=bfloat16 2>&1 \
       | grep -v "Autotuning cache miss" | tee -a "$OUT/sweep.txt"
   [ -f "/tmp/$out/results.json" ] && cp "/tmp/$out/results.json" "$OUT/sweep_${out}.json"

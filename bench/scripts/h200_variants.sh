@@ -23,7 +23,7 @@ for v in "${VS[@]}"; do
   for t in $v; do case $t in mbs=*) mb=${t#mbs=} ;; -) ;; *) ov="$ov $t" ;; esac; done
   echo "=== variant $i: ${v}" | tee -a "$OUT/log.txt"
   rm -rf /tmp/prof$i /tmp/bw$i; mkdir -p /tmp/bw$i
-  timeout "$(left "${END:-590}")" python3 -m moevlm_jax.bench --recipe h200 --peer none --data mock --mbs "$mb" \
+  timeout "$(left "${END:-590}")" python3 -m moevlm_jax.tools.bench --recipe h200 --peer none --data mock --mbs "$mb" \
       --warmup 2 --steps 4 --profile /tmp/prof$i --work-dir /tmp/bw$i --out "$OUT/step_$i.json" compute.capture=none $ov 2>&1 \
       | grep -v "Autotuning cache miss" | grep -v "^  " | tail -22 | tee -a "$OUT/log.txt"
   if [ "$i" = 0 ] && [ "${HLO:-0}" = 1 ]; then  # the profiled step's HLO, to read a trace's fusions offline

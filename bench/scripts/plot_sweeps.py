@@ -1,4 +1,4 @@
-"""Merge several ``moevlm_jax.sweep`` results.json files into one table and one throughput-vs-memory plot.
+"""Merge several ``moevlm_jax.tools.sweep`` results.json files into one table and one throughput-vs-memory plot.
 
     PYTHONPATH=. python3 bench/scripts/plot_sweeps.py bench/sweep_h200_*.json --out bench/sweep_h200.png
 
@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from moevlm_jax.sweep import format_table, plot
+from moevlm_jax.tools.sweep import format_table, plot
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

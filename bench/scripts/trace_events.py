@@ -12,7 +12,7 @@ import collections
 import json
 import re
 
-from moevlm_jax.trace_breakdown import device_events, load_trace
+from moevlm_jax.tools.trace_breakdown import device_events, load_trace
 
 
 def summarise(events, pattern: str, steps: int, limit: int = 40) -> list[dict]:

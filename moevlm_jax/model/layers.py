@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import Offloadable, Saveable
 
-from moevlm_jax.config import CHECKPOINT_NAMES, ComputeConfig, checkpoint_names_of
+from moevlm_jax.model.config import CHECKPOINT_NAMES, ComputeConfig, checkpoint_names_of
 from parallelism import pipeline
 
 Axes = tuple[str | None, ...]
@@ -132,7 +132,7 @@ def stack_modules(make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs
 
 
 # Checkpoint names a recompute policy chooses among and Megatron's module names for them: see
-# moevlm_jax.config (CHECKPOINT_NAMES, RECOMPUTE_MODULES); placed with jax.ad_checkpoint.checkpoint_name
+# moevlm_jax.model.config (CHECKPOINT_NAMES, RECOMPUTE_MODULES); placed with jax.ad_checkpoint.checkpoint_name
 # in decoder.py, moe.py, vision.py and parallelism/permute.py (moe_act).
 OFFLOAD_SRC, OFFLOAD_DST = "device", "pinned_host"  # memory kinds of compute.offload
 

@@ -1,7 +1,7 @@
 """Losses: chunked LM-head cross-entropy (the ``[B, S, vocab]`` logits never exist whole) and the
 router losses computed from the per-layer statistics in ``aux["router"]``.
 
-HF conventions: ``hf_labels_to_targets`` (moevlm_jax.model.batch) turns HF labels into
+HF conventions: ``hf_labels_to_targets`` (data.batch) turns HF labels into
 targets/loss_mask; HF's loss is ``sum / count`` of :func:`lm_loss`; HF's router aux loss is
 :func:`load_balancing_loss` (``load_balancing_loss_func`` over all MoE layers' logits
 concatenated, restricted to attention-mask tokens) and the total is ``lm + router_aux_loss_coef *

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moevlm_jax.config import RouterConfig
+from moevlm_jax.model.config import RouterConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from data.image import (
     process_image,
     smart_resize,
 )
-from moevlm_jax.model.batch import patch_layout  # the shared helper (model + data)
+from data.batch import patch_layout  # the shared helper (model + data)
 
 
 def hf_processor(cfg: ImageConfig) -> Qwen2VLImageProcessorPil:

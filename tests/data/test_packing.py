@@ -9,8 +9,8 @@ from data.loader import build_loader
 from data.packing import MODEL_KEYS, choose_bucket
 from data.sample import QUESTION_TYPES, SampleProcessor
 from data.sources import build_source
-from moevlm_jax.model.batch import patch_layout
-from moevlm_jax.model.mrope import mrope_position_ids
+from data.batch import patch_layout
+from data.mrope import mrope_position_ids
 
 SMALL = ["source.num_train=120", "source.num_heldout=40", "seq_len=512", "batch_size=4",
          "patch_buckets=[256, 512, 1024, 1536, 2048]"]

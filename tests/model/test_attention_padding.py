@@ -95,8 +95,8 @@ def test_head_dim_padding_and_segment_bound_reach_the_cudnn_path(monkeypatch):
 
 
 def test_attention_options_per_tower_and_bad_values():
-    from moevlm_jax.compute_options import attention_kwargs
-    from moevlm_jax.config import ComputeConfig
+    from moevlm_jax.model.compute import attention_kwargs
+    from moevlm_jax.model.config import ComputeConfig
 
     c = ComputeConfig(attention_options={"max_segments": 2, "vision_max_segments": 4, "vision_pad_head_dim": 128})
     assert attention_kwargs(c.attention_options, "text") == {"max_segments": 2, "pad_head_dim": None}
@@ -111,7 +111,7 @@ def test_attention_options_per_tower_and_bad_values():
 def test_rows_over_the_segment_bound_are_counted_and_named_once(caplog):
     """Host-side check of a batch against compute.attention_options: text rows with 1 and 3 packed
     samples against a bound of 2, vision rows with 4 and 5 images against a bound of 4."""
-    from moevlm_jax.model.batch import segments_over_bound
+    from data.batch import segments_over_bound
 
     arrays = {"segment_ids": np.array([[1, 1, 1, 0], [1, 2, 3, 3]]),
               "patch_segment_ids": np.array([[1, 2, 3, 4, 0], [1, 2, 3, 4, 5]])}

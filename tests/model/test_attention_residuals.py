@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.ad_checkpoint import saved_residuals  # as tests/perf/test_recompute.py
+from jax._src.ad_checkpoint import saved_residuals  # as tests/model/test_recompute.py
 
 from moevlm_jax.model import attention
 

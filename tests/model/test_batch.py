@@ -13,8 +13,8 @@ from transformers.vision_utils import (
     get_vision_position_ids,
 )
 
-from moevlm_jax.config import load_model_config
-from moevlm_jax.model.batch import (
+from moevlm_jax.model.config import load_model_config
+from data.batch import (
     hf_inputs_to_batch,
     hf_labels_to_targets,
     patch_layout,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moevlm_jax.config import ComputeConfig
+from moevlm_jax.model.config import ComputeConfig
 from moevlm_jax.hf import load_pretrained
-from moevlm_jax.model.batch import hf_inputs_to_batch, hf_labels_to_targets
+from data.batch import hf_inputs_to_batch, hf_labels_to_targets
 from moevlm_jax.model.loss import model_loss
 from moevlm_jax.model.qwen3_vl_moe import jit_forward
 from tests.model.hf_reference import make_batches
@@ -91,7 +91,7 @@ def test_traced_graph_does_not_grow_with_depth():
     vision blocks (so is compile time); unrolled, it grows."""
     import dataclasses
 
-    from moevlm_jax.config import load_model_config
+    from moevlm_jax.model.config import load_model_config
     from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 
     base = load_model_config("tiny-v512")

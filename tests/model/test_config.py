@@ -6,7 +6,7 @@ import pytest
 import yaml
 from transformers import Qwen3VLMoeConfig
 
-from moevlm_jax.config import ComputeConfig, ModelConfig, load_model_config
+from moevlm_jax.model.config import ComputeConfig, ModelConfig, load_model_config
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-v512", "proxy", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"])

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moevlm_jax.config import ComputeConfig
+from moevlm_jax.model.config import ComputeConfig
 from moevlm_jax.hf import load_pretrained
 from moevlm_jax.model import qwen3_vl_moe
 from moevlm_jax.model.loss import model_loss

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-from moevlm_jax.config import load_model_config
-from moevlm_jax.params import main, param_counts
+from moevlm_jax.model.config import load_model_config
+from moevlm_jax.tools.params import main, param_counts
 
 
 def _hf_counts(config) -> tuple[int, int]:

@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from moevlm_jax.config import ComputeConfig, RouterConfig, TextConfig, load_model_config
+from moevlm_jax.model.config import ComputeConfig, RouterConfig, TextConfig, load_model_config
 from moevlm_jax.model import router as R
 from moevlm_jax.model.moe import SparseMoeBlock
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
@@ -207,8 +207,8 @@ def test_bias_update_rule_and_stacked_layers():
 
 def test_expert_bias_is_state_of_the_train_state_and_not_of_hf_files(tmp_path):
     from moevlm_jax.hf import load_pretrained, save_pretrained
-    from moevlm_jax.recipe import OptimizerConfig
-    from moevlm_jax.trainer import Trainer
+    from moevlm_jax.config.run import OptimizerConfig
+    from moevlm_jax.training.trainer import Trainer
     from parallelism.layout import load_layout
 
     config = load_model_config("tiny-v512")

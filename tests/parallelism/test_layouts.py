@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moevlm_jax.config import ComputeConfig, load_model_config
+from moevlm_jax.model.config import ComputeConfig, load_model_config
 from moevlm_jax.model.loss import model_loss
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from parallelism import sharding

@@ -13,11 +13,11 @@ import os
 import pytest
 import yaml
 
-from moevlm_jax.metrics import read_metrics
-from moevlm_jax.recipe import data_parallel_size
+from moevlm_jax.training.metrics import read_metrics
+from moevlm_jax.config.run import data_parallel_size
 from moevlm_jax.train import main
 from parallelism.layout import load_layout
-from tests.train.train_setup import COMPUTE, SEQ_LEN, data_config
+from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("MOEVLM_LAYOUT_CLI") != "1",
                                 reason="slow: set MOEVLM_LAYOUT_CLI=1 to train 3 steps under every preset")

@@ -4,7 +4,7 @@
    and per-layer outputs): GPipe and circular, even and uneven stages, equal a sequential scan in
    the output, the per-layer outputs (re-assembled from microbatch rows) and the gradients.
 2. Bubble fractions and option validation.
-3. The tiny Qwen3-VL-MoE with images, trained 3 steps by ``moevlm_jax.trainer`` under the pp
+3. The tiny Qwen3-VL-MoE with images, trained 3 steps by ``moevlm_jax.training.trainer`` under the pp
    presets (GPipe x FSDP, circular x FSDP, GPipe x EP) and a 4-stage x 2-data layout with uneven
    stages and the vision tower pipelined too: the same losses, gradient norms and parameters as
    one device. Adam's eps is set large so that the updates are ~linear in the gradients and the
@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moevlm_jax.config import ComputeConfig, ModelConfig, load_model_config
-from moevlm_jax.model.batch import hf_inputs_to_batch
+from moevlm_jax.model.config import ComputeConfig, ModelConfig, load_model_config
+from data.batch import hf_inputs_to_batch
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
-from moevlm_jax.recipe import OptimizerConfig
-from moevlm_jax.trainer import Trainer
+from moevlm_jax.config.run import OptimizerConfig
+from moevlm_jax.training.trainer import Trainer
 from parallelism import logical, pipeline
 from parallelism.layout import layout_from_dict, load_layout
 

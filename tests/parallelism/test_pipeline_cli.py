@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from moevlm_jax.metrics import read_metrics
+from moevlm_jax.training.metrics import read_metrics
 from moevlm_jax.train import main
-from tests.train.train_setup import COMPUTE, SEQ_LEN, data_config
+from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
 
 STEPS = 3
 

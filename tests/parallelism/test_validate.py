@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from moevlm_jax.config import load_model_config
+from moevlm_jax.model.config import load_model_config
 from parallelism.layout import layout_from_dict, load_layout
 from parallelism.validate import LayoutError, validate_layout
 

@@ -1,0 +1,188 @@
+"""Host-side (numpy) construction of the model batch from Hugging Face style inputs.
+
+``patch_layout`` gives each flattened patch its (row, col) in its image's patch grid, the grid
+size, and its frame; the data pipeline uses it to build ``patch_rc`` / ``patch_hw`` /
+``patch_segment_ids``. ``hf_inputs_to_batch`` turns HF model inputs (flat ``pixel_values`` +
+``image_grid_thw`` + ``attention_mask``) into the per-row batch of ARCHITECTURE.md. The trainer's
+per-batch statics come from here too: the loss ``capacity`` (``loss_capacity``) and whether every
+row is within the cuDNN ragged bounds (``segments_over_bound``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+
+from moevlm_jax.model.compute import attention_kwargs
+from moevlm_jax.model.config import ModelConfig
+from data.mrope import mrope_position_ids
+
+log = logging.getLogger(__name__)
+MIN_CAPACITY = 32  # smallest gathered-positions buffer per group (fewer distinct compiled shapes)
+
+
+def patch_layout(image_grid_thw: np.ndarray, spatial_merge_size: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For images ``[n, 3]`` (t, h, w), per patch in HF order (frames in turn, each in 2x2
+    merge-block order): patch_rc ``[N, 2]``, patch_hw ``[N, 2]``, frame index ``[N]`` (0.., one per
+    image frame, in order); N = sum t*h*w. All int32."""
+    m = spatial_merge_size
+    rcs, hws, frames = [], [], []
+    frame = 0
+    for t, h, w in np.asarray(image_grid_thw, np.int64).reshape(-1, 3):
+        if h % m or w % m:
+            raise ValueError(f"image grid {(t, h, w)} does not divide by spatial_merge_size {m}")
+        within = np.arange(h * w)
+        in_col, in_row = within % m, (within // m) % m
+        block_col = (within // (m * m)) % (w // m)
+        block_row = within // (m * m * (w // m))
+        rc = np.stack([block_row * m + in_row, block_col * m + in_col], axis=-1)
+        rcs.append(np.tile(rc, (t, 1)))
+        hws.append(np.broadcast_to(np.array([h, w]), (t * h * w, 2)))
+        frames.append(np.repeat(np.arange(frame, frame + t), h * w))
+        frame += t
+    if not rcs:
+        z = np.zeros((0, 2), np.int32)
+        return z, z.copy(), np.zeros((0,), np.int32)
+    return (np.concatenate(rcs).astype(np.int32), np.concatenate(hws).astype(np.int32),
+            np.concatenate(frames).astype(np.int32))
+
+
+def hf_inputs_to_batch(config: ModelConfig, input_ids: np.ndarray, pixel_values: np.ndarray | None = None,
+                       image_grid_thw: np.ndarray | None = None, attention_mask: np.ndarray | None = None,
+                       patch_multiple: int = 4, num_patches: int | None = None) -> dict[str, np.ndarray]:
+    """HF inputs -> model batch: input_ids ``[B, S]``, pixel_values ``[N, patch_dim]`` (all images of
+    the batch, in order), image_grid_thw ``[n, 3]``, attention_mask ``[B, S]`` (1 = token, 0 = pad).
+
+    Images go to rows in order by counting each row's image tokens (as HF's masked_scatter does).
+    Positions follow HF: plain ``arange(S)`` for a batch without images, else ``get_rope_index`` over
+    each row's unmasked tokens (0 at padding). The patch axis P is the longest row's patches padded
+    to a multiple of ``patch_multiple``, or ``num_patches`` (a fixed bucket) when given.
+    """
+    input_ids = np.asarray(input_ids).astype(np.int32)
+    b, s = input_ids.shape
+    mask = np.ones((b, s), np.int32) if attention_mask is None else np.asarray(attention_mask).astype(np.int32)
+    batch = {"input_ids": input_ids, "segment_ids": mask}
+    merge = config.vision_config.spatial_merge_size
+    if pixel_values is None or image_grid_thw is None or len(image_grid_thw) == 0:
+        batch["positions"] = np.broadcast_to(np.arange(s, dtype=np.int32), (3, b, s)).copy()
+        if num_patches:  # a fixed patch bucket: all-padding patches (same compiled step as image batches)
+            patch_dim = config.vision_config.patch_dim
+            batch.update(pixel_values=np.zeros((b, num_patches, patch_dim), np.float32),
+                         patch_rc=np.zeros((b, num_patches, 2), np.int32), patch_hw=np.zeros((b, num_patches, 2), np.int32),
+                         patch_segment_ids=np.zeros((b, num_patches), np.int32))
+        return batch
+
+    grids = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
+    pixel_values = np.asarray(pixel_values, np.float32)
+    n_patches = grids.prod(-1)
+    if pixel_values.shape[0] != n_patches.sum():
+        raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, image_grid_thw needs {n_patches.sum()}")
+    n_tokens = n_patches // (merge * merge)
+    patch_start = np.concatenate([[0], np.cumsum(n_patches)])
+    rc_all, hw_all, frame_all = patch_layout(grids, merge)
+
+    positions = np.zeros((3, b, s), np.int32)
+    rows, image = [], 0
+    for r in range(b):
+        want = int((input_ids[r] == config.image_token_id).sum())
+        first = image
+        while want > 0:
+            if image >= len(grids):
+                raise ValueError(f"row {r} has more image tokens than the images in image_grid_thw provide")
+            want -= int(n_tokens[image])
+            image += 1
+        if want < 0:
+            raise ValueError(f"row {r}: its image tokens do not add up to whole images")
+        rows.append((first, image))
+        valid = mask[r] > 0
+        pos, _ = mrope_position_ids(input_ids[r][valid], grids[first:image], image_token_id=config.image_token_id,
+                                    spatial_merge_size=merge)
+        positions[:, r, valid] = pos
+    if image != len(grids):
+        raise ValueError(f"{len(grids)} images given, the tokens use {image}")
+    batch["positions"] = positions
+
+    per_row = [int(patch_start[e] - patch_start[f]) for f, e in rows]
+    p = max(patch_multiple, -(-max(per_row) // patch_multiple) * patch_multiple)
+    if num_patches is not None:
+        if num_patches < max(per_row) or num_patches % (merge * merge):
+            raise ValueError(f"num_patches {num_patches} must be >= {max(per_row)} and a multiple of {merge * merge}")
+        p = num_patches
+    pv = np.zeros((b, p, pixel_values.shape[1]), np.float32)
+    rc = np.zeros((b, p, 2), np.int32)
+    hw = np.zeros((b, p, 2), np.int32)
+    seg = np.zeros((b, p), np.int32)
+    for r, (f, e) in enumerate(rows):
+        lo, hi = patch_start[f], patch_start[e]
+        n = hi - lo
+        pv[r, :n] = pixel_values[lo:hi]
+        rc[r, :n] = rc_all[lo:hi]
+        hw[r, :n] = hw_all[lo:hi]
+        if n:
+            seg[r, :n] = frame_all[lo:hi] - frame_all[lo] + 1
+    batch.update(pixel_values=pv, patch_rc=rc, patch_hw=hw, patch_segment_ids=seg)
+    return batch
+
+
+def hf_labels_to_targets(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """HF ``labels`` ``[B, S]`` (-100 = ignore; HF shifts inside its loss) -> targets ``[B, S]`` int32
+    (the next token's label) and loss_mask ``[B, S]`` float32, the batch's convention."""
+    labels = np.asarray(labels)
+    nxt = np.concatenate([labels[:, 1:], np.full((labels.shape[0], 1), -100, labels.dtype)], axis=1)
+    mask = nxt != -100
+    return np.where(mask, nxt, 0).astype(np.int32), mask.astype(np.float32)
+
+
+def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: set[str] | None) -> dict[str, int]:
+    """Rows of a host batch holding more segments (packed samples; images for the vision tower) than
+    the cuDNN ragged attention's bound (``compute.attention_options``): the step then runs that
+    attention on the dense-mask kernel for the whole batch (exact, but slower; bench/attention.md).
+    Returns ``{"text" | "vision": rows over}`` and logs a warning the first time per tower (``warned``;
+    None: no warning, e.g. where the attention is not cuDNN's)."""
+    over = {}
+    for tower, key in (("text", "segment_ids"), ("vision", "patch_segment_ids")):
+        if key not in arrays or not np.asarray(arrays[key]).size:
+            continue
+        bound = attention_kwargs(options, tower)["max_segments"]
+        most = np.asarray(arrays[key]).reshape(-1, np.shape(arrays[key])[-1]).max(axis=-1)
+        n = int(np.count_nonzero(most > bound))
+        if n:
+            over[tower] = n
+            if warned is not None and tower not in warned:
+                warned.add(tower)
+                log.warning(
+                    "%d row(s) hold more %s segments than compute.attention_options.%smax_segments=%d (up to %d): "
+                    "on the GPU these batches run the dense-mask attention kernel (exact, slower); raise the bound",
+                    n, tower, "vision_" if tower == "vision" else "", bound, int(most.max()))
+    return over
+
+
+def agreed_max(value: int) -> int:
+    """The largest ``value`` over all processes (each computes a per-batch static from its own rows;
+    every process must compile the same program)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value))))
+
+
+def capacity_step(n: int) -> int:
+    """Smallest m * 2^k >= n with m in {4, 5, 6, 7} (quarter steps between powers of two)."""
+    if n <= 4:
+        return 4
+    k = max((n - 1).bit_length() - 3, 0)
+    return -(-n // (1 << k)) * (1 << k)
+
+
+def loss_capacity(loss_mask: np.ndarray, groups: int, microbatches: int = 1) -> int | None:
+    """Static gather size for a host loss_mask ``[rows, S]`` split into ``microbatches`` x ``groups``
+    consecutive row groups: the most trained tokens of a group, rounded up by :func:`capacity_step`
+    (at least MIN_CAPACITY); None (whole rows) when that exceeds half a group's positions."""
+    mask = np.asarray(loss_mask) > 0
+    per_group = mask.reshape(microbatches * groups, -1)
+    most = agreed_max(int(np.max(np.count_nonzero(per_group, axis=-1), initial=0)))
+    cap = max(MIN_CAPACITY, capacity_step(most))
+    return None if 2 * cap > per_group.shape[-1] else cap

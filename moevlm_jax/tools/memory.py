@@ -1,0 +1,285 @@
+"""Memory report: XLA's compiled memory analysis of the train step, without running it.
+
+For a model x layout x compute (recompute, offload, ...) x MBS x sequence length, the train step
+(``moevlm_jax.training.trainer``: forward, backward, AdamW, state donated) is lowered on abstract inputs
+(``jax.ShapeDtypeStruct`` with their shardings: no parameter is materialised, no step runs) and
+compiled; ``compiled.memory_analysis()`` then gives per device: arguments (train state + batch),
+outputs, aliased bytes (the donated state reused for the new state), temporaries (activations,
+saved residuals, gradients, workspace), generated code, and the ``host_*`` counterparts (host
+memory: offloaded residuals where the backend reports them). ``total = argument + output - alias +
+temp`` is XLA's estimate of the step's device memory.
+
+    python -m moevlm_jax.tools.memory --model tiny --layout fsdp --recompute none,selective,full --mbs 2
+
+The batch is the full-size worst case: ``mbs`` x data-parallel rows of ``seq_len`` tokens with
+``patches`` patch rows each (default ~3/4 of seq_len, the proxy workload's ratio of 3136 patches
+per 4096 tokens; 0 = text only), logits over whole rows (no trained-position gather).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TOTAL = "total_bytes"
+
+
+OOM_MARKERS = ("resource_exhausted", "out of memory", "oom when allocating", "failed to allocate")
+
+
+def is_oom(error: BaseException | str) -> bool:
+    """An allocation failure on the device (XLA RESOURCE_EXHAUSTED, allocator messages)."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return any(m in text.lower() for m in OOM_MARKERS)
+
+
+def oom_advice(model: str, layout: str, mbs: int, seq_len: int) -> str:
+    """What to change when a train step does not fit (the knobs in the order a user reaches for them)."""
+    return ("to fit it: compute.recompute=selective (or full); a smaller train.micro_batch_size with a larger "
+            "train.grad_accum (same global batch); compute.param_dtype=bfloat16 optimizer.state_dtype=bfloat16 "
+            "(bf16 weights and AdamW state, HF's setting); or more devices, over which FSDP shards parameters, "
+            "gradients and optimizer state. The step's memory without running it: python -m moevlm_jax.tools.memory "
+            f"--model {model} --layout {layout} --mbs {mbs} --seq-len {seq_len} --recompute none,selective,full")
+
+
+def peak_device_bytes(devices: list[Any]) -> int | None:
+    """Largest ``peak_bytes_in_use`` over the local devices (None where the backend has no stats)."""
+    peaks = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - CPU backends raise or return None
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(int(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
+def default_patches(seq_len: int) -> int:
+    """Patch rows per row when not given: 3/4 of the tokens, a multiple of 4 (2x2 merge)."""
+    return (3 * seq_len // 4) // 4 * 4
+
+
+def batch_shapes(model: Any, rows: int, seq_len: int, patches: int, microbatches: int = 1
+                 ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """key -> (global shape with the leading microbatch axis, dtype) of a train batch
+    (ARCHITECTURE.md) of ``microbatches`` x ``rows`` rows; no patch keys when ``patches`` is 0."""
+    g, b, s = microbatches, rows, seq_len
+    out = {"input_ids": ((g, b, s), "int32"), "positions": ((g, 3, b, s), "int32"),
+           "segment_ids": ((g, b, s), "int32"), "targets": ((g, b, s), "int32"),
+           "loss_mask": ((g, b, s), "float32")}
+    if patches:
+        if patches % 4:
+            raise ValueError(f"patches ({patches}) must be a multiple of 4 (2x2 merge blocks)")
+        v = model.vision_config
+        dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        out.update({"pixel_values": ((g, b, patches, dim), "float32"), "patch_rc": ((g, b, patches, 2), "int32"),
+                    "patch_hw": ((g, b, patches, 2), "int32"), "patch_segment_ids": ((g, b, patches), "int32")})
+    return out
+
+
+def abstract_batch(trainer: Any, mbs: int, seq_len: int, patches: int) -> dict[str, Any]:
+    """The train batch as ShapeDtypeStructs with the trainer's batch shardings (MBS per rank)."""
+    import jax
+
+    from parallelism import sharding
+
+    spec = trainer.spec
+    shapes = batch_shapes(spec.model, mbs * spec.dp_size, seq_len, patches, spec.grad_accum)
+    shards = sharding.batch_shardings({k: s for k, (s, _) in shapes.items()}, spec.mesh, spec.rules, 1)
+    return {k: jax.ShapeDtypeStruct(s, d, sharding=shards[k]) for k, (s, d) in shapes.items()}
+
+
+def lower_step(trainer: Any, state: Any, arrays: Mapping[str, Any], capacity: int | None = None,
+               bounded: bool = False) -> Any:
+    """``jax.stages.Lowered`` of the trainer's train step for these (concrete or abstract) inputs;
+    ``.compile()`` gives an executable to call as ``compiled(state, arrays)``."""
+    return trainer.lower_step(state, arrays, capacity, bounded=bounded)
+
+
+def init_state(trainer: Any, seed: int = 0, compiler_options: Mapping[str, Any] | None = None) -> Any:
+    """The trainer's fresh train state (``Trainer.init_state``), compiled ahead of time with
+    ``compiler_options`` (its random init compiles slowly on CPU at the default optimisation level)."""
+    lowered = trainer.lower_init(seed)
+    return (lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile())()
+
+
+def trace_step(trainer: Any, state: Any, arrays: Mapping[str, Any], capacity: int | None = None) -> Any:
+    """Trace (no lowering, no compile) the train step: raises trace-time errors, e.g. a batch the
+    layout's pipeline cannot split into microbatches, in seconds."""
+    return trainer.lower_step(state, arrays, capacity, trace_only=True)
+
+
+def memory_fields(compiled: Any) -> dict[str, int]:
+    """``compiled.memory_analysis()`` as ``{name}_bytes`` ints (argument, output, alias, temp,
+    generated_code, host_* where the backend reports them, peak_memory where present) + total."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError("this backend gives no compiled memory analysis")
+    out = {}
+    for name in dir(stats):
+        value = getattr(stats, name, None)
+        if name.endswith("_in_bytes") and isinstance(value, int):
+            out[name.removesuffix("_in_bytes").removesuffix("_size") + "_bytes"] = int(value)
+    out[TOTAL] = out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+    return out
+
+
+def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: int, patches: int | None = None,
+                  grad_accum: int = 1, devices: Sequence[Any] | None = None, optimizer: Any = None,
+                  capacity: int | None = None, compiler_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Compile (never run) the train step for this setting and return the memory fields per device
+    plus ``compile_s`` and the setting. ``model``/``layout``: configs or names; ``compute`` a
+    ComputeConfig or a mapping of its fields; ``compiler_options`` go to ``Lowered.compile`` (e.g.
+    ``xla_backend_optimization_level=0`` compiles faster on CPU; buffer assignment comes before it)."""
+    import jax
+
+    from moevlm_jax.model.config import ComputeConfig, ModelConfig, load_model_config
+    from moevlm_jax.config.run import OptimizerConfig
+    from moevlm_jax.training.trainer import Trainer
+    from parallelism.layout import load_layout
+    from parallelism.validate import validate_layout
+
+    model = model if isinstance(model, ModelConfig) else load_model_config(model)
+    layout = load_layout(layout) if isinstance(layout, str) else layout
+    compute = compute if isinstance(compute, ComputeConfig) else ComputeConfig.from_dict(compute)
+    patches = default_patches(seq_len) if patches is None else patches
+    devices = list(devices if devices is not None else jax.devices())
+    trainer = Trainer.create(model, compute, layout, optimizer or OptimizerConfig(), steps=1000,
+                             grad_accum=grad_accum, devices=devices)
+    validate_layout(model, layout, trainer.mesh, batch_size=mbs * trainer.data_parallel_size, seq_len=seq_len)
+    t0 = time.perf_counter()
+    lowered = lower_step(trainer, trainer.abstract_state(), abstract_batch(trainer, mbs, seq_len, patches), capacity)
+    fields = memory_fields(lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile())
+    return {"model": model.name, "layout": layout.name, "devices": len(devices), "mbs": mbs, "grad_accum": grad_accum,
+            "seq_len": seq_len, "patches": patches, "recompute": compute.recompute,
+            "recompute_modules": list(compute.recompute_modules), "offload": list(compute.offload),
+            "vision_recompute": compute.stack_recompute("vision")[0], **fields,
+            "compile_s": round(time.perf_counter() - t0, 2)}
+
+
+def format_bytes(n: float | None) -> str:
+    """Bytes as GiB / MiB / KiB text ('-' for None)."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A text table of memory reports (one row each); host columns only where some are non-zero."""
+    cols = ["argument_bytes", "output_bytes", "alias_bytes", "temp_bytes"]
+    cols += [c for c in ("host_temp_bytes", "host_argument_bytes", "host_output_bytes")
+             if any(r.get(c) for r in rows)]
+    cols.append(TOTAL)
+    head = ["layout", "mbs", "recompute", "modules", "offload"] + [c.removesuffix("_bytes") for c in cols] + ["compile s"]
+    body = []
+    for r in rows:
+        modules = ",".join(r["recompute_modules"]) if r["recompute"] == "selective" else "-"
+        body.append([r["layout"], str(r["mbs"]), r["recompute"], modules, ",".join(r["offload"]) or "-"]
+                    + [format_bytes(r.get(c)) for c in cols] + [f"{r['compile_s']:.1f}"])
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(head, widths))]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in body]
+    return "\n".join(lines)
+
+
+def split_list(text: str | None, cast: Any = str) -> list[Any]:
+    """'a,b,c' -> [cast(a), cast(b), cast(c)] (empty / None -> [])."""
+    return [cast(x.strip()) for x in (text or "").split(",") if x.strip()]
+
+
+def compute_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` compute settings (dotted keys reach ``moe.*`` / ``router.*``; YAML values)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"compute override '{item}' is not key=value (e.g. dtype=float32)")
+        key, text = item.split("=", 1)
+        node = out
+        *parents, last = key.strip().removeprefix("compute.").split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = yaml.safe_load(text)
+    return out
+
+
+def set_host_devices(n: int | None) -> None:
+    """Ask XLA for ``n`` CPU host devices (before the backend starts; CPU only)."""
+    if n:
+        from moevlm_jax.training.capture import CaptureError, backend_started, merge_flags
+
+        if backend_started():
+            raise CaptureError("host devices must be set before the jax backend starts")
+        os.environ["XLA_FLAGS"] = merge_flags(os.environ.get("XLA_FLAGS", ""),
+                                              {"--xla_force_host_platform_device_count": str(n)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: one compiled memory report per (layout, MBS, recompute) combination, as a table."""
+    p = argparse.ArgumentParser(prog="python -m moevlm_jax.tools.memory", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="proxy", help="configs/models name or path")
+    p.add_argument("--layout", default="fsdp", help="layout name(s), comma separated")
+    p.add_argument("--recompute", default="none", help="none | full | selective, comma separated")
+    p.add_argument("--recompute-modules", default=None, help="e.g. core_attn,moe_act (default: core_attn)")
+    p.add_argument("--offload", default="", help="module / checkpoint names offloaded to host memory")
+    p.add_argument("--vision-recompute", default=None, help="the vision tower's recompute (default: the decoder's)")
+    p.add_argument("--mbs", default="1", help="micro-batch size(s) per data-parallel rank, comma separated")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--patches", type=int, default=None, help="patch rows per row (default 3/4 of seq-len; 0: text)")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--devices", type=int, default=None, help="use the first N devices (default all)")
+    p.add_argument("--host-devices", type=int, default=None, help="CPU only: pretend N host devices")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--compiler-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="XLA compile option, e.g. xla_backend_optimization_level=0 (faster CPU compiles)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="compute settings, e.g. dtype=float32")
+    args = p.parse_args(argv)
+    set_host_devices(args.host_devices)
+    import jax
+
+    from moevlm_jax.model.config import ComputeConfig
+
+    base = compute_overrides(args.overrides)
+    if args.recompute_modules is not None:
+        base["recompute_modules"] = split_list(args.recompute_modules)
+    base["offload"] = split_list(args.offload)
+    if args.vision_recompute:
+        base["vision_recompute"] = args.vision_recompute
+    devices = jax.devices()[: args.devices] if args.devices else jax.devices()
+    rows = []
+    for layout in split_list(args.layout):
+        for mbs in split_list(args.mbs, int):
+            for recompute in split_list(args.recompute):
+                try:
+                    compute = ComputeConfig.from_dict({**base, "recompute": recompute})
+                    rows.append(memory_report(args.model, layout, compute, mbs=mbs, seq_len=args.seq_len,
+                                              patches=args.patches, grad_accum=args.grad_accum, devices=devices,
+                                              compiler_options=compute_overrides(args.compiler_option)))
+                except Exception as e:  # noqa: BLE001 - report the point and go on
+                    print(f"error: layout {layout}, mbs {mbs}, recompute {recompute}: {type(e).__name__}: {e}",
+                          file=sys.stderr)
+    if rows:
+        print(f"train step memory per device ({rows[0]['model']}, seq {args.seq_len}, {rows[0]['patches']} patches "
+              f"per row, {len(devices)} {devices[0].platform} devices; XLA compiled memory analysis, no step run)")
+        print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Capture: Megatron's CUDA-graph choices mapped onto XLA GPU command buffers.
+
+Megatron Bridge captures CUDA graphs per *scope* (``attn``, ``moe_router``, ``moe_preprocess``,
+``full_iteration``, ...). In JAX the whole train step is already one ``jax.jit`` program with the
+train state donated (``moevlm_jax.training.trainer``), and XLA:GPU records runs of consecutive kernels
+("thunks") of chosen *types* into CUDA graphs ("command buffers"). XLA picks by thunk type, not by
+model region, so a scope here is the set of command types its kernels are made of; enabling
+several scopes enables the union of their types. This is an approximation of Megatron's scopes:
+e.g. ``attn`` also captures every other fusion and cuBLAS GEMM in the step, since XLA cannot tell
+them apart.
+
+``compute.capture``:
+- ``none``: command buffers off (``--xla_gpu_enable_command_buffer=``): every kernel launched on
+  its own, the baseline a capture choice is measured against.
+- ``step``: the whole step as one jit with donated buffers and XLA's own default command types
+  (no flag set; XLA 0.10/0.11 defaults FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN (+
+  DYNAMIC_SLICE_FUSION in some builds), minimum graph size 5).
+- ``scopes``: the union of ``SCOPE_COMMANDS`` for ``compute.capture_scopes`` as an explicit list
+  (overriding XLA's default list) and ``--xla_gpu_graph_min_graph_size`` (the smallest run of
+  kernels worth a graph): 1 with ``full_iteration`` (capture everything, loops and conditionals
+  included, as a whole-iteration graph), else ``SCOPE_MIN_GRAPH_SIZE``.
+
+The flags must be in ``XLA_FLAGS`` before the backend starts (XLA reads them once per process):
+CLIs call :func:`apply_capture` before their first device use; afterwards it raises unless the
+flags already in effect are the same. Not yet measured on a GPU (see ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Iterable, Mapping
+
+from moevlm_jax.model.config import CAPTURE_MODES, CAPTURE_SCOPES, ComputeConfig
+
+# Command-buffer types accepted by --xla_gpu_enable_command_buffer in jax 0.10.2's XLA (each checked
+# by XLA's flag parser on that build; DYNAMIC_SLICE_COPY_FUSION, in the proto, is rejected there).
+COMMAND_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUDNN", "CUSTOM_CALL", "COLLECTIVES", "WHILE", "CONDITIONAL",
+                 "DYNAMIC_SLICE_FUSION", "CONVOLUTION")
+# What each Megatron scope's kernels are in XLA:GPU terms.
+SCOPE_COMMANDS: dict[str, tuple[str, ...]] = {
+    # q/k/v/o GEMMs (cuBLAS / cuBLASLt), norm + rotary + softmax fusions, cuDNN fused attention
+    "attn": ("FUSION", "CUBLAS", "CUBLASLT", "CUDNN"),
+    # router GEMM, float32 softmax and top-k (fusions; a sort or XLA's top-k kernel)
+    "moe_router": ("FUSION", "CUBLAS", "CUBLASLT"),
+    # token permutation before the experts: sort, gathers, dynamic slices, counts
+    "moe_preprocess": ("FUSION", "DYNAMIC_SLICE_FUSION"),
+    # everything, including the layer / microbatch loops (WHILE), conditionals, collectives and
+    # custom calls (tokamax / Mosaic GPU expert GEMMs)
+    "full_iteration": COMMAND_TYPES,
+}
+SCOPE_MIN_GRAPH_SIZE = 2  # scopes without full_iteration: capture short runs too (XLA default: 5)
+FLAG_TYPES = "--xla_gpu_enable_command_buffer"
+FLAG_MIN_SIZE = "--xla_gpu_graph_min_graph_size"
+
+
+class CaptureError(RuntimeError):
+    """The capture flags cannot take effect (the backend already started with other flags)."""
+
+
+def command_types(scopes: Iterable[str]) -> tuple[str, ...]:
+    """The command types for ``scopes`` (union, in COMMAND_TYPES order)."""
+    scopes = tuple(scopes)
+    bad = [s for s in scopes if s not in SCOPE_COMMANDS]
+    if bad:
+        raise ValueError(f"unknown capture scopes {bad}; known: {CAPTURE_SCOPES}")
+    wanted = {t for s in scopes for t in SCOPE_COMMANDS[s]}
+    return tuple(t for t in COMMAND_TYPES if t in wanted)
+
+
+def capture_flags(capture: str, scopes: Iterable[str] = ()) -> dict[str, str]:
+    """XLA flags (name -> value) for a capture mode and its scopes; empty for ``step`` (defaults)."""
+    if capture not in CAPTURE_MODES:
+        raise ValueError(f"capture must be one of {CAPTURE_MODES}, got {capture!r}")
+    if capture == "none":
+        return {FLAG_TYPES: ""}
+    if capture == "step":
+        return {}
+    scopes = tuple(scopes)
+    if not scopes:
+        raise ValueError("capture 'scopes' needs at least one scope")
+    size = 1 if "full_iteration" in scopes else SCOPE_MIN_GRAPH_SIZE
+    return {FLAG_TYPES: ",".join(command_types(scopes)), FLAG_MIN_SIZE: str(size)}
+
+
+def compute_flags(compute: ComputeConfig) -> dict[str, str]:
+    """:func:`capture_flags` for a ComputeConfig's ``capture`` / ``capture_scopes``."""
+    return capture_flags(compute.capture, compute.capture_scopes)
+
+
+def parse_flags(xla_flags: str) -> dict[str, str | None]:
+    """``--name=value`` tokens of an XLA_FLAGS string (value None for a bare ``--name``)."""
+    out: dict[str, str | None] = {}
+    for token in shlex.split(xla_flags or ""):
+        name, eq, value = token.partition("=")
+        out[name] = value if eq else None
+    return out
+
+
+def merge_flags(xla_flags: str, flags: Mapping[str, str]) -> str:
+    """``xla_flags`` with ``flags`` set (replacing the same flags' earlier values, keeping the rest in
+    order)."""
+    kept = [t for t in shlex.split(xla_flags or "") if t.partition("=")[0] not in flags]
+    kept += [f"{name}={value}" for name, value in flags.items()]
+    return " ".join(shlex.quote(t) if not t or any(c.isspace() for c in t) else t for t in kept)
+
+
+def backend_started() -> bool:
+    """Whether a jax backend exists in this process (XLA has then read XLA_FLAGS)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def apply_capture(compute_or_capture: ComputeConfig | str, scopes: Iterable[str] = (),
+                  environ: dict[str, str] | None = None) -> str:
+    """Merge the capture flags into ``XLA_FLAGS`` (``environ``, default ``os.environ``) and return it.
+    Call before the first jax device use; once the backend has started, raises CaptureError unless
+    XLA_FLAGS already holds the same values (then nothing changes)."""
+    if isinstance(compute_or_capture, ComputeConfig):
+        flags = compute_flags(compute_or_capture)
+    else:
+        flags = capture_flags(compute_or_capture, scopes)
+    env = os.environ if environ is None else environ
+    current = env.get("XLA_FLAGS", "")
+    if backend_started():
+        have = parse_flags(current)
+        differ = {k: v for k, v in flags.items() if have.get(k, None) != v}
+        if differ:
+            raise CaptureError(f"the jax backend has already started with XLA_FLAGS={current!r}; capture needs "
+                               f"{merge_flags('', differ)}: set it before the first device use (a new process)")
+        return current
+    merged = merge_flags(current, flags)
+    env["XLA_FLAGS"] = merged
+    return merged
+
+
+def recipe_capture(recipe: str | os.PathLike | None, overrides: Iterable[str] = (), *, run_dir: str | None = None,
+                   resume: bool | None = None) -> tuple[str, tuple[str, ...]]:
+    """``(compute.capture, compute.capture_scopes)`` of a train recipe and its ``key=value`` overrides,
+    read without starting jax (the recipe loader asks jax for devices): what the train CLI applies
+    before anything else. Without a recipe the platform default is unknown yet, so the defaults
+    (cpu-default, gpu-default) must agree (they do unless edited)."""
+    from pathlib import Path
+
+    from moevlm_jax.config.run import find_config, read_yaml
+    from moevlm_jax.config.schema import parse_value
+
+    if resume and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists():
+        recipe = Path(run_dir) / "config.yaml"
+    found = set()
+    for name in [recipe] if recipe is not None else ["cpu-default", "gpu-default"]:
+        compute = dict(read_yaml(find_config("recipes", name)).get("compute") or {})
+        for item in overrides:
+            key, eq, text = item.partition("=")
+            if eq and key.strip() in ("compute.capture", "compute.capture_scopes"):
+                compute[key.strip().split(".", 1)[1]] = parse_value(text)
+        default = ComputeConfig()
+        config = ComputeConfig(capture=compute.get("capture", default.capture),
+                               capture_scopes=compute.get("capture_scopes", default.capture_scopes))
+        found.add((config.capture, config.capture_scopes))
+    if len(found) > 1:
+        raise ValueError(f"the default recipes set different compute.capture values {sorted(found)}: pass --recipe")
+    return found.pop()
+
+
+def describe(capture: str, scopes: Iterable[str] = ()) -> str:
+    """One line: the mode and the XLA flags it sets (for logs and sweep results)."""
+    flags = capture_flags(capture, scopes)
+    if not flags:
+        return f"{capture}: XLA default command buffers"
+    return f"{capture}: " + " ".join(f"{k}={v}" for k, v in flags.items())

@@ -1,0 +1,259 @@
+"""Training metrics: metrics.jsonl + TensorBoard, step timing without host syncs, progress bar.
+
+The loop never blocks on the step it just dispatched. :class:`StepTracker` keeps the device
+metrics of step k and reads those of step k-1 (``jax.device_get``) when step k has been queued,
+so the host waits only for work that is already finished or about to be. The wall time between
+two such reads is one step's time; the first finished step (which includes compilation) and any
+interval the caller marks (checkpoint, evaluation) are left out of throughput.
+
+Throughput counts useful tokens (``segment_ids > 0``), not padding; MFU is model FLOPs
+(moevlm_jax.tools.flops) / (time x devices x peak), reported only when the peak is known (GPUs, TPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def _scalar(x: Any) -> Any:
+    """Python float/int for numpy/jax scalars and 0-d/1-element arrays; other values unchanged."""
+    if isinstance(x, (bool, int, float, str)) or x is None:
+        return x
+    arr = np.asarray(x)
+    if arr.size == 1:
+        item = arr.reshape(()).item()
+        return float(item) if isinstance(item, float) else item
+    return arr.tolist()
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to ``metrics.jsonl`` and scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        self._file = self.path.open("a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                log.warning("tensorboardX is not installed: metrics go to %s only", self.path)
+            else:
+                purge = None if resume_step is None else resume_step + 1
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop records past ``step`` (written after the checkpoint we resume from)."""
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", -1) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Record ``metrics`` (scalars; jax/numpy values are fetched) for ``step``; returns the record."""
+        record = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items() if k != "step"}}
+        record["time"] = time.time()
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, int(step))
+        return record
+
+    def flush(self) -> None:
+        """Push buffered TensorBoard events and the jsonl file to disk."""
+        self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file (or of ``<run_dir>/metrics.jsonl``)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class StepTracker:
+    """Async step bookkeeping: push step k's device metrics, get step k-1's record back.
+
+    ``host`` values per step (computed on the host from the numpy batch, no device sync):
+    ``tokens`` (all rows x seq), ``useful_tokens`` (segment_ids > 0), optionally ``trained_tokens``
+    and ``flops`` (moevlm_jax.tools.flops.batch_flops). Records carry the step's own metrics plus
+    throughput over the window since the last :meth:`window` call.
+    """
+
+    def __init__(self, *, num_devices: int = 1, peak_flops: float | None = None, skip_first: int = 1,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.num_devices = num_devices
+        self.peak_flops = peak_flops
+        self.skip_first = skip_first
+        self.clock = clock
+        self._pending: tuple[int, Any, dict[str, float]] | None = None
+        self._last_done: float | None = None
+        self._done = 0
+        self._discard = False
+        self._win = dict.fromkeys(("time", "steps", "tokens", "useful_tokens", "flops"), 0.0)
+
+    def discard_next_interval(self) -> None:
+        """Leave the next step interval out of throughput (call after a checkpoint or evaluation)."""
+        self._discard = True
+
+    def push(self, step: int, device_metrics: Any, host: Mapping[str, float] | None = None) -> dict[str, Any] | None:
+        """Queue step ``step``'s (still running) metrics; return the finished previous step's record."""
+        previous = self._finish()
+        self._pending = (step, device_metrics, dict(host or {}))
+        return previous
+
+    def flush(self) -> dict[str, Any] | None:
+        """Wait for and return the last pushed step's record (at the end of training)."""
+        return self._finish()
+
+    def _finish(self) -> dict[str, Any] | None:
+        if self._pending is None:
+            return None
+        step, device_metrics, host = self._pending
+        self._pending = None
+        values = jax.device_get(device_metrics)  # waits for that step only
+        now = self.clock()
+        self._done += 1
+        record: dict[str, Any] = {"step": step}
+        record.update({k: _scalar(v) for k, v in (values or {}).items()})
+        counted = self._done > self.skip_first and self._last_done is not None and not self._discard
+        if counted:
+            dt = now - self._last_done
+            record["step_time_s"] = dt
+            self._win["time"] += dt
+            self._win["steps"] += 1
+            for k in ("tokens", "useful_tokens", "flops"):
+                self._win[k] += float(host.get(k, 0.0))
+        self._last_done, self._discard = now, False
+        record.update({k: _scalar(v) for k, v in host.items()})
+        return record
+
+    def window(self) -> dict[str, float]:
+        """Throughput since the previous call (and reset): tokens_per_s (useful), useful_fraction,
+        step_time_s, tflops_per_device, mfu (when the peak is known); {} if no timed steps."""
+        w, self._win = self._win, dict.fromkeys(self._win, 0.0)
+        if w["steps"] == 0 or w["time"] <= 0:
+            return {}
+        out = {"tokens_per_s": w["useful_tokens"] / w["time"],
+               "tokens_per_s_per_device": w["useful_tokens"] / w["time"] / self.num_devices,
+               "step_time_s": w["time"] / w["steps"]}
+        if w["tokens"] > 0:
+            out["useful_fraction"] = w["useful_tokens"] / w["tokens"]
+        if w["flops"] > 0:
+            per_device = w["flops"] / w["time"] / self.num_devices
+            out["tflops_per_device"] = per_device / 1e12
+            if self.peak_flops:
+                out["mfu"] = per_device / self.peak_flops
+        return out
+
+
+def batch_token_counts(batch: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Host-side counts for :meth:`StepTracker.push`: tokens, useful_tokens, trained_tokens."""
+    seg = np.asarray(batch["segment_ids"])
+    out = {"tokens": float(seg.size), "useful_tokens": float(np.count_nonzero(seg > 0))}
+    if "loss_mask" in batch:
+        out["trained_tokens"] = float(np.count_nonzero(np.asarray(batch["loss_mask"]) > 0))
+    return out
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def progress_postfix(record: Mapping[str, Any]) -> str:
+    """Short status for the progress bar: loss, useful tokens/s, useful %, MFU, skips."""
+    parts = []
+    loss = record.get("loss")
+    if isinstance(loss, (int, float)):
+        parts.append(f"loss {loss:.4f}" if math.isfinite(loss) else f"loss {loss}")
+    if record.get("tokens_per_s") is not None:
+        parts.append(f"{_fmt_rate(record['tokens_per_s'])} tok/s")
+    if record.get("useful_fraction") is not None:
+        parts.append(f"useful {100 * record['useful_fraction']:.0f}%")
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    for key in ("skipped", "data_skipped"):
+        if record.get(key):
+            parts.append(f"{key} {int(record[key])}")
+    return " | ".join(parts)
+
+
+class Progress:
+    """The CLI's tqdm bar over training steps (disabled when stderr is not a terminal)."""
+
+    def __init__(self, total: int, initial: int = 0, *, enabled: bool | None = None, desc: str = "train") -> None:
+        from tqdm import tqdm
+
+        disable = None if enabled is None else not enabled
+        self.step = initial
+        self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=disable,
+                        unit="step")
+
+    def update(self, step: int, record: Mapping[str, Any] | None = None) -> None:
+        """Move the bar to ``step`` finished steps and show ``record`` (see progress_postfix)."""
+        if step > self.step:
+            self.bar.update(step - self.step)
+            self.step = step
+        if record:
+            self.bar.set_postfix_str(progress_postfix(record), refresh=False)
+
+    def close(self) -> None:
+        """Close the bar."""
+        self.bar.close()
+
+
+class ProfileWindow:
+    """Trace steps [start, start + steps) with ``jax.profiler`` into ``directory`` (off when steps == 0)."""
+
+    def __init__(self, directory: str | Path, start: int, steps: int) -> None:
+        self.directory, self.start, self.stop = str(directory), start, start + steps
+        self.active = False
+
+    def before_step(self, step: int) -> None:
+        """Call before dispatching ``step``: starts the trace at the first profiled step."""
+        if step == self.start and self.stop > self.start and not self.active:
+            jax.profiler.start_trace(self.directory)
+            self.active = True
+            log.info("profiling steps %d..%d into %s", self.start, self.stop - 1, self.directory)
+
+    def after_step(self, step: int, outputs: Any = None) -> None:
+        """Call after dispatching ``step``: at the last profiled step waits for ``outputs`` and stops."""
+        if self.active and step >= self.stop - 1:
+            jax.block_until_ready(outputs)
+            self.close()
+
+    def close(self) -> None:
+        """Stop a running trace (at exit, or early)."""
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False

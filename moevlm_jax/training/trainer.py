@@ -1,0 +1,485 @@
+"""The sharded train state and the compiled train / eval steps, for any (model, compute, layout).
+
+What the train CLI, the benchmark, the sweep tool and layout tests share::
+
+    trainer = Trainer.create(model_cfg, compute_cfg, layout, optimizer_cfg, steps=1000, grad_accum=2)
+    state = trainer.init_state(seed=0)              # initialised directly sharded, never whole on one device
+    batch = trainer.prepare(host_batch)             # numpy batch -> global arrays, microbatch axis
+    state, metrics = trainer.step(state, batch)     # one jit: forward, backward, AdamW (state donated)
+    metrics, predictions = trainer.evaluate(state["params"], host_eval_batch)
+
+The state is ``{"params", "opt_state", "step", "rng"}``: ``params`` is the model's parameter tree
+as a pure dict (``nnx.to_pure_dict``), sharded by each parameter's logical axes under the layout's
+rules (``parallelism.sharding``); ``opt_state`` exists only for trainable parameters (freezing as
+Megatron Bridge, ``moevlm_jax.training.optimizer``) and is sharded like them.
+
+The steps are module-level ``jax.jit`` functions whose static argument is a hashable
+:class:`StepSpec` (model/compute/optimizer configs, mesh, rules, accumulation, frozen groups), so
+two trainers with equal specs share compiled programs (a resumed run compiles nothing new in the
+same process). They compile once per batch shape (patch bucket), loss capacity and ``bounded``.
+
+Loss: cross-entropy summed over trained tokens (``loss_mask``) of each microbatch, divided by the
+trained tokens of the whole global batch, plus the router losses per ``ComputeConfig.router``
+(averaged over microbatches, computed per microbatch as Megatron does). Logits are computed only
+where they are needed: the rows each data-parallel rank holds form one group, and the trained
+positions of each group are gathered first (``capacity`` per group, static: the most trained
+tokens of a group rounded up to a quarter step between powers of two), so the LM head works on
+``[DP, capacity, H]`` rather than ``[B, S, H]`` (same result; VQA answers are ~5% of the tokens).
+Groups where more than half the positions are trained keep whole rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from moevlm_jax.training import optimizer as optim
+from moevlm_jax.model.config import ComputeConfig, ModelConfig, freeze
+from moevlm_jax.model import router as moe_router
+from moevlm_jax.model.attention import rows_within_bound
+from data.batch import agreed_max, loss_capacity, segments_over_bound
+from moevlm_jax.model.loss import lm_loss
+from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+from parallelism import grouped_matmul, sharding
+from parallelism.layout import Layout
+from parallelism.logical import Rules, constrain, normalize_rules, sharding_context
+
+log = logging.getLogger(__name__)
+
+PyTree = Any
+MODEL_KEYS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask",
+              "pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Everything the compiled steps depend on besides array shapes; hashable (a jit static arg)."""
+
+    model: ModelConfig
+    compute: ComputeConfig
+    mesh: Mesh
+    rules: Rules
+    optimizer: tuple[tuple[str, Any], ...]  # OptimizerConfig fields, frozen
+    total_steps: int
+    grad_accum: int = 1
+    frozen: frozenset[str] = frozenset()
+    param_groups: tuple[tuple[str, tuple[str, ...]], ...] | None = None
+    layout_options: Any = None  # the layout's options, frozen (e.g. ``pipeline``: parallelism.pipeline)
+
+    def optimizer_config(self) -> Any:
+        """The OptimizerConfig these fields came from."""
+        from moevlm_jax.config.run import OptimizerConfig
+
+        return OptimizerConfig(**{k: list(v) if isinstance(v, tuple) else v for k, v in self.optimizer})
+
+    @property
+    def dp_size(self) -> int:
+        """Devices the batch rows are split over (the mesh axes the rules map ``act_batch`` to)."""
+        spec = sharding.batch_spec("input_ids", 2, self.rules, self.mesh)
+        axes = spec[0] if len(spec) else None
+        flat = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        return math.prod(self.mesh.shape[a] for a in flat)
+
+    def patterns(self) -> dict[str, tuple[str, ...]] | None:
+        """Parameter-group regexes (None: ``optim.PARAM_GROUP_PATTERNS``)."""
+        return None if self.param_groups is None else dict(self.param_groups)
+
+
+def _freeze_items(cfg: Any) -> tuple[tuple[str, Any], ...]:
+    def frz(v: Any) -> Any:
+        return tuple(frz(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+    return tuple((f.name, frz(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
+
+
+# ----------------------------------------------------------------------------- per-spec pieces (cached)
+
+@functools.lru_cache(maxsize=32)
+def _abstract(spec: StepSpec) -> tuple[nnx.GraphDef, nnx.State]:
+    model = nnx.eval_shape(lambda: Qwen3VLMoe(spec.model, spec.compute, nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+@functools.lru_cache(maxsize=32)
+def _param_shardings(spec: StepSpec) -> dict[str, Any]:
+    return sharding.param_shardings(_abstract(spec)[1], spec.mesh, spec.rules)
+
+
+@functools.lru_cache(maxsize=32)
+def _mask(spec: StepSpec) -> dict[str, Any]:
+    params = nnx.to_pure_dict(_abstract(spec)[1])
+    return moe_router.exclude_expert_bias(optim.trainable_mask(params, spec.frozen, spec.patterns()))
+
+
+@functools.lru_cache(maxsize=32)
+def _optimizer(spec: StepSpec) -> tuple[optax.GradientTransformation, Any]:
+    return optim.make_optimizer(spec.optimizer_config(), spec.total_steps)
+
+
+@functools.lru_cache(maxsize=32)
+def _state_shardings(spec: StepSpec) -> dict[str, Any]:
+    params = nnx.to_pure_dict(_abstract(spec)[1])
+    pshard = _param_shardings(spec)
+    trainable, _ = optim.partition(params, _mask(spec))
+    opt_shape = jax.eval_shape(_optimizer(spec)[0].init, trainable)
+    rep = sharding.replicated(spec.mesh)
+    return {"params": pshard, "opt_state": sharding.shardings_like(opt_shape, params, pshard, spec.mesh),
+            "step": rep, "rng": rep}
+
+
+# ----------------------------------------------------------------------------- loss pieces
+
+def trained_positions(loss_mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """loss_mask ``[G, L]`` -> positions ``[G, C]`` int32 of the first ``C = capacity`` trained
+    tokens of each group in order, and valid ``[G, C]`` bool (False past a group's trained tokens)."""
+    n = loss_mask.shape[-1]
+    score = jnp.where(loss_mask > 0, n - jnp.arange(n, dtype=jnp.int32), 0)
+    values, idx = jax.lax.top_k(score, capacity)
+    return idx.astype(jnp.int32), values > 0
+
+
+def gather_trained(hidden: jax.Array, targets: jax.Array, loss_mask: jax.Array, groups: int, capacity: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """hidden ``[B, S, H]``, targets/loss_mask ``[B, S]`` -> the trained positions of each of ``groups``
+    row groups (``B / groups`` consecutive rows, one data-parallel rank's): hidden ``[G, C, H]``,
+    targets ``[G, C]``, mask ``[G, C]`` (0 on unused slots) and positions ``[G, C]`` (index into the
+    group's flattened rows, -1 on unused slots)."""
+    b, s, h = hidden.shape
+    flat = (groups, b // groups * s)
+    mask = loss_mask.reshape(flat)
+    idx, valid = trained_positions(mask, capacity)
+    # top_k's indices are distinct: a gather with unique indices, whose backward scatter needs no atomics
+    # (as take_along_axis it was a 7.3 ms bf16 atomic scatter-add per H200 step, bench/step_h200.md run 5)
+    hidden = hidden.reshape(*flat, h).at[jnp.arange(groups)[:, None], idx].get(unique_indices=True)
+    hidden = constrain(hidden, ("act_batch", "act_seq", "act_embed"))
+    targets = jnp.take_along_axis(targets.reshape(flat), idx, axis=1)
+    mask = jnp.take_along_axis(mask, idx, axis=1) * valid
+    return hidden, targets, mask, jnp.where(valid, idx, -1)
+
+
+def ce_and_argmax(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, mask: jax.Array,
+                  chunk_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """hidden ``[B, S, H]``, kernel ``[H, V]``, targets/mask ``[B, S]`` -> (masked CE sum, mask sum,
+    argmax ids ``[B, S]`` int32), scanning sequence chunks so that ``[B, S, V]`` never exists whole."""
+    b, s, h = hidden.shape
+    c = min(chunk_size, s)
+    pad = (-s) % c
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets, mask = jnp.pad(targets, ((0, 0), (0, pad))), jnp.pad(mask, ((0, 0), (0, pad)))
+    n = (s + pad) // c
+    xs = (hidden.reshape(b, n, c, h).swapaxes(0, 1), targets.reshape(b, n, c).swapaxes(0, 1),
+          mask.astype(jnp.float32).reshape(b, n, c).swapaxes(0, 1))
+    kernel = kernel.astype(hidden.dtype)
+
+    def chunk(total, x):
+        hc, tc, mc = x
+        logits = jnp.einsum("bch,hv->bcv", hc, kernel, preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, tc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return total + jnp.sum((lse - tgt) * mc), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    total, pred = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), xs)
+    return total, jnp.sum(xs[2]), pred.swapaxes(0, 1).reshape(b, n * c)[:, :s]
+
+
+def microbatch_objective(model: Qwen3VLMoe, mb: Mapping[str, jax.Array], total_trained: jax.Array,
+                         num_micro: int, capacity: int | None, groups: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One microbatch's share of the step objective: CE sum / trained tokens of the global batch +
+    router losses / ``num_micro``; and summable metrics (ce_sum, trained_tokens, router losses).
+    ``capacity``: gather that many trained positions per group of rows first (None: whole rows)."""
+    compute, text = model.compute, model.config.text_config
+    hidden, aux = model.hidden_states(mb)
+    targets, mask = mb["targets"], mb["loss_mask"]
+    if capacity is not None:
+        hidden, targets, mask, _ = gather_trained(hidden, targets, mask, groups, capacity)
+    with jax.named_scope("lm_head"):  # the chunked LM head + cross-entropy (profiler trace labels)
+        ce_sum, count = lm_loss(hidden, model.lm_head_kernel(), targets, mask, compute.loss_chunk_size)
+    objective = ce_sum / total_trained
+    metrics = {"ce_sum": ce_sum, "trained_tokens": count}
+    router = aux["router"]
+    if router is not None:
+        # per micro-batch; "aux_loss" per data-parallel row group (``groups``), as Megatron per DP rank
+        term, router_metrics = moe_router.router_losses(router, compute.router, text.num_experts,
+                                                        text.num_experts_per_tok, text.router_aux_loss_coef, groups)
+        objective = objective + term / num_micro
+        metrics.update({k: v / num_micro for k, v in router_metrics.items()})
+        metrics["router_load"] = moe_router.load_sums(router)  # summed over micro-batches: the step's loads
+    return objective, metrics
+
+
+# ----------------------------------------------------------------------------- compiled steps
+
+def _tree_norm(tree: PyTree) -> jax.Array:
+    leaves = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(leaves)) if leaves else jnp.zeros((), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "capacity", "bounded"), donate_argnames=("state",))
+def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: StepSpec,
+                capacity: int | None, bounded: bool = False) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+    with sharding_context(spec.mesh, spec.rules, spec.layout_options), rows_within_bound(bounded):
+        graphdef = _abstract(spec)[0]
+        mask = _mask(spec)
+        tx, schedule = _optimizer(spec)
+        shardings = _state_shardings(spec)
+        trainable, frozen = optim.partition(state["params"], mask)
+        grad_shardings, _ = optim.partition(shardings["params"], mask)
+        total = jnp.maximum(jnp.sum((micro["loss_mask"] > 0).astype(jnp.float32)), 1.0)
+
+        def loss_fn(tr: PyTree, mb: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+            model = nnx.merge(graphdef, optim.combine(tr, frozen))
+            return microbatch_objective(model, mb, total, spec.grad_accum, capacity, spec.dp_size)
+
+        objective, grads, sums = optim.accumulate_gradients(loss_fn, trainable, micro,
+                                                            grad_shardings=grad_shardings)
+        if not spec.compute.scan_layers:  # the stacked gradients materialised once, not re-derived in each
+            grads = jax.lax.optimization_barrier(grads)  # reduction over them (82 ms/step, step_h200.md run 7)
+        with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
+            updates, opt_state = tx.update(grads, state["opt_state"], trainable)
+            params = optim.combine(optax.apply_updates(trainable, updates), frozen)
+        load = sums.get("router_load")
+        if load is not None and spec.compute.router.expert_bias:  # aux-loss-free balancing, outside the grads
+            params = moe_router.update_expert_bias(params, load, spec.compute.router.expert_bias_update_rate)
+        rng, _ = jax.random.split(state["rng"])
+        new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}
+        new = jax.lax.with_sharding_constraint(new, shardings)
+        metrics = {"loss": objective, "ce_loss": sums["ce_sum"] / jnp.maximum(sums["trained_tokens"], 1.0),
+                   "grad_norm": _tree_norm(grads), "lr": schedule(state["step"]),
+                   "skipped": optim.skipped_updates(opt_state), "trained_tokens": sums["trained_tokens"]}
+        for k in ("router_aux_loss", "router_z_loss", "router_loss"):
+            if k in sums:
+                metrics[k] = sums[k]
+        if load is not None:
+            metrics.update(moe_router.expert_load_metrics(load))
+        return new, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "capacity", "bounded"))
+def _eval_step(params: PyTree, batch: dict[str, jax.Array], *, spec: StepSpec,
+               capacity: int | None, bounded: bool = False) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
+    with sharding_context(spec.mesh, spec.rules, spec.layout_options), rows_within_bound(bounded):
+        model = nnx.merge(_abstract(spec)[0], params)
+        hidden, _ = model.hidden_states(batch)
+        targets, mask = batch["targets"], batch["loss_mask"]
+        idx = None
+        if capacity is not None:
+            hidden, targets, mask, idx = gather_trained(hidden, targets, mask, spec.dp_size, capacity)
+        ce_sum, count, pred = ce_and_argmax(hidden, model.lm_head_kernel(), targets, mask,
+                                            spec.compute.loss_chunk_size)
+        return {"ce_sum": ce_sum, "tokens": count}, pred, idx
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "seed"))
+def _init_state(*, spec: StepSpec, seed: int) -> dict[str, Any]:
+    pkey, rkey = jax.random.split(jax.random.key(seed))
+    model = Qwen3VLMoe(spec.model, spec.compute, nnx.Rngs(pkey))
+    params = nnx.to_pure_dict(nnx.state(model, (nnx.Param, moe_router.ExpertBias)))  # + router state
+    return _with_optimizer(spec, params, rkey)
+
+
+def _with_optimizer(spec: StepSpec, params: PyTree, rkey: jax.Array) -> dict[str, Any]:
+    trainable, _ = optim.partition(params, _mask(spec))
+    state = {"params": params, "opt_state": _optimizer(spec)[0].init(trainable),
+             "step": jnp.zeros((), jnp.int32), "rng": rkey}
+    return jax.lax.with_sharding_constraint(state, _state_shardings(spec))
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+def compile_key(arrays: Mapping[str, Any], capacity: int | None, bounded: bool) -> tuple:
+    """What selects a compiled step for a batch: its arrays' shapes, the loss capacity, the bound check."""
+    return tuple(sorted((k, v.shape) for k, v in arrays.items())), capacity, bounded
+
+
+@dataclasses.dataclass
+class DeviceBatch:
+    """A batch on the mesh: ``arrays`` (global; train batches have a leading microbatch axis), the static
+    loss ``capacity``, host-side ``counts`` (tokens, useful_tokens, trained_tokens) and ``bounded``: no
+    row over the cuDNN ragged bounds (no device-side fallback then: ``attention.rows_within_bound``)."""
+
+    arrays: dict[str, jax.Array]
+    capacity: int | None
+    counts: dict[str, float]
+    bounded: bool = False
+
+
+class Trainer:
+    """Sharded train state + compiled train / eval steps for one StepSpec (see the module docstring)."""
+
+    def __init__(self, spec: StepSpec):
+        self.spec = spec
+        self.compiled: set[tuple] = set()  # (kind, shapes, capacity, bounded) seen: one compile each
+        self.bound_warned: set[str] | None = set() if jax.default_backend() == "gpu" and spec.compute.attention != "xla" else None
+
+    @classmethod
+    def create(cls, model: ModelConfig, compute: ComputeConfig, layout: Layout | None, optimizer: Any, *,
+               steps: int, grad_accum: int = 1, frozen: Sequence[str] = (),
+               param_groups: Mapping[str, Sequence[str]] | None = None, mesh: Mesh | None = None,
+               devices: Sequence[jax.Device] | None = None, rules: Sequence[Sequence[Any]] | None = None) -> Trainer:
+        """A trainer for ``model`` under ``layout`` (its mesh over ``devices``, default all; or an
+        explicit ``mesh`` + ``rules``); ``optimizer`` an OptimizerConfig; ``frozen`` group names."""
+        if mesh is None:
+            mesh = build_mesh(layout, devices)
+        grouped_matmul.preload(mesh.devices.flat[0].platform, compute.moe_options.get("backend"))  # see docstring
+        rules = normalize_rules(rules if rules is not None else layout.rules)
+        groups = None if param_groups is None else tuple((k, tuple(v)) for k, v in sorted(param_groups.items()))
+        spec = StepSpec(model=model, compute=compute, mesh=mesh, rules=rules, optimizer=_freeze_items(optimizer),
+                        total_steps=int(steps), grad_accum=int(grad_accum), frozen=frozenset(frozen),
+                        param_groups=groups, layout_options=freeze(layout.options) if layout is not None else None)
+        return cls(spec)
+
+    # -- shapes and shardings
+    @property
+    def mesh(self) -> Mesh:
+        """The device mesh."""
+        return self.spec.mesh
+
+    @property
+    def graphdef(self) -> nnx.GraphDef:
+        """The model's graph (merge with a params tree: ``nnx.merge(trainer.graphdef, params)``)."""
+        return _abstract(self.spec)[0]
+
+    @property
+    def abstract_params(self) -> dict[str, Any]:
+        """Parameter tree of ShapeDtypeStructs (pure dict)."""
+        return nnx.to_pure_dict(_abstract(self.spec)[1])
+
+    @property
+    def param_shardings(self) -> dict[str, Any]:
+        """NamedSharding per parameter (pure dict)."""
+        return _param_shardings(self.spec)
+
+    @property
+    def state_shardings(self) -> dict[str, Any]:
+        """NamedSharding per train-state leaf."""
+        return _state_shardings(self.spec)
+
+    @property
+    def trainable_mask(self) -> dict[str, Any]:
+        """Bool per parameter: False for frozen groups."""
+        return _mask(self.spec)
+
+    def abstract_state(self) -> dict[str, Any]:
+        """The train state as ShapeDtypeStructs with their shardings (a checkpoint restore target)."""
+        shapes = jax.eval_shape(lambda: _init_state(spec=self.spec, seed=0))
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            shapes, self.state_shardings)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Devices the batch rows are split over (the mesh axes of ``act_batch``)."""
+        return self.spec.dp_size
+
+    # -- state
+    def init_state(self, seed: int = 0, params: PyTree | None = None) -> dict[str, Any]:
+        """Fresh train state, created sharded (random init from ``seed``, or the given ``params``
+        tree, e.g. loaded from an HF checkpoint, placed with the parameter shardings)."""
+        if params is None:
+            return _init_state(spec=self.spec, seed=seed)
+        params = jax.device_put(params, self.param_shardings)
+        init = jax.jit(lambda p, k: _with_optimizer(self.spec, p, k))
+        return init(params, jax.random.key(seed))
+
+    def model(self, params: PyTree) -> Qwen3VLMoe:
+        """The nnx model holding ``params`` (for eager use outside the steps)."""
+        return nnx.merge(self.graphdef, params)
+
+    # -- batches
+    def prepare(self, host_batch: Mapping[str, Any], *, train: bool = True) -> DeviceBatch:
+        """Host numpy batch (this process's rows) -> global arrays on the mesh. Train batches get a
+        leading microbatch axis ``[G, rows / G, ...]`` (``positions`` ``[G, 3, rows / G, S]``)."""
+        arrays = {k: np.asarray(host_batch[k]) for k in MODEL_KEYS if k in host_batch}
+        counts = _counts(arrays)
+        # cuDNN's ragged bound, checked on the host (a warning on the GPU when rows hold more segments);
+        # one process's rows over it: every process runs the step with the fallback
+        over = segments_over_bound(arrays, self.spec.compute.attention_options, self.bound_warned)
+        bounded = not agreed_max(int(bool(over)))
+        local_groups = max(self.spec.dp_size // jax.process_count(), 1)
+        capacity = loss_capacity(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)
+        leading = 0
+        if train:
+            arrays = optim.split_microbatches(arrays, self.spec.grad_accum)
+            leading = 1
+        return DeviceBatch(self._place(arrays, leading), capacity, counts, bounded)
+
+    def _place(self, arrays: dict[str, np.ndarray], leading: int) -> dict[str, jax.Array]:
+        procs = jax.process_count()
+        shapes = {}
+        for k, x in arrays.items():
+            shape = list(x.shape)
+            shape[leading + sharding.BATCH_ROW_AXIS.get(k, 0)] *= procs
+            shapes[k] = tuple(shape)
+        shards = sharding.batch_shardings(shapes, self.mesh, self.spec.rules, leading)
+        return {k: jax.make_array_from_process_local_data(shards[k], x, shapes[k]) for k, x in arrays.items()}
+
+    def _note_compile(self, kind: str, arrays: Mapping[str, jax.Array], capacity: int | None, bounded: bool) -> None:
+        key = (kind, *compile_key(arrays, capacity, bounded))
+        if key not in self.compiled:
+            self.compiled.add(key)
+            shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items() if k in ("input_ids", "pixel_values"))
+            log.info("%s step: new batch shape (%s; loss capacity %s%s) -> compile #%d", kind, shapes,
+                     capacity or "full rows", "" if bounded else "; attention fallback", len(self.compiled))
+
+    # -- steps
+    def step(self, state: dict[str, Any], batch: DeviceBatch) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+        """One optimizer step over the global batch (``state`` is donated); metrics stay on device:
+        loss, ce_loss, router_aux_loss, router_z_loss, router_loss, moe/load_* (expert load, see
+        ``router.expert_load_metrics``), grad_norm, lr, skipped, trained_tokens."""
+        self._note_compile("train", batch.arrays, batch.capacity, batch.bounded)
+        return _train_step(state, batch.arrays, spec=self.spec, capacity=batch.capacity, bounded=batch.bounded)
+
+    def lower_step(self, state: Any, arrays: Mapping[str, Any], capacity: int | None = None, *,
+                   bounded: bool = False, trace_only: bool = False) -> Any:
+        """The train step for these (concrete or ``ShapeDtypeStruct``) inputs, ahead of time: ``Lowered``
+        (``.compile()`` fills :meth:`step`'s cache; ``bounded`` as the batch's), or ``Traced``."""
+        stage = _train_step.trace if trace_only else _train_step.lower
+        return stage(state, dict(arrays), spec=self.spec, capacity=capacity, bounded=bounded)
+
+    def lower_init(self, seed: int = 0) -> Any:
+        """``Lowered`` of :meth:`init_state`'s compiled initialiser (e.g. to compile with options)."""
+        return _init_state.lower(spec=self.spec, seed=seed)
+
+    def evaluate(self, params: PyTree, host_batch: Mapping[str, Any]) -> tuple[dict[str, float], np.ndarray]:
+        """Teacher-forced eval of one batch: ({ce_sum, tokens}, argmax predictions ``[B, S]`` int32
+        for this process's rows; -1 where the loss mask is 0 when trained positions were gathered)."""
+        batch = self.prepare(host_batch, train=False)
+        self._note_compile("eval", batch.arrays, batch.capacity, batch.bounded)
+        metrics, pred, idx = _eval_step(params, batch.arrays, spec=self.spec, capacity=batch.capacity,
+                                        bounded=batch.bounded)
+        pred = sharding.host_rows(pred)
+        if idx is None:
+            return {k: float(v) for k, v in jax.device_get(metrics).items()}, pred
+        idx = sharding.host_rows(idx)
+        b, s = np.shape(host_batch["targets"])
+        full = np.full((b, s), -1, np.int32)
+        groups, slots = np.nonzero(idx >= 0)
+        flat = idx[groups, slots]
+        full[groups * (b // idx.shape[0]) + flat // s, flat % s] = pred[groups, slots]
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}, full
+
+
+def build_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The layout's mesh over ``devices`` (default: all devices)."""
+    mesh = layout.make_mesh(devices)
+    log.info("mesh %s over %d %s devices", {a: n for a, n in mesh.shape.items() if n > 1} or "{1 device}",
+             mesh.devices.size, mesh.devices.flat[0].platform)
+    return mesh
+
+
+def _counts(arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
+    seg = arrays["segment_ids"]
+    return {"tokens": float(seg.size), "useful_tokens": float(np.count_nonzero(seg > 0)),
+            "trained_tokens": float(np.count_nonzero(arrays["loss_mask"] > 0))}

@@ -1,0 +1,212 @@
+"""Optimizer: schedule and AdamW numbers by hand, freezing partition, gradient accumulation."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from moevlm_jax.training import optimizer as optim
+from moevlm_jax.config.run import OptimizerConfig
+
+
+@pytest.mark.parametrize("kind, step, expected", [
+    ("cosine", 0, 1e-4), ("cosine", 4, 5e-4), ("cosine", 9, 1e-3), ("cosine", 10, 1e-3),
+    ("cosine", 35, 1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * 0.25))),
+    ("cosine", 60, 5.5e-4), ("cosine", 110, 1e-4), ("cosine", 500, 1e-4),
+    ("linear", 35, 1e-3 - 9e-4 * 0.25), ("linear", 110, 1e-4),
+    ("constant", 0, 1e-4), ("constant", 50, 1e-3),
+])
+def test_schedule_matches_hand_values(kind, step, expected):
+    # lr 1e-3, 10 warmup steps (step s uses lr*(s+1)/10), decay to 1e-4 at step 110
+    schedule = optim.lr_schedule(1e-3, warmup_steps=10, decay_steps=110, min_lr_ratio=0.1, kind=kind)
+    assert float(schedule(step)) == pytest.approx(expected, rel=1e-5)
+
+
+def _params() -> dict:
+    """A pytree with Qwen3-VL-MoE-like paths."""
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return jnp.asarray(rng.normal(size=shape).astype(np.float32))
+
+    return {
+        "visual": {"patch_embed": {"kernel": w(6, 4)}, "blocks": {"attn": {"qkv": {"kernel": w(2, 4, 12)}},
+                                                                 "norm1": {"scale": w(2, 4)}},
+                   "merger": {"linear_fc1": {"kernel": w(16, 16), "bias": w(16)}},
+                   "deepstack_merger_list": {0: {"linear_fc2": {"kernel": w(16, 8)}}}},
+        "language_model": {"embed_tokens": {"embedding": w(10, 8)},
+                           "layers": {"mlp": {"experts": {"gate_up": w(2, 4, 8, 6)}},
+                                      "input_layernorm": {"scale": w(2, 8)}}},
+        "lm_head": {"kernel": w(8, 10)},
+    }
+
+
+def test_param_groups_and_decay_mask():
+    params = _params()
+    groups = dict(zip(optim.tree_paths(params), jax.tree.leaves(optim.map_with_path(
+        lambda p, _: optim.param_group(p), params))))
+    assert groups == {
+        "language_model/embed_tokens/embedding": "language_model",
+        "language_model/layers/input_layernorm/scale": "language_model",
+        "language_model/layers/mlp/experts/gate_up": "language_model",
+        "lm_head/kernel": "language_model",
+        "visual/blocks/attn/qkv/kernel": "vision_model",
+        "visual/blocks/norm1/scale": "vision_model",
+        "visual/deepstack_merger_list/0/linear_fc2/kernel": "vision_projection",
+        "visual/merger/linear_fc1/bias": "vision_projection",
+        "visual/merger/linear_fc1/kernel": "vision_projection",
+        "visual/patch_embed/kernel": "vision_model",
+    }
+    sizes = optim.group_sizes(params)
+    assert sizes == {"vision_projection": 16 * 16 + 16 + 16 * 8, "vision_model": 24 + 96 + 8,
+                     "language_model": 80 + 384 + 16 + 80}
+    mask = dict(zip(optim.tree_paths(params), jax.tree.leaves(optim.decay_mask(params, ["norm", "bias$"]))))
+    assert [p for p, m in mask.items() if not m] == [
+        "language_model/layers/input_layernorm/scale", "visual/blocks/norm1/scale", "visual/merger/linear_fc1/bias"]
+
+
+def test_adamw_two_steps_by_hand_with_clipping_and_decay_mask():
+    cfg = OptimizerConfig(lr=0.1, warmup_steps=0, schedule="constant", b1=0.9, b2=0.99, eps=1e-8,
+                          weight_decay=0.5, clip_grad_norm=1.0, no_decay_patterns=["bias$"])
+    tx, _ = optim.make_optimizer(cfg, total_steps=10)
+    p = {"kernel": jnp.array([1.0, -2.0]), "bias": jnp.array([3.0])}
+    g1 = {"kernel": jnp.array([6.0, 0.0]), "bias": jnp.array([8.0])}  # norm 10 -> clipped to 1
+    g2 = {"kernel": jnp.array([0.1, -0.2]), "bias": jnp.array([0.2])}  # norm 0.3 -> unchanged
+    state = tx.init(p)
+    u1, state = tx.update(g1, state, p)
+    p1 = optax.apply_updates(p, u1)
+    u2, state = tx.update(g2, state, p1)
+    p2 = optax.apply_updates(p1, u2)
+    # by hand, in numpy
+    b1, b2, eps, lr, wd = 0.9, 0.99, 1e-8, 0.1, 0.5
+    P = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    G1 = {k: np.asarray(v, np.float64) / 10.0 for k, v in g1.items()}
+    G2 = {k: np.asarray(v, np.float64) for k, v in g2.items()}
+    for key, decay in (("kernel", wd), ("bias", 0.0)):
+        m, v = (1 - b1) * G1[key], (1 - b2) * G1[key] ** 2
+        q1 = P[key] - lr * (m / (1 - b1) / (np.sqrt(v / (1 - b2)) + eps) + decay * P[key])
+        m, v = b1 * m + (1 - b1) * G2[key], b2 * v + (1 - b2) * G2[key] ** 2
+        q2 = q1 - lr * (m / (1 - b1**2) / (np.sqrt(v / (1 - b2**2)) + eps) + decay * q1)
+        np.testing.assert_allclose(p1[key], q1, rtol=1e-5)
+        np.testing.assert_allclose(p2[key], q2, rtol=1e-5)
+
+
+def test_state_is_float32_for_bf16_params_and_nonfinite_steps_are_skipped():
+    tx, _ = optim.make_optimizer(OptimizerConfig(warmup_steps=0), total_steps=10)
+    p = {"w": jnp.ones((3,), jnp.bfloat16)}
+    state = tx.init(p)
+    assert {x.dtype for x in jax.tree.leaves(state) if x.ndim == 1} == {jnp.dtype(jnp.float32)}
+    u, state = tx.update({"w": jnp.full((3,), 0.5, jnp.bfloat16)}, state, p)
+    assert u["w"].dtype == jnp.bfloat16 and int(optim.skipped_updates(state)) == 0
+    u, state = tx.update({"w": jnp.array([1.0, jnp.nan, 0.0], jnp.bfloat16)}, state, p)
+    assert int(optim.skipped_updates(state)) == 1 and not np.any(np.asarray(u["w"], np.float32))
+
+
+@pytest.mark.parametrize("as_nnx", [False, True])
+def test_frozen_parts_get_no_grads_and_no_optimizer_state(as_nnx):
+    params = _params()
+    if as_nnx:  # an nnx.State of nnx.Param, as nnx.split(model, nnx.Param) returns
+        params = nnx.State(jax.tree.map(lambda x: nnx.Param(x), params))
+    frozen = optim.frozen_groups(freeze_vision_model=True)
+    mask = optim.trainable_mask(params, frozen)
+    trainable, fixed = optim.partition(params, mask)
+    all_paths = optim.tree_paths(params)
+    train_paths = [p for p in all_paths if not p.startswith(("visual/blocks", "visual/patch_embed"))]
+    assert optim.tree_paths(trainable) == train_paths
+    assert sorted(optim.tree_paths(fixed)) == sorted(set(all_paths) - set(train_paths))
+
+    def loss(tr, fr):
+        full = optim.combine(tr, fr)
+        return sum(jnp.sum(x ** 2) for x in jax.tree.leaves(full))
+
+    grads = jax.jit(jax.grad(loss))(trainable, fixed)
+    assert optim.tree_paths(grads) == train_paths  # no gradient leaves for frozen parameters
+    tx, _ = optim.make_optimizer(OptimizerConfig(warmup_steps=0), total_steps=10)
+    state = jax.jit(tx.init)(trainable)
+    n_train = optim.count_params(trainable)
+    # Adam state: mu and nu of the trainable leaves only (plus scalar counters)
+    assert sum(x.size for x in jax.tree.leaves(state) if x.ndim > 0) == 2 * n_train
+    assert n_train == optim.count_params(params) - (24 + 96 + 8)
+    updates, state = jax.jit(tx.update)(grads, state, trainable)
+    new = optim.combine(optax.apply_updates(trainable, updates), fixed)
+    assert jax.tree.structure(new) == jax.tree.structure(params)
+    for path, a, b in zip(all_paths, jax.tree.leaves(params), jax.tree.leaves(new)):
+        assert np.array_equal(a, b) == (path not in train_paths), path
+
+
+def test_bad_group_name():
+    with pytest.raises(ValueError, match="unknown parameter groups"):
+        optim.trainable_mask(_params(), {"vision"})
+
+
+def _toy_batch(rows: int = 4, seq: int = 6, dim: int = 3):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, seq, dim)).astype(np.float32)
+    y = rng.normal(size=(rows, seq)).astype(np.float32)
+    mask = np.zeros((rows, seq), np.float32)
+    for r, n in enumerate([6, 1, 3, 0][:rows]):  # unequal trained tokens per row
+        mask[r, :n] = 1
+    pos = np.broadcast_to(np.arange(rows * seq).reshape(1, rows, seq), (3, rows, seq)).copy()
+    return {"x": x, "y": y, "loss_mask": mask, "positions": pos}
+
+
+def _token_loss_sum(w, batch):
+    pred = batch["x"] @ w["w"] + w["b"]
+    return jnp.sum((pred - batch["y"]) ** 2 * batch["loss_mask"])
+
+
+def test_accumulation_4x1_equals_one_batch_of_4():
+    w = {"w": jnp.array([0.5, -1.0, 2.0]), "b": jnp.array(0.3)}
+    batch = _toy_batch()
+    total = float(batch["loss_mask"].sum())  # trained tokens of the whole global batch: 10
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: _token_loss_sum(p, batch) / total)(w)
+
+    micro = optim.split_microbatches(batch, 4)
+    assert micro["x"].shape == (4, 1, 6, 3) and micro["positions"].shape == (4, 3, 1, 6)
+    np.testing.assert_array_equal(micro["positions"][2, :, 0], batch["positions"][:, 2])
+
+    def loss_fn(p, mb):
+        s = _token_loss_sum(p, mb)
+        return s / total, {"loss_sum": s, "tokens": jnp.sum(mb["loss_mask"])}
+
+    obj, grads, metrics = jax.jit(lambda p, m: optim.accumulate_gradients(loss_fn, p, m))(w, micro)
+    np.testing.assert_allclose(obj, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(metrics["loss_sum"] / metrics["tokens"], ref_loss, rtol=1e-6)
+    assert float(metrics["tokens"]) == total
+    for k in w:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-6, atol=1e-7)
+    # the wrong way (mean of per-microbatch means) gives another gradient on this batch
+    per_mb = [jax.grad(lambda p, i=i: _token_loss_sum(p, jax.tree.map(lambda x: x[i], micro))
+                       / max(float(micro["loss_mask"][i].sum()), 1.0))(w) for i in range(4)]
+    assert not np.allclose(sum(g["w"] for g in per_mb) / 4, ref_grads["w"], rtol=1e-3)
+
+
+def test_accumulation_sharded_matches_single_device():
+    """Microbatches sharded over 8 devices (batch axis), grads constrained replicated == unsharded."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(8), ("fsdp",))
+    w = {"w": jnp.array([0.5, -1.0, 2.0]), "b": jnp.array(0.3)}
+    batch = {k: np.concatenate([v] * 4, axis=1 if k == "positions" else 0) for k, v in _toy_batch().items()}
+    total = float(batch["loss_mask"].sum())
+    micro = optim.split_microbatches(batch, 2)  # [2, 8, ...]: 8 rows per microbatch, one per device
+    sharded = {k: jax.device_put(v, NamedSharding(mesh, P(None, None, "fsdp") if k == "positions"
+                                                    else P(None, "fsdp"))) for k, v in micro.items()}
+    repl = jax.tree.map(lambda _: NamedSharding(mesh, P()), w)
+
+    def loss_fn(p, mb):
+        return _token_loss_sum(p, mb) / total, {}
+
+    step = jax.jit(lambda p, m: optim.accumulate_gradients(loss_fn, p, m, grad_shardings=repl))
+    obj, grads, _ = step(w, sharded)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: _token_loss_sum(p, batch) / total)(w)
+    np.testing.assert_allclose(obj, ref_loss, rtol=1e-5)
+    for k in w:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)

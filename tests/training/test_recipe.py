@@ -1,0 +1,230 @@
+"""Run settings: layering, CLI overrides, near-miss errors, cross-field rules, config.yaml round trip."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moevlm_jax.model.config import run as recipe
+from moevlm_jax.config.run import ConfigError, load_config
+
+FSDP = str(recipe.CONFIG_DIR / "layouts" / "fsdp.yaml")
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    """A model, a data config and a recipe in tmp_path (so the test does not depend on presets)."""
+    model = tmp_path / "m.yaml"
+    model.write_text(yaml.safe_dump({"name": "m", "text_config": {"hidden_size": 64, "num_hidden_layers": 4},
+                                     "vision_config": {"depth": 2}}))
+    data = tmp_path / "d.yaml"
+    data.write_text(yaml.safe_dump({"name": "d", "source": {"kind": "mock"}, "seq_len": 1024, "batch_size": 8}))
+    rec = tmp_path / "r.yaml"
+    rec.write_text(yaml.safe_dump({
+        "name": "r",
+        "model": {"base": str(model), "text_config": {"num_hidden_layers": 2}},
+        "layout": FSDP, "data": str(data),
+        "compute": {"dtype": "float32"},
+        "optimizer": {"lr": "1e-3", "warmup_steps": 5},
+        "train": {"steps": 50, "micro_batch_size": 2},
+    }))
+    return {"model": model, "data": data, "recipe": rec}
+
+
+def _error(recipe_path: Path, *overrides: str, **kw) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe_path, overrides=list(overrides), num_devices=kw.pop("num_devices", 8),
+                    num_processes=1, **kw)
+    return str(e.value)
+
+
+def test_layering_defaults_recipe_files_cli(files):
+    cfg = load_config(files["recipe"], overrides=["optimizer.lr=1e-4", "train.grad_accum=3",
+                                                  "model.text_config.hidden_size=32", "compute.dtype=bfloat16"],
+                      steps=7, num_devices=8, num_processes=1)
+    assert cfg.optimizer.lr == 1e-4 and isinstance(cfg.optimizer.lr, float)  # CLI over recipe ('1e-4' -> float)
+    assert cfg.optimizer.warmup_steps == 5  # recipe over default
+    assert cfg.optimizer.b2 == recipe.OptimizerConfig().b2  # default
+    assert cfg.train.steps == 7  # --steps over recipe
+    assert cfg.model["text_config"] == {"hidden_size": 32, "num_hidden_layers": 2}  # file < recipe < CLI
+    assert cfg.model["vision_config"] == {"depth": 2}
+    assert cfg.compute == {"dtype": "bfloat16"}
+    assert cfg.layout.name == "fsdp" and cfg.data_parallel_size == 8
+    # global batch = MBS 2 x accum 3 x DP 8; the data section is derived from the train section
+    assert cfg.global_batch_size == 48 and cfg.train.global_batch_size == 48
+    assert cfg.data["seq_len"] == cfg.train.seq_len == 4096 and cfg.data["batch_size"] == 48
+
+
+def test_cli_arguments_and_references(files, tmp_path):
+    parser = argparse.ArgumentParser()
+    recipe.add_arguments(parser)
+    other = tmp_path / "other.yaml"
+    other.write_text("name: other\ntext_config: {hidden_size: 8}\n")
+    args = parser.parse_args(["--recipe", str(files["recipe"]), "--model", str(other), "--run-dir", "x/y",
+                              "--resume", "train.seed=3", "train.freeze_vision_model=true"])
+    cfg = recipe.from_args(args, num_devices=1)
+    assert cfg.model == {"name": "other", "text_config": {"hidden_size": 8}}  # --model replaces the recipe's
+    assert cfg.train.run_dir == "x/y" and cfg.run_dir == Path("x/y") and cfg.train.resume is True
+    assert cfg.train.seed == 3 and cfg.train.freeze_vision_model is True
+    cfg2 = load_config(files["recipe"], overrides=[f"model={other}"], num_devices=1, num_processes=1)
+    assert cfg2.model == cfg.model  # model=PATH is the same as --model PATH
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("optimizer.lrr=1", "unknown key 'optimizer.lrr'; did you mean 'lr'?"),
+    ("train.micro_batch=2", "did you mean 'micro_batch_size'?"),
+    ("optimiser.lr=1", "unknown setting 'optimiser.lr'; did you mean 'optimizer'?"),
+    ("train.steps=abc", "train.steps: expected int, got str 'abc'"),
+    ("train.steps=2.5", "train.steps: expected int, got float 2.5"),
+    ("train.async_checkpointing=3", "train.async_checkpointing: expected bool, got int 3"),
+    ("optimizer.schedule=cosin", "'cosin' is not one of ['cosine', 'linear', 'constant']; did you mean 'cosine'?"),
+    ("model.text_config.hiden_size=3", "unknown key 'model.text_config.hiden_size'; did you mean 'hidden_size'?"),
+    ("layout.mesh.fsdb=2", "unknown key 'layout.mesh.fsdb'; did you mean 'fsdp'?"),
+    ("layout.mesh.tensr=2", "unknown mesh axis 'layout.mesh.tensr'; did you mean 'tensor'?"),
+    ("data.seq_len=128", "'data.seq_len' is derived from the train section; set train.seq_len"),
+    ("train.steps", "is not key=value"),
+])
+def test_bad_settings_name_the_key(files, override, expected):
+    assert expected in _error(files["recipe"], override)
+
+
+def test_new_keys_without_near_miss_pass_to_the_schema(files):
+    cfg = load_config(files["recipe"], overrides=["model.text_config.rope_theta=10000"], num_devices=1, num_processes=1)
+    assert cfg.model["text_config"]["rope_theta"] == 10000
+
+
+def test_a_present_key_with_a_prefix_word_is_not_a_typo(files):
+    """compute.attention_options' per-tower keys (vision_max_segments next to max_segments); a real
+    typo beside them is still named."""
+    keys = ["compute.attention_options.max_segments=2", "compute.attention_options.vision_max_segments=4",
+            "compute.attention_options.vision_pad_head_dim=128"]
+    cfg = load_config(files["recipe"], overrides=keys, num_devices=1, num_processes=1)
+    assert cfg.compute["attention_options"] == {"max_segments": 2, "vision_max_segments": 4, "vision_pad_head_dim": 128}
+    assert "did you mean 'max_segments'" in _error(files["recipe"], keys[0], "compute.attention_options.max_segmnets=3")
+    # a present key with a word after it: compute.capture_scopes next to a recipe's compute.capture
+    cfg = load_config(files["recipe"], overrides=["compute.capture=scopes", "compute.capture_scopes=[full_iteration]"],
+                      num_devices=1, num_processes=1)
+    assert cfg.compute["capture_scopes"] == ["full_iteration"]
+    assert "did you mean 'capture'" in _error(files["recipe"], "compute.capture=none", "compute.captur=scopes")
+
+
+def test_all_errors_reported_together(files):
+    msg = _error(files["recipe"], "optimizer.lrr=1", "train.stepz=3")
+    assert "optimizer.lrr" in msg and "train.stepz" in msg and "'steps'" in msg
+
+
+def test_missing_named_config_suggests(files):
+    with pytest.raises(ConfigError, match=r"no models config 'tinyy'.*did you mean 'tiny'"):
+        load_config(files["recipe"], model="tinyy", num_devices=1, num_processes=1)
+
+
+def test_cross_field_rules(files, caplog):
+    # 8 devices, MBS 2: global batch 32 needs grad_accum 2, and the message says so
+    msg = _error(files["recipe"], "train.global_batch_size=32")
+    assert "train.global_batch_size=32 but micro_batch_size 2 x grad_accum 1 x data-parallel size 8 = 16" in msg
+    assert "set train.grad_accum=2" in msg
+    assert "multiple of micro_batch_size x data-parallel = 16" in _error(files["recipe"], "train.global_batch_size=40")
+    ok = load_config(files["recipe"], overrides=["train.global_batch_size=32", "train.grad_accum=2"],
+                     num_devices=8, num_processes=1)
+    assert ok.global_batch_size == 32
+    assert "nothing would be trained" in _error(files["recipe"], "train.freeze_vision_model=true",
+                                                "train.freeze_vision_projection=true",
+                                                "train.freeze_language_model=true")
+    with caplog.at_level(logging.WARNING, logger="moevlm_jax.config.run"):  # a smoke run: allowed, but said
+        short = load_config(files["recipe"], overrides=["optimizer.warmup_steps=80"], num_devices=8, num_processes=1)
+    assert short.optimizer.warmup_steps == 80
+    assert "optimizer.warmup_steps=80 exceeds the decay length 50" in caplog.text
+    assert "train.eval_every=10 needs train.eval_batches >= 1" in _error(files["recipe"], "train.eval_every=10")
+    assert "train.micro_batch_size must be >= 1, got 0" in _error(files["recipe"], "train.micro_batch_size=0")
+    assert "unknown parameter group 'train.param_groups.vision_modle'; did you mean 'vision_model'?" in _error(
+        files["recipe"], "train.param_groups={vision_modle: [x]}")
+    with pytest.raises(ConfigError, match="global batch 16 does not divide over 3 processes"):
+        load_config(files["recipe"], num_devices=8, num_processes=3)
+
+
+def test_data_parallel_size_follows_the_layout(files, tmp_path):
+    layout = tmp_path / "l.yaml"
+    layout.write_text(yaml.safe_dump({"name": "l", "mesh": {"data": 2, "fsdp": -1, "tensor": 2},
+                                      "rules": [["act_batch", ["data", "fsdp"]], ["embed", "fsdp"]]}))
+    cfg = load_config(files["recipe"], layout=str(layout), num_devices=8, num_processes=1)
+    assert cfg.data_parallel_size == 4 and cfg.global_batch_size == 8  # tensor axis is not data parallel
+    assert "multiply to" in _error(files["recipe"], "layout.mesh={fsdp: 3}")
+
+
+def test_resolved_config_round_trips(files, tmp_path):
+    cfg = load_config(files["recipe"], overrides=["optimizer.lr=2e-4", "train.grad_accum=2"],
+                      run_dir=str(tmp_path / "run"), num_devices=8, num_processes=1)
+    path = recipe.save_config(cfg, cfg.run_dir)
+    assert path == tmp_path / "run" / "config.yaml"
+    again = load_config(path, num_devices=8, num_processes=1)
+    assert again.resolved == cfg.resolved
+    assert again.optimizer == cfg.optimizer and again.train == cfg.train
+    # --resume with --run-dir and no --recipe picks the run's own config.yaml
+    resumed = load_config(None, run_dir=str(tmp_path / "run"), resume=True, steps=99, num_devices=8, num_processes=1)
+    assert resumed.optimizer.lr == 2e-4 and resumed.train.steps == 99 and resumed.train.resume
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyCompute:
+    dtype: str = "bfloat16"
+    remat: bool = False
+    chunk: int = 1024
+    modules: tuple[str, ...] = ("attn",)
+
+
+def test_pluggable_schema(files):
+    recipe.register_schema("compute", ToyCompute)
+    try:
+        cfg = load_config(files["recipe"], overrides=["compute.modules=[a, b]"], num_devices=1, num_processes=1)
+        assert cfg.compute == ToyCompute(dtype="float32", modules=("a", "b"))
+        assert cfg.resolved["compute"] == {"dtype": "float32", "remat": False, "chunk": 1024, "modules": ["a", "b"]}
+        msg = _error(files["recipe"], "compute.dtyp=x", "compute.chunk=big")
+        assert "unknown key 'compute.dtyp'; did you mean 'dtype'?" in msg
+        assert "compute.chunk: expected int, got str 'big'" in msg
+    finally:
+        recipe.register_schema("compute", None)
+
+
+def test_project_compute_config_plugs_in(files):
+    from moevlm_jax.model import config
+
+    recipe.register_schema("compute", config.ComputeConfig)
+    try:
+        cfg = load_config(files["recipe"], overrides=["compute.dtype=bfloat16"], num_devices=1, num_processes=1)
+        assert isinstance(cfg.compute, config.ComputeConfig) and cfg.compute.dtype == "bfloat16"
+        assert "compute: compute.dtype must be one of" in _error(files["recipe"], "compute.dtype=fp8")
+        assert "did you mean 'recompute'" in _error(files["recipe"], "compute.recompte=full")
+    finally:
+        recipe.register_schema("compute", None)
+
+
+def test_default_recipes_by_platform():
+    assert recipe.default_recipe("cpu") == "cpu-default"
+    assert recipe.default_recipe("gpu") == "gpu-default"
+    for name, model, data in (("cpu-default", "small", "vqa"), ("gpu-default", "proxy", "proxy")):
+        raw = yaml.safe_load((recipe.CONFIG_DIR / "recipes" / f"{name}.yaml").read_text())
+        base = raw["data"]["base"] if isinstance(raw["data"], dict) else raw["data"]
+        assert raw["model"] == model and raw["layout"] == "fsdp" and base == data
+        cfg = load_config(name, num_devices=1, num_processes=1)
+        assert cfg.name == name and cfg.train.global_batch_size == cfg.train.micro_batch_size
+        assert cfg.data["seq_len"] == cfg.train.seq_len and cfg.model["name"] == model
+
+
+def test_h200_recipe_is_the_measured_one_gpu_setting():
+    """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md runs 9-16) as a recipe."""
+    from moevlm_jax.model import config
+
+    cfg = load_config("h200", num_devices=1, num_processes=1)
+    assert cfg.name == "h200" and cfg.model["name"] == "proxy" and cfg.train.micro_batch_size == 10
+    compute = config.ComputeConfig.from_dict(cfg.compute)
+    assert (compute.param_dtype, compute.recompute, compute.recompute_modules, compute.capture) == (
+        "bfloat16", "selective", (), "scopes")
+    assert compute.capture_scopes == ("full_iteration",)
+    assert compute.scan_layers is False
+    assert compute.attention_options == {"max_segments": 2, "vision_max_segments": 4}
+    assert cfg.optimizer.state_dtype == "bfloat16" and cfg.data["seq_len"] == 4096

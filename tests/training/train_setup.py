@@ -1,0 +1,47 @@
+"""Shared set-up of the train tests: the tiny model (Qwen3 vocabulary) on a small
+built-in VQA set with one patch bucket, so every run compiles one train step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from moevlm_jax.config.run import CONFIG_DIR
+
+SEQ_LEN = 128
+ROWS = 8  # global batch rows: MBS 8 on 1 device, MBS 1 under FSDP on 8 devices
+COMPUTE = {"dtype": "float32", "param_dtype": "float32"}
+
+
+def data_config(cache_dir: str | Path) -> dict[str, Any]:
+    """The vqa preset shrunk: 160 train / 48 held-out samples, images <= 128 x 128 px, rows of
+    SEQ_LEN tokens holding <= 256 patches (one patch bucket)."""
+    raw = yaml.safe_load((CONFIG_DIR / "data" / "vqa.yaml").read_text())
+    raw["source"] = {**raw["source"], "num_train": 160, "num_heldout": 48, "image_size": [64, 128]}
+    raw["image"] = {"min_pixels": 4096, "max_pixels": 16384}
+    raw.update(patch_buckets=[256], seq_len=SEQ_LEN, batch_size=ROWS, cache_dir=str(cache_dir))
+    raw.pop("description", None)
+    return raw
+
+
+def host_batches(cache_dir: str | Path, n: int, rows: int = ROWS) -> list[dict[str, Any]]:
+    """The first ``n`` training batches of ``rows`` rows (numpy, as the loader gives them)."""
+    import data
+
+    loader = data.build_loader(data_config(cache_dir), batch_size=rows)
+    try:
+        return [next(loader) for _ in range(n)]
+    finally:
+        loader.close()
+
+
+def leaves_by_path(tree: Any) -> dict[str, np.ndarray]:
+    """'/'-joined path -> numpy array for every leaf of ``tree``."""
+    import jax
+
+    from moevlm_jax.training.optimizer import path_str
+
+    return {path_str(kp): np.asarray(x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
