@@ -15,10 +15,10 @@ from typing import Any
 _EXPORTS = {
     "build_loader": "data.loader", "Loader": "data.loader", "model_inputs": "data.loader",
     "throughput_line": "data.loader", "HOST_KEYS": "data.loader",
-    "MODEL_KEYS": "data.packing", "EVAL_KEYS": "data.packing",
+    "MODEL_KEYS": "data.batch", "EVAL_KEYS": "data.packing",
     "DataConfig": "data.config", "ImageConfig": "data.config", "DataError": "data.config",
     "load_data_config": "data.config",
-    "SKIP_REASONS": "data.sample", "QUESTION_TYPES": "data.sample",
+    "SKIP_REASONS": "data.sample", "QUESTION_TYPES": "data.config",
     "CHANCE": "data.vqa",
     "answer_accuracy": "data.metrics", "merge_accuracy": "data.metrics",
     "load_tokenizer": "data.tokenizer",

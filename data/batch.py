@@ -1,26 +1,25 @@
-"""Host-side (numpy) construction of the model batch from Hugging Face style inputs.
+"""The batch contract between the data pipeline and the model (ARCHITECTURE.md "The batch").
 
-``patch_layout`` gives each flattened patch its (row, col) in its image's patch grid, the grid
-size, and its frame; the data pipeline uses it to build ``patch_rc`` / ``patch_hw`` /
-``patch_segment_ids``. ``hf_inputs_to_batch`` turns HF model inputs (flat ``pixel_values`` +
-``image_grid_thw`` + ``attention_mask``) into the per-row batch of ARCHITECTURE.md. The trainer's
-per-batch statics come from here too: the loss ``capacity`` (``loss_capacity``) and whether every
-row is within the cuDNN ragged bounds (``segments_over_bound``).
+``MODEL_KEYS`` are the arrays the model and the train step take (numpy on the host, one row per
+packed sequence). ``patch_layout`` gives each flattened patch its (row, col) in its image's patch
+grid, the grid size, and its frame; the pipeline uses it to build ``patch_rc`` / ``patch_hw`` /
+``patch_segment_ids``, and the MRoPE position ids come from ``data.mrope``. ``hf_inputs_to_batch``
+turns Hugging Face model inputs (flat ``pixel_values`` + ``image_grid_thw`` + ``attention_mask``)
+into the same per-row batch (the model's HF-compatible eager call), ``hf_labels_to_targets`` HF
+labels into ``targets`` / ``loss_mask``. Plain numpy: no model, no jax.
 """
 
 from __future__ import annotations
 
-import logging
+from typing import Any
 
-import jax
 import numpy as np
 
-from moevlm_jax.model.compute import attention_kwargs
-from moevlm_jax.model.config import ModelConfig
 from data.mrope import mrope_position_ids
 
-log = logging.getLogger(__name__)
-MIN_CAPACITY = 32  # smallest gathered-positions buffer per group (fewer distinct compiled shapes)
+# the arrays of a batch the model and the train step take (ARCHITECTURE.md "The batch")
+MODEL_KEYS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask",
+              "pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
 
 
 def patch_layout(image_grid_thw: np.ndarray, spatial_merge_size: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -49,7 +48,7 @@ def patch_layout(image_grid_thw: np.ndarray, spatial_merge_size: int = 2) -> tup
             np.concatenate(frames).astype(np.int32))
 
 
-def hf_inputs_to_batch(config: ModelConfig, input_ids: np.ndarray, pixel_values: np.ndarray | None = None,
+def hf_inputs_to_batch(config: Any, input_ids: np.ndarray, pixel_values: np.ndarray | None = None,
                        image_grid_thw: np.ndarray | None = None, attention_mask: np.ndarray | None = None,
                        patch_multiple: int = 4, num_patches: int | None = None) -> dict[str, np.ndarray]:
     """HF inputs -> model batch: input_ids ``[B, S]``, pixel_values ``[N, patch_dim]`` (all images of
@@ -133,56 +132,3 @@ def hf_labels_to_targets(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     nxt = np.concatenate([labels[:, 1:], np.full((labels.shape[0], 1), -100, labels.dtype)], axis=1)
     mask = nxt != -100
     return np.where(mask, nxt, 0).astype(np.int32), mask.astype(np.float32)
-
-
-def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: set[str] | None) -> dict[str, int]:
-    """Rows of a host batch holding more segments (packed samples; images for the vision tower) than
-    the cuDNN ragged attention's bound (``compute.attention_options``): the step then runs that
-    attention on the dense-mask kernel for the whole batch (exact, but slower; bench/attention.md).
-    Returns ``{"text" | "vision": rows over}`` and logs a warning the first time per tower (``warned``;
-    None: no warning, e.g. where the attention is not cuDNN's)."""
-    over = {}
-    for tower, key in (("text", "segment_ids"), ("vision", "patch_segment_ids")):
-        if key not in arrays or not np.asarray(arrays[key]).size:
-            continue
-        bound = attention_kwargs(options, tower)["max_segments"]
-        most = np.asarray(arrays[key]).reshape(-1, np.shape(arrays[key])[-1]).max(axis=-1)
-        n = int(np.count_nonzero(most > bound))
-        if n:
-            over[tower] = n
-            if warned is not None and tower not in warned:
-                warned.add(tower)
-                log.warning(
-                    "%d row(s) hold more %s segments than compute.attention_options.%smax_segments=%d (up to %d): "
-                    "on the GPU these batches run the dense-mask attention kernel (exact, slower); raise the bound",
-                    n, tower, "vision_" if tower == "vision" else "", bound, int(most.max()))
-    return over
-
-
-def agreed_max(value: int) -> int:
-    """The largest ``value`` over all processes (each computes a per-batch static from its own rows;
-    every process must compile the same program)."""
-    if jax.process_count() == 1:
-        return value
-    from jax.experimental import multihost_utils
-
-    return int(np.max(multihost_utils.process_allgather(np.asarray(value))))
-
-
-def capacity_step(n: int) -> int:
-    """Smallest m * 2^k >= n with m in {4, 5, 6, 7} (quarter steps between powers of two)."""
-    if n <= 4:
-        return 4
-    k = max((n - 1).bit_length() - 3, 0)
-    return -(-n // (1 << k)) * (1 << k)
-
-
-def loss_capacity(loss_mask: np.ndarray, groups: int, microbatches: int = 1) -> int | None:
-    """Static gather size for a host loss_mask ``[rows, S]`` split into ``microbatches`` x ``groups``
-    consecutive row groups: the most trained tokens of a group, rounded up by :func:`capacity_step`
-    (at least MIN_CAPACITY); None (whole rows) when that exceeds half a group's positions."""
-    mask = np.asarray(loss_mask) > 0
-    per_group = mask.reshape(microbatches * groups, -1)
-    most = agreed_max(int(np.max(np.count_nonzero(per_group, axis=-1), initial=0)))
-    cap = max(MIN_CAPACITY, capacity_step(most))
-    return None if 2 * cap > per_group.shape[-1] else cap

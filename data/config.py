@@ -1,9 +1,10 @@
-"""Data configs: ``configs/data/*.yaml`` -> validated, frozen dataclasses.
+"""The ``data`` section of a run: ``configs/data/*.yaml`` as frozen dataclasses.
 
-A data config names a source (``source.kind``: vqa | photos | arrayrecord | llava | image_folder |
-mock) and the knobs of the pipeline around it: sequence length, rows per host, patch buckets,
-Qwen-VL image processing, tokenizer, workers, seed. ``load_data_config("vqa", ["seq_len=2048"])``
-loads a preset and applies ``key=value`` overrides (dotted keys reach into ``image`` / ``source``).
+A data config names a source (``source``: a tagged union on ``kind``: vqa | photos | arrayrecord |
+llava | image_folder | mock, each with its own keys) and the knobs of the pipeline around it:
+sequence length, rows per host, patch buckets, Qwen-VL image processing, tokenizer, workers, seed.
+The one config loader (``moevlm_jax.config``) builds it; ``load_data_config("vqa", ["seq_len=2048"])``
+is that loader for the data section alone (the data CLIs).
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import yaml
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "data"
 DEFAULT_CONFIG = "vqa"
-SOURCE_KINDS = ("vqa", "photos", "arrayrecord", "llava", "image_folder", "mock")
+# question types of the built-in VQA set, in the order eval batches index them (answer_type)
+QUESTION_TYPES = ("colour", "shape", "count", "position", "text")
 
 
 class DataError(RuntimeError):
@@ -31,16 +30,16 @@ class DataError(RuntimeError):
 class ImageConfig:
     """Qwen-VL image processing (HF ``Qwen2VLImageProcessor`` with Qwen3-VL's preprocessor config)."""
 
-    patch_size: int = 16
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    min_pixels: int = 65536  # Qwen3-VL size.shortest_edge
-    max_pixels: int = 16777216  # Qwen3-VL size.longest_edge
-    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    max_aspect_ratio: float = 200.0  # HF raises above 200; we skip and count
+    patch_size: int = 16  # patch side in pixels (= the model's vision_config.patch_size)
+    merge_size: int = 2  # merged patches per side (= vision_config.spatial_merge_size)
+    temporal_patch_size: int = 2  # frames per patch (= vision_config.temporal_patch_size)
+    min_pixels: int = 65536  # smallest resized image area (Qwen3-VL size.shortest_edge)
+    max_pixels: int = 16777216  # largest resized image area (Qwen3-VL size.longest_edge)
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)  # per-channel normalisation mean
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)  # per-channel normalisation std
+    max_aspect_ratio: float = 200.0  # longer / shorter side above this is skipped and counted (HF raises)
     max_image_pixels: int = 100_000_000  # refuse to decode larger (decompression bombs)
-    exif_transpose: bool = True  # as transformers.image_utils.load_image
+    exif_transpose: bool = True  # apply the EXIF orientation, as transformers.image_utils.load_image
 
     @property
     def factor(self) -> int:
@@ -54,35 +53,138 @@ class ImageConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VqaConfig:
+    """The built-in procedural VQA scenes (``data.vqa``; generated once into the cache directory)."""
+
+    kind: Literal["vqa"] = "vqa"  # source kind
+    num_train: int = 4000  # training samples
+    num_heldout: int = 500  # held-out samples (other scenes)
+    image_size: tuple[int, int] = (64, 320)  # [min, max] of an image's longer side in pixels
+    aspect: tuple[float, float] = (0.5, 2.0)  # [min, max] width / height
+    images_per_sample: tuple[int, int] = (1, 1)  # [min, max] images a sample holds
+    describe_turns: tuple[int, int] = (0, 0)  # [min, max] extra "describe" turns (long untrained-for-accuracy answers)
+    questions: tuple[str, ...] = QUESTION_TYPES  # question types asked
+    jpeg_quality: tuple[int, int] = (70, 95)  # [min, max] JPEG quality of the stored images
+    seed: int = 1234  # generator seed (samples are deterministic per seed, split and index)
+    shard_size: int = 4096  # samples per ArrayRecord shard
+    text_budget: int = 0  # characters of describe turns per sample (0: no limit)
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.questions) - set(QUESTION_TYPES))
+        if bad:
+            raise ValueError(f"source.questions: unknown question types {bad}; known: {QUESTION_TYPES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PhotosConfig:
+    """Captions of the real photographs installed packages ship (``data.photos``; no download)."""
+
+    kind: Literal["photos"] = "photos"  # source kind
+    num_train: int = 512  # training samples (crops / resolutions of ~20 photographs)
+    num_heldout: int = 64  # held-out samples
+    image_size: tuple[int, int] = (224, 640)  # [min, max] of an image's longer side in pixels
+    images_per_sample: tuple[int, int] = (1, 1)  # [min, max] images a sample holds
+    seed: int = 4321  # generator seed
+
+
+@dataclasses.dataclass(frozen=True)
+class MockConfig:
+    """MOCK data for comparison only (``data.mock``): random patches of a fixed shape, or text only."""
+
+    kind: Literal["mock"] = "mock"  # source kind
+    mode: Literal["patches", "text"] = "patches"  # random patch payloads, or text-only conversations
+    images_per_sample: int = 1  # images per sample (mode patches)
+    grid: tuple[int, int, int] = (1, 8, 8)  # patch grid (t, h, w) of every image
+    turns: tuple[int, int] = (1, 1)  # [min, max] question / answer turns per sample
+    num_train: int = 100000  # training samples
+    num_heldout: int = 1000  # held-out samples
+    seed: int = 7  # generator seed
+
+
+SplitPaths = str | tuple[str, ...] | dict[str, str | tuple[str, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRecordConfig:
+    """ArrayRecord shards written by ``python -m data.convert`` (the native format)."""
+
+    kind: Literal["arrayrecord"] = "arrayrecord"  # source kind
+    # shard paths or globs: a list (the train split) or {train: [...], heldout: [...]}
+    paths: Any = ()
+
+    def __post_init__(self) -> None:
+        if not self.paths:
+            raise ValueError("source.paths: give the shard paths (a list, or {train: [...], heldout: [...]})")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlavaConfig:
+    """LLaVA-style JSON / JSONL conversations with image paths, read straight from disk."""
+
+    kind: Literal["llava"] = "llava"  # source kind
+    path: str = ""  # the training JSON / JSONL file
+    heldout_path: str | None = None  # a held-out JSON / JSONL file (null: none)
+    image_root: str | None = None  # base of relative image paths (null: the JSON's folder)
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("source.path: give the LLaVA JSON / JSONL file")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageFolderConfig:
+    """A folder of images with captions (captions.jsonl / metadata.jsonl, captions.json or <name>.txt)."""
+
+    kind: Literal["image_folder"] = "image_folder"  # source kind
+    path: Any = ""  # the folder (or {train: folder, heldout: folder})
+    captions: str | None = None  # a captions file (null: found in the folder)
+    prompt: str = "Describe this image."  # the user turn every sample asks
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("source.path: give the image folder")
+
+
+SourceConfig = VqaConfig | PhotosConfig | MockConfig | ArrayRecordConfig | LlavaConfig | ImageFolderConfig
+SOURCE_KINDS = ("vqa", "photos", "arrayrecord", "llava", "image_folder", "mock")
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """One input pipeline: source + sequence packing + image processing + loading."""
 
-    name: str = "vqa"
-    description: str = ""
-    source: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"kind": "vqa"})
-    seq_len: int = 1024
-    batch_size: int = 8  # packed rows per host per step
-    patch_buckets: tuple[int, ...] = (512, 1024, 2048, 4096)
-    image: ImageConfig = dataclasses.field(default_factory=ImageConfig)
+    name: str = "vqa"  # a label for logs
+    description: str = ""  # one line on the data
+    source: SourceConfig = VqaConfig()  # where samples come from (a tagged union on 'kind')
+    seq_len: int = 1024  # tokens per packed row (in a run: derived from train.seq_len)
+    batch_size: int = 8  # packed rows per host per step (in a run: derived from the global batch)
+    patch_buckets: tuple[int, ...] = (512, 1024, 2048, 4096)  # allowed patch rows of a batch (one compile each)
+    image: ImageConfig = ImageConfig()  # Qwen-VL image processing
     tokenizer: str = "qwen3"  # "qwen3" (offline BPE ranks) or a path to a tokenizer.json
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # a system turn before every conversation (null: none)
     workers: int = 0  # grain worker processes (0: in the calling process)
     read_threads: int = 2  # threads per worker decoding samples
     read_buffer: int = 8  # samples decoded ahead per worker
     worker_buffer: int = 2  # packed batches buffered per worker
-    seed: int = 0
-    shuffle: bool = True
-    num_epochs: int | None = None  # None: repeat forever (train); eval uses 1
-    eval_split: str = "heldout"
+    seed: int = 0  # shuffle seed
+    shuffle: bool = True  # shuffle the training samples each epoch
+    num_epochs: int | None = None  # null: repeat forever (train); eval uses 1
+    eval_split: str = "heldout"  # the source split evaluation reads
     pack_lookahead: int = 16  # samples waiting for a row before a batch is closed
     probe_samples: int = 256  # samples tried at start to prove the source usable
     max_consecutive_skips: int = 10000  # a worker gives up after this many skips in a row
-    cache_dir: str | None = None  # built-in datasets; default ~/.cache/moevlm_jax
+    cache_dir: str | None = None  # built-in datasets (null: $MOEVLM_DATA_CACHE or ~/.cache/moevlm_jax)
+
+    def __post_init__(self) -> None:
+        from moevlm_jax.config.schema import coerce_fields
+
+        coerce_fields(self, "data")  # types (as the loader checks them)
+        validate(self)
 
     @property
     def kind(self) -> str:
         """The source kind."""
-        return str(self.source["kind"])
+        return self.source.kind
 
     @property
     def is_mock(self) -> bool:
@@ -108,113 +210,51 @@ class DataConfig:
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def to_dict(cfg: DataConfig) -> dict[str, Any]:
-    """Plain dict of a config (YAML/JSON friendly)."""
-    d = dataclasses.asdict(cfg)
-    d["source"] = dict(cfg.source)
-    return json.loads(json.dumps(d))
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain dict of a config (YAML / JSON friendly)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text)
-
-
-def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Apply ``key=value`` (dotted keys, YAML values) to a raw config dict."""
-    raw = json.loads(json.dumps(raw))
-    for item in overrides:
-        if "=" not in item:
-            raise DataError(f"override {item!r} is not key=value")
-        key, value = item.split("=", 1)
-        node = raw
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise DataError(f"override {item!r}: {part!r} is not a mapping")
-        node[parts[-1]] = _parse_value(value)
-    return raw
-
-
-def config_from_dict(raw: Mapping[str, Any]) -> DataConfig:
-    """Build and validate a ``DataConfig`` from a raw mapping."""
-    raw = dict(raw)
-    fields = {f.name for f in dataclasses.fields(DataConfig)}
-    unknown = set(raw) - fields
-    if unknown:
-        raise DataError(f"unknown data config keys {sorted(unknown)}; known: {sorted(fields)}")
-    image_raw = dict(raw.pop("image", None) or {})
-    image_fields = {f.name for f in dataclasses.fields(ImageConfig)}
-    bad = set(image_raw) - image_fields
-    if bad:
-        raise DataError(f"unknown image config keys {sorted(bad)}; known: {sorted(image_fields)}")
-    for key in ("image_mean", "image_std"):
-        if key in image_raw:
-            image_raw[key] = tuple(float(v) for v in image_raw[key])
-    image = ImageConfig(**image_raw)
-    if "patch_buckets" in raw:
-        raw["patch_buckets"] = tuple(int(v) for v in raw["patch_buckets"])
-    cfg = DataConfig(image=image, **raw)
-    validate(cfg)
-    return cfg
+def source_params(source: Any) -> dict[str, Any]:
+    """A source config's settings without ``kind``, as plain JSON values (the generators' parameters)."""
+    return {k: v for k, v in to_dict(source).items() if k != "kind"}
 
 
 def validate(cfg: DataConfig) -> None:
-    """Raise ``DataError`` with a clear message for inconsistent settings."""
+    """Raise ValueError with a clear message for inconsistent settings (the loader names the section)."""
     img = cfg.image
-    if "kind" not in cfg.source or cfg.kind not in SOURCE_KINDS:
-        raise DataError(f"source.kind must be one of {SOURCE_KINDS}, got {cfg.source.get('kind')!r}")
     if cfg.seq_len <= 1 or cfg.batch_size <= 0:
-        raise DataError(f"seq_len ({cfg.seq_len}) must be > 1 and batch_size ({cfg.batch_size}) > 0")
+        raise ValueError(f"seq_len ({cfg.seq_len}) must be > 1 and batch_size ({cfg.batch_size}) > 0")
     block = img.merge_size**2
     buckets = list(cfg.patch_buckets)
     if not buckets or buckets != sorted(set(buckets)) or any(b <= 0 or b % block for b in buckets):
-        raise DataError(f"patch_buckets {buckets} must be increasing positive multiples of merge_size**2={block}")
+        raise ValueError(f"patch_buckets {buckets} must be increasing positive multiples of merge_size**2={block}")
     if not 0 < img.min_pixels <= img.max_pixels:
-        raise DataError(f"need 0 < min_pixels ({img.min_pixels}) <= max_pixels ({img.max_pixels})")
+        raise ValueError(f"need 0 < min_pixels ({img.min_pixels}) <= max_pixels ({img.max_pixels})")
     if img.max_pixels < img.factor**2:
-        raise DataError(f"max_pixels {img.max_pixels} is below one merged patch ({img.factor}x{img.factor})")
+        raise ValueError(f"max_pixels {img.max_pixels} is below one merged patch ({img.factor}x{img.factor})")
     smallest = block * max(1, -(-img.min_pixels // img.factor**2))
     if smallest > cfg.max_patches and cfg.kind != "mock":
-        raise DataError(f"an image of min_pixels ({img.min_pixels}) needs >= {smallest} patches but the largest "
+        raise ValueError(f"an image of min_pixels ({img.min_pixels}) needs >= {smallest} patches but the largest "
                         f"patch bucket is {cfg.max_patches}")
     if len(img.image_mean) != 3 or len(img.image_std) != 3 or min(img.image_std) <= 0:
-        raise DataError("image_mean and image_std need 3 values, std > 0")
+        raise ValueError("image_mean and image_std need 3 values, std > 0")
     if cfg.workers < 0 or cfg.read_threads < 0 or cfg.read_buffer < 1 or cfg.worker_buffer < 1:
-        raise DataError("workers/read_threads must be >= 0 and read_buffer/worker_buffer >= 1")
+        raise ValueError("workers/read_threads must be >= 0 and read_buffer/worker_buffer >= 1")
     if cfg.pack_lookahead < 1:
-        raise DataError("pack_lookahead must be >= 1")
+        raise ValueError("pack_lookahead must be >= 1")
     if cfg.num_epochs is not None and cfg.num_epochs < 1:
-        raise DataError("num_epochs must be None (forever) or >= 1")
+        raise ValueError("num_epochs must be None (forever) or >= 1")
 
 
-def config_path(name_or_path: str) -> Path:
-    """Resolve a preset name (``vqa``) or a YAML path."""
-    p = Path(name_or_path).expanduser()
-    if p.suffix in (".yaml", ".yml") or p.exists():
-        if not p.exists():
-            raise DataError(f"data config {p} does not exist")
-        return p
-    p = CONFIG_DIR / f"{name_or_path}.yaml"
-    if not p.exists():
-        names = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml"))
-        raise DataError(f"no data config named {name_or_path!r}; presets: {names}")
-    return p
+def load_data_config(name_or_path: str | Mapping[str, Any] | DataConfig | None = None,
+                     overrides: Iterable[str] = ()) -> DataConfig:
+    """A data config from a preset name (``configs/data/NAME.yaml``; default ``vqa``), a YAML path or a
+    mapping, with ``key=value`` overrides (dotted keys reach ``source.*`` and ``image.*``), by the one
+    config loader (``moevlm_jax.config``); a bad setting raises DataError naming the key."""
+    from moevlm_jax.config import ConfigError, load_section
 
-
-def load_data_config(
-    name_or_path: str | Mapping[str, Any] | DataConfig | None = None, overrides: Iterable[str] = ()
-) -> DataConfig:
-    """Load a preset name / YAML path / mapping (default ``vqa``) and apply ``key=value`` overrides."""
-    overrides = list(overrides)
-    if isinstance(name_or_path, DataConfig):
-        if not overrides:
-            return name_or_path
-        raw: dict[str, Any] = to_dict(name_or_path)
-    elif isinstance(name_or_path, Mapping):
-        raw = dict(name_or_path)
-    else:
-        path = config_path(name_or_path or DEFAULT_CONFIG)
-        raw = yaml.safe_load(path.read_text()) or {}
-        raw.setdefault("name", path.stem)
-    return config_from_dict(apply_overrides(raw, overrides))
+    try:
+        return load_section("data", DEFAULT_CONFIG if name_or_path is None else name_or_path, overrides)
+    except ConfigError as e:
+        raise DataError(str(e)) from None

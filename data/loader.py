@@ -19,6 +19,7 @@ restored state must come from the same triple.
 
 from __future__ import annotations
 
+import dataclasses
 import collections
 import logging
 from collections.abc import Mapping
@@ -28,7 +29,8 @@ import grain
 import numpy as np
 
 from data.config import DataConfig, DataError, load_data_config
-from data.packing import EVAL_KEYS, MODEL_KEYS, PackedBatchDataset
+from data.batch import MODEL_KEYS
+from data.packing import EVAL_KEYS, PackedBatchDataset
 from data.sample import SKIP_REASONS, SampleProcessor, is_skip
 from data.sources import build_source
 
@@ -203,7 +205,7 @@ def build_loader(
         changes["num_epochs"] = 1
     if eval_mode:
         changes["shuffle"] = False
-    cfg = load_data_config({**_raw(cfg), **changes})
+    cfg = dataclasses.replace(cfg, **changes)
     if not 0 <= shard_index < shard_count:
         raise DataError(f"shard_index {shard_index} must be in [0, {shard_count})")
     source, label = build_source(cfg, cfg.eval_split if split == "heldout" else split)
@@ -240,9 +242,3 @@ def _absl_flags_parsed() -> None:
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
-
-
-def _raw(cfg: DataConfig) -> dict[str, Any]:
-    from data.config import to_dict
-
-    return to_dict(cfg)

@@ -17,15 +17,22 @@ from typing import Any
 
 import numpy as np
 
-DEFAULTS: dict[str, Any] = {"mode": "patches", "images_per_sample": 1, "grid": [1, 8, 8],
-                            "turns": [1, 1], "num_train": 100000, "num_heldout": 1000, "seed": 7}
+from data.config import MockConfig, source_params
+
 _WORDS = ("the", "image", "shows", "a", "red", "blue", "green", "shape", "on", "left", "right", "of",
           "and", "small", "large", "circle", "square", "word", "near", "top", "bottom", "centre")
 
 
+def _params(source: MockConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """A ``MockConfig``'s settings as plain values (a mapping of some of its keys: the rest default)."""
+    if not isinstance(source, MockConfig):
+        source = MockConfig(**{k: v for k, v in source.items() if k != "kind"})
+    return source_params(source)
+
+
 def mock_label(source: Mapping[str, Any]) -> str:
     """The label printed with every throughput figure of a mock run."""
-    params = {**DEFAULTS, **{k: v for k, v in source.items() if k != "kind"}}
+    params = _params(source)
     if params["mode"] == "text":
         return "MOCK DATA (text only, no images): throughput is NOT comparable to real multimodal input"
     t, h, w = params["grid"]
@@ -37,15 +44,7 @@ class MockSource:
     """Random-access source of mock records (``mock_grids`` instead of image payloads)."""
 
     def __init__(self, source: Mapping[str, Any], split: str = "train"):
-        params = dict(DEFAULTS)
-        for k, v in source.items():
-            if k != "kind":
-                if k not in DEFAULTS:
-                    raise ValueError(f"unknown mock source key {k!r}; known: {sorted(DEFAULTS)}")
-                params[k] = v
-        if params["mode"] not in ("patches", "text"):
-            raise ValueError(f"mock mode must be 'patches' or 'text', got {params['mode']!r}")
-        self.params, self.split = params, split
+        self.params, self.split = _params(source), split
 
     def __len__(self) -> int:
         return int(self.params["num_train" if self.split == "train" else "num_heldout"])

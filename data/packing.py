@@ -24,10 +24,8 @@ import numpy as np
 from data.config import DataConfig, DataError
 from data.image import expand_patches, normalize_lut
 from data.sample import is_skip
-from data.batch import patch_layout
+from data.batch import MODEL_KEYS, patch_layout
 
-MODEL_KEYS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask",
-              "pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
 EVAL_KEYS = ("answer_group", "answer_type")
 
 

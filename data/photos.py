@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from data.config import PhotosConfig, source_params
 from PIL import Image
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,6 @@ PHOTOS = (
 )
 PROMPTS = ("Describe this image.", "What is in this picture?", "Write a short caption for the photo.",
            "What does this photo show?")
-DEFAULTS: dict[str, Any] = {"num_train": 512, "num_heldout": 64, "image_size": [224, 640],
-                            "images_per_sample": [1, 1], "seed": 4321}
 SPLITS = {"train": 0, "heldout": 1}
 
 
@@ -76,12 +76,9 @@ class PhotoSource:
     """Random-access source of captioning records over the shipped photographs."""
 
     def __init__(self, source: Mapping[str, Any], split: str = "train"):
-        params = dict(DEFAULTS)
-        for k, v in source.items():
-            if k != "kind":
-                if k not in DEFAULTS:
-                    raise ValueError(f"unknown photos source key {k!r}; known: {sorted(DEFAULTS)}")
-                params[k] = v
+        if not isinstance(source, PhotosConfig):  # a mapping of some of its keys: the rest default
+            source = PhotosConfig(**{k: v for k, v in source.items() if k != "kind"})
+        params = source_params(source)
         if split not in SPLITS:
             raise ValueError(f"photos split must be one of {list(SPLITS)}, got {split!r}")
         self.params, self.split = params, split

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from data.chat import ConversationError, encode_conversation, validate_messages
-from data.config import DataConfig
+from data.config import QUESTION_TYPES, DataConfig
 from data.image import ImageSkip, decode_image, process_image
 from data.records import RecordError, decode_record, from_llava
 from data.tokenizer import Tokenizer, load_tokenizer
@@ -47,7 +47,6 @@ SKIP_REASONS = {
     "processing_error": "unexpected error while processing (logged)",
 }
 # Question types of the built-in VQA set; ``answer_type`` ids index this tuple.
-QUESTION_TYPES = ("colour", "shape", "count", "position", "text")
 _MAX_ERROR_LOGS = 5
 
 

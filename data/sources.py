@@ -20,24 +20,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from data.config import DataConfig, DataError
+from data.config import DataConfig, DataError, source_params
 
 log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 CAPTION_PROMPT = "Describe this image."
-
-
-class ListSource:
-    """A list of records in memory."""
-
-    def __init__(self, records: Sequence[Any]):
-        self._records = list(records)
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __getitem__(self, index: int) -> Any:
-        return self._records[index]
 
 
 class ArrayRecordSource:
@@ -186,8 +173,8 @@ def _split_value(value: Any, split: str, what: str) -> Any:
 
 def build_source(cfg: DataConfig, split: str = "train") -> tuple[Any, str]:
     """(random-access source, human label) for a config and split (``train`` / ``heldout``)."""
-    src = dict(cfg.source)
-    kind = src.pop("kind")
+    src = source_params(cfg.source)
+    kind = cfg.kind
     if kind == "vqa":
         from data.vqa import ensure_vqa
 

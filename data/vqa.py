@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from data.config import VqaConfig, source_params
 from data.records import encode_record
 from data.sample import QUESTION_TYPES
 
@@ -64,27 +65,15 @@ QUESTIONS = {
     "position": ("Is the shape on the left or the right?", "Which side is the shape on, left or right?"),
     "text": ("What word is written in the image?", "Read the word in the picture.", "Which word is shown?"),
 }
-DEFAULTS: dict[str, Any] = {
-    "num_train": 4000, "num_heldout": 500, "image_size": [64, 320], "aspect": [0.5, 2.0],
-    "images_per_sample": [1, 1], "describe_turns": [0, 0], "questions": list(QUESTION_TYPES),
-    "jpeg_quality": [70, 95], "seed": 1234, "shard_size": 4096, "text_budget": 0,
-}
 SPLITS = {"train": 0, "heldout": 1}
 
 
-def vqa_params(source: Mapping[str, Any]) -> dict[str, Any]:
-    """Generator parameters: DEFAULTS updated with the config's ``source`` (minus ``kind``)."""
-    params = dict(DEFAULTS)
-    for k, v in source.items():
-        if k == "kind":
-            continue
-        if k not in DEFAULTS:
-            raise ValueError(f"unknown vqa source key {k!r}; known: {sorted(DEFAULTS)}")
-        params[k] = v
-    bad = set(params["questions"]) - set(QUESTION_TYPES)
-    if bad:
-        raise ValueError(f"unknown question types {sorted(bad)}; known: {QUESTION_TYPES}")
-    return params
+def vqa_params(source: VqaConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """Generator parameters: a ``VqaConfig``'s settings as plain values (given a mapping of some of its
+    keys, the rest take the config's defaults)."""
+    if not isinstance(source, VqaConfig):
+        source = VqaConfig(**{k: v for k, v in source.items() if k != "kind"})
+    return source_params(source)
 
 
 # -- drawing ----------------------------------------------------------------------------------------

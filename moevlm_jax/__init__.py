@@ -1,8 +1,8 @@
-"""moevlm_jax: Mixture-of-Experts vision-language models (Qwen3-VL-MoE) in JAX / Flax NNX."""
+"""moevlm_jax: Mixture-of-Experts vision-language models (Qwen3-VL-MoE) in JAX / Flax NNX.
 
-import flax as _flax
-
-# Parameters carry logical axis names as sharding metadata; only parallelism/ turns them into
-# mesh shardings. Without this, Flax tries to shard every annotated Variable eagerly at creation
-# and fails when no mesh is active.
-_flax.config.update("flax_always_shard_variable", False)
+Subpackages by role (ARCHITECTURE.md, "Where is what"): ``model`` (modules and the model config),
+``training`` (trainer, objective, optimizer, checkpoints, metrics, loop), ``config`` (the one typed
+configuration and its loader), ``hf`` (Hugging Face checkpoints), ``tools`` (benchmarks, sweep,
+memory report, breakdowns, FLOPs); the commands ``python -m moevlm_jax.train`` and
+``moevlm_jax.launch``.
+"""

@@ -1,329 +1,28 @@
 """The main job: ``python -m moevlm_jax.train [--recipe R] [--model M] [--layout L] [--data D]
-[--steps N] [--run-dir DIR] [--resume] [key=value ...]``.
+[--steps N] [--run-dir DIR] [--resume] [key=value ...]`` (``--help-config``: every key).
 
-config (moevlm_jax.config.run, validated once) -> mesh over all devices (the layout) -> sharded train
-state + compiled step (moevlm_jax.training.trainer) -> grain loader (this host's shard) -> loop: step,
-metrics (metrics.jsonl, TensorBoard, progress bar), held-out evaluation, async orbax checkpoints,
-profile window -> summary table. ``--resume`` continues the run in ``--run-dir`` from its latest
-checkpoint: parameters, optimizer state, step, RNG and the data iterator.
+config (moevlm_jax.config, validated once) -> mesh over all devices (the layout) -> sharded train
+state + compiled step (moevlm_jax.training.trainer) -> grain loader (this host's shard) -> loop:
+step, metrics (metrics.jsonl, TensorBoard, progress bar), held-out evaluation, async orbax
+checkpoints, profile window -> summary table (moevlm_jax.training.loop). ``--resume`` continues the
+run in ``--run-dir`` from its latest checkpoint: parameters, optimizer state, step, RNG and the data
+iterator.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
-from flax import nnx
-
-import data as data_lib
+from moevlm_jax.config.run import add_arguments, from_args, help_config
+from moevlm_jax.config.schema import ConfigError
 from moevlm_jax.training import capture
-from moevlm_jax.tools import flops
-from moevlm_jax.tools import memory
-from moevlm_jax.training import optimizer as optim
-from moevlm_jax.training.checkpoint import Checkpointer, resume_step
-from moevlm_jax.model.config import ComputeConfig, ModelConfig
-from moevlm_jax.training.metrics import (
-    MetricsWriter,
-    ProfileWindow,
-    Progress,
-    StepTracker,
-    progress_postfix,
-    read_metrics,
-)
-from moevlm_jax.model.router import ExpertBias
-from moevlm_jax.config.run import RunConfig, add_arguments, from_args, save_config
-from moevlm_jax.config.schema import ConfigError, near_miss
-from moevlm_jax.training.trainer import Trainer
-from parallelism.validate import LayoutError, validate_layout
 
 log = logging.getLogger("moevlm_jax.train")
 
-
-@dataclasses.dataclass
-class Sections:
-    """The typed model, compute and data sections of a RunConfig."""
-
-    model: ModelConfig
-    compute: ComputeConfig
-    data: Any  # data.DataConfig
-
-
-def typed_sections(cfg: RunConfig) -> Sections:
-    """Validate the model / compute / data sections and their agreement (tokenizer ids and image
-    processing vs the model); every problem in one ConfigError naming the key."""
-    errors: list[str] = []
-    model = compute = data = None
-    try:
-        model = ModelConfig.from_hf_dict(dict(cfg.model), strict=True)
-    except (TypeError, ValueError) as e:
-        errors.append(f"model: {e}")
-    known = [f.name for f in dataclasses.fields(ComputeConfig)]
-    bad = [k for k in cfg.compute if k not in known]
-    errors += [f"unknown key 'compute.{k}'{near_miss(k, known)} (known: {', '.join(known)})" for k in bad]
-    if not bad:
-        try:
-            compute = ComputeConfig.from_dict(cfg.compute)
-        except (TypeError, ValueError) as e:
-            errors.append(str(e))
-    known = [f.name for f in dataclasses.fields(data_lib.DataConfig)]
-    bad = [k for k in cfg.data if k not in known]
-    errors += [f"unknown key 'data.{k}'{near_miss(k, known)} (known: {', '.join(known)})" for k in bad]
-    if not bad:
-        try:
-            data = data_lib.load_data_config(dict(cfg.data))
-        except (data_lib.DataError, TypeError, ValueError) as e:
-            errors.append(f"data: {e}")
-    if model is not None and data is not None:
-        errors += _model_data_checks(model, data)
-    if cfg.train.init_from and not Path(cfg.train.init_from).is_dir():
-        errors.append(f"train.init_from: {cfg.train.init_from} is not an HF model directory")
-    if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    return Sections(model, compute, data)
-
-
-def _model_data_checks(model: ModelConfig, data: Any) -> list[str]:
-    """The data's tokenizer and image processing must match the model config."""
-    errors = []
-    try:
-        tok = data_lib.load_tokenizer(data.tokenizer)
-    except data_lib.DataError as e:
-        return [f"data.tokenizer: {e}"]
-    vocab = model.text_config.vocab_size
-    if tok.vocab_size > vocab:
-        errors.append(f"model {model.name or ''} has vocab_size {vocab} but the data tokenizer '{data.tokenizer}' "
-                      f"uses ids up to {tok.vocab_size - 1}; pick a model with that vocabulary (e.g. --model tiny, "
-                      f"small or proxy for the Qwen3 tokenizer) or set model.text_config.vocab_size")
-    for token, field in (("<|image_pad|>", "image_token_id"), ("<|vision_start|>", "vision_start_token_id"),
-                         ("<|vision_end|>", "vision_end_token_id")):
-        want = tok.special_tokens.get(token)
-        if want is not None and getattr(model, field) != want:
-            errors.append(f"model.{field} = {getattr(model, field)} but the data tokenizer has {token} = {want}")
-    v, img = model.vision_config, data.image
-    for ours, theirs, name in ((v.patch_size, img.patch_size, "patch_size"),
-                               (v.spatial_merge_size, img.merge_size, "merge_size"),
-                               (v.temporal_patch_size, img.temporal_patch_size, "temporal_patch_size")):
-        if ours != theirs:
-            errors.append(f"data.image.{name} = {theirs} but the model's vision_config has {ours}")
-    return errors
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-def evaluate(trainer: Trainer, params: Any, data_cfg: Any, *, rows: int, batches: int) -> dict[str, Any]:
-    """Held-out split: teacher-forced loss on the answer tokens and exact-match answer accuracy per
-    question type (``data.answer_accuracy``) over the first ``batches`` batches of ``rows`` rows."""
-    loader = data_lib.build_loader(data_cfg, batch_size=rows, split="heldout", shard_index=jax.process_index(),
-                                   shard_count=jax.process_count())
-    ce = tokens = 0.0
-    parts = []
-    try:
-        for _, batch in zip(range(batches), loader):
-            metrics, pred = trainer.evaluate(params, batch)
-            ce, tokens = ce + metrics["ce_sum"], tokens + metrics["tokens"]
-            parts.append(data_lib.answer_accuracy(batch, pred))
-    finally:
-        loader.close()
-    accuracy = data_lib.merge_accuracy(parts) if parts else {}
-    return {"loss": ce / max(tokens, 1.0), "tokens": tokens, "accuracy": accuracy}
-
-
-def eval_record(result: dict[str, Any]) -> dict[str, float]:
-    """Flat metrics of an evaluation: eval_loss, eval_accuracy, eval_accuracy_<type>, eval_answers."""
-    out = {"eval_loss": result["loss"]}
-    for key, e in result["accuracy"].items():
-        name = "eval_accuracy" if key == "all" else f"eval_accuracy_{key}"
-        out[name] = e["accuracy"]
-    out["eval_answers"] = result["accuracy"].get("all", {}).get("answers", 0)
-    return out
-
-
-def apply_compilation_cache(path: str | None) -> Path | None:
-    """Point JAX's persistent compilation cache at ``path`` (``train.compilation_cache_dir``, ``~``
-    expanded, created): a later run of the same program on the same devices loads its compiled steps
-    instead of compiling them (unrolled layers take ~60 s a batch shape on the H200, bench/step_h200.md
-    run 10). The cache is re-checked, so this works in a process that compiled already. None: unchanged."""
-    if not path:
-        return None
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    where = Path(path).expanduser()
-    where.mkdir(parents=True, exist_ok=True)
-    if jax.config.jax_compilation_cache_dir != str(where):
-        cc.reset_cache()  # JAX decides once per process whether a cache is used
-        cc.set_cache_dir(str(where))
-        log.info("compilation cache: %s", where)
-    return where
-
-
-# ----------------------------------------------------------------------------- the loop
-
-def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None = None) -> dict[str, Any]:
-    """Train per ``cfg``; returns the run summary. ``stop_after``: leave the loop after that step
-    without the final checkpoint, as an interrupted run would (tests, time boxes)."""
-    sections = typed_sections(cfg)
-    try:  # the CLI set the flags before the backend started; in-process callers must have the same
-        capture.apply_capture(sections.compute)
-    except capture.CaptureError as e:
-        raise ConfigError(f"compute.capture {sections.compute.capture}: {e}") from None
-    tr = cfg.train
-    apply_compilation_cache(tr.compilation_cache_dir)
-    try:  # the layout against the model and the batch shape, before anything compiles
-        validate_layout(sections.model, cfg.layout, batch_size=tr.micro_batch_size * cfg.data_parallel_size,
-                        seq_len=tr.seq_len)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
-    run_dir = cfg.run_dir
-    ckpt_dir = run_dir / "checkpoints"
-    start = resume_step(ckpt_dir, tr.resume) or 0
-    if jax.process_index() == 0:
-        save_config(cfg, run_dir)
-    frozen = optim.frozen_groups(tr.freeze_vision_model, tr.freeze_vision_projection, tr.freeze_language_model)
-    trainer = Trainer.create(sections.model, sections.compute, cfg.layout, cfg.optimizer, steps=tr.steps,
-                             grad_accum=tr.grad_accum, frozen=frozen, param_groups=tr.param_groups)
-    _log_model(trainer, frozen, tr.param_groups)
-    if trainer.data_parallel_size != cfg.data_parallel_size:
-        raise ConfigError(f"data-parallel size {trainer.data_parallel_size} != config's {cfg.data_parallel_size}")
-    log.info("batch: global %d rows x %d tokens = micro %d x accumulation %d x data-parallel %d",
-             cfg.global_batch_size, tr.seq_len, tr.micro_batch_size, tr.grad_accum, cfg.data_parallel_size)
-    loader = data_lib.build_loader(sections.data, shard_index=jax.process_index(), shard_count=jax.process_count())
-    ckpt = Checkpointer(ckpt_dir, save_every=tr.checkpoint_every, keep=tr.keep_checkpoints,
-                        async_save=tr.async_checkpointing)
-    if start:
-        state, data_state = ckpt.restore(trainer.abstract_state(), step=start)
-        loader.set_state(data_state)
-        log.info("resumed from step %d (%s)", start, ckpt_dir)
-    else:
-        state = trainer.init_state(tr.seed, params=_pretrained(tr.init_from, sections, trainer))
-    writer = MetricsWriter(run_dir, tensorboard=tr.tensorboard, resume_step=start if start else None)
-    tracker = StepTracker(num_devices=trainer.mesh.devices.size, peak_flops=flops.peak_flops())
-    shape = flops.ModelShape.from_config(sections.model)
-    profile = ProfileWindow(tr.profile_dir or run_dir / "profile", tr.profile_start_step, tr.profile_steps)
-    bar = Progress(tr.steps, initial=start, enabled=progress)
-    eval_rows = tr.micro_batch_size * cfg.data_parallel_size // jax.process_count()
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "steps": tr.steps, "evals": []}
-    t0 = time.perf_counter()
-    timed = {"time": 0.0, "useful_tokens": 0.0, "flops": 0.0}
-
-    def handle(record: dict[str, Any] | None) -> None:
-        if record is None:
-            return
-        step = record["step"]
-        if "step_time_s" in record:
-            timed["time"] += record["step_time_s"]
-            timed["useful_tokens"] += record.get("useful_tokens", 0.0)
-            timed["flops"] += record.get("flops", 0.0)
-        bar.update(step, record)
-        if step % tr.log_every == 0 or step == tr.steps or step == start + 1:
-            record = {**record, "tokens_per_s": None, **tracker.window()}
-            writer.write(step, record)
-            if not bar.bar.disable:
-                return
-            log.info("step %d/%d: %s", step, tr.steps, progress_postfix(record))
-
-    step = start
-    try:
-        for step in range(start + 1, tr.steps + 1):
-            host = next(loader)
-            batch = trainer.prepare(host)
-            profile.before_step(step)
-            try:
-                state, metrics = trainer.step(state, batch)
-                profile.after_step(step, metrics)
-                skipped = host["stats"].get("skipped_total", {})
-                handle(tracker.push(step, metrics, {**batch.counts, "flops": flops.batch_flops(shape, host),
-                                                    "data_skipped": float(sum(skipped.values()))}))
-            except Exception as e:  # out of device memory: say what does not fit and what to change
-                if not memory.is_oom(e):
-                    raise
-                name = sections.model.name or "MODEL"
-                raise ConfigError(
-                    f"out of device memory in train step {step} ({name}, layout "
-                    f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} tokens per "
-                    f"data-parallel rank, param_dtype {sections.compute.param_dtype}, optimizer state "
-                    f"{cfg.optimizer.state_dtype}, recompute {sections.compute.recompute}): "
-                    f"{str(e).splitlines()[0][:300]}. "
-                    + memory.oom_advice(name, cfg.layout.name, tr.micro_batch_size, tr.seq_len)) from None
-            if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:
-                handle(tracker.flush())
-                _eval(trainer, state, sections.data, eval_rows, tr.eval_batches, step, writer, summary)
-                tracker.discard_next_interval()
-            if ckpt.save(step, state, loader.get_state()):
-                tracker.discard_next_interval()
-            if stop_after is not None and step >= stop_after:
-                log.info("stopping after step %d (interrupted run)", step)
-                break
-        handle(tracker.flush())
-        interrupted = stop_after is not None and step >= stop_after and step < tr.steps
-        if not interrupted and step > start:
-            ckpt.save(step, state, loader.get_state(), force=True)
-            if tr.eval_every or tr.eval_batches:
-                _eval(trainer, state, sections.data, eval_rows, max(tr.eval_batches, 1), step, writer, summary)
-    finally:
-        profile.close()
-        bar.close()
-        ckpt.wait()
-        saved = ckpt.all_steps()
-        ckpt.close()
-        writer.close()
-        loader_summary = loader.summary()
-        loader.close()
-    wall = time.perf_counter() - t0
-    records = [r for r in read_metrics(run_dir) if "loss" in r]
-    summary.update({
-        "end_step": step, "wall_s": wall, "compiles": len(trainer.compiled),
-        "loss_first": records[0]["loss"] if records else None, "loss_last": records[-1]["loss"] if records else None,
-        "first_step": records[0]["step"] if records else None, "last_step": records[-1]["step"] if records else None,
-        "tokens_per_s": timed["useful_tokens"] / timed["time"] if timed["time"] else None,
-        "tflops_per_device": timed["flops"] / timed["time"] / trainer.mesh.devices.size / 1e12 if timed["time"] else None,
-        "skipped_updates": int(jax.device_get(optim.skipped_updates(state["opt_state"]))),
-        "data": loader_summary, "checkpoints": saved,
-    })
-    return summary
-
-
-def _eval(trainer: Trainer, state: Any, data_cfg: Any, rows: int, batches: int, step: int,
-          writer: MetricsWriter, summary: dict[str, Any]) -> None:
-    t = time.perf_counter()
-    result = evaluate(trainer, state["params"], data_cfg, rows=rows, batches=batches)
-    record = eval_record(result)
-    writer.write(step, record)
-    summary["evals"].append({"step": step, **result})
-    acc = result["accuracy"].get("all", {})
-    log.info("eval at step %d: loss %.4f, accuracy %.1f%% over %d answers (%.1fs)", step, result["loss"],
-             100 * acc.get("accuracy", float("nan")), acc.get("answers", 0), time.perf_counter() - t)
-
-
-def _pretrained(path: str | None, sections: Sections, trainer: Trainer) -> Any:
-    if not path:
-        return None
-    from moevlm_jax.hf import load_pretrained
-
-    model, _ = load_pretrained(path, np.dtype(sections.compute.param_dtype), compute=sections.compute)
-    params = nnx.to_pure_dict(nnx.state(model, (nnx.Param, ExpertBias)))  # + router state (zeros)
-    want = jax.tree.map(lambda x: x.shape, trainer.abstract_params)
-    if jax.tree.map(lambda x: x.shape, params) != want:
-        raise ConfigError(f"train.init_from {path}: parameter shapes differ from the configured model")
-    return params
-
-
-def _log_model(trainer: Trainer, frozen: set[str], groups: Any) -> None:
-    sizes = optim.group_sizes(trainer.abstract_params, groups)
-    total = sum(sizes.values())
-    parts = ", ".join(f"{g} {n / 1e6:.2f}M{' (frozen)' if g in frozen else ''}" for g, n in sizes.items())
-    log.info("model %s: %.2fM parameters (%s); compute %s, params %s", trainer.spec.model.name, total / 1e6, parts,
-             trainer.spec.compute.dtype, trainer.spec.compute.param_dtype)
-
-
-# ----------------------------------------------------------------------------- the command line
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The end-of-run table: steps, time, loss first -> last, throughput, skips, held-out accuracy."""
@@ -380,7 +79,12 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="warnings only")
+    parser.add_argument("--help-config", action="store_true",
+                        help="list every setting (key, type, default, meaning) and exit")
     args = parser.parse_args(argv)
+    if args.help_config:
+        print(help_config())
+        return 0
     setup_logging(logging.WARNING if args.quiet else logging.INFO)
     try:  # the capture's XLA flags, before anything starts the jax backend (from_args asks for devices)
         capture.apply_capture(*capture.recipe_capture(args.recipe, args.overrides, run_dir=args.run_dir,
@@ -389,8 +93,9 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
+        from moevlm_jax.training.loop import run
+
         cfg = from_args(args)
-        typed_sections(cfg)
         summary = run(cfg, stop_after=stop_after)
     except (ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)

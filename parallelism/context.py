@@ -37,12 +37,6 @@ KINDS: tuple[str, ...] = ("allgather", "ring")
 Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def _flat(entry: object) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _spec(axes: Sequence[str | None], ctx: logical.ShardingContext) -> tuple:
     spec = tuple(logical.logical_to_spec(axes, ctx.rules, ctx.mesh))
     return spec + (None,) * (len(axes) - len(spec))
@@ -54,14 +48,13 @@ def sequence_axes(axes: Sequence[str | None], seq_dim: int = 1) -> tuple[str, ..
     ctx = logical.current()
     if ctx is None or logical.in_manual_region():
         return ()
-    return _flat(_spec(axes, ctx)[seq_dim])
+    return logical.flat_axes(_spec(axes, ctx)[seq_dim])
 
 
 def context_kind(ctx: logical.ShardingContext | None = None) -> str:
     """The CP variant the layout asks for (``options.context_parallel``), default "allgather"."""
     ctx = ctx or logical.current()
-    options = getattr(ctx, "options", None) or {}
-    kind = options.get("context_parallel", "allgather") if hasattr(options, "get") else "allgather"
+    kind = getattr(getattr(ctx, "options", None), "context_parallel", "allgather")
     if kind not in KINDS:
         raise ValueError(f"layout option context_parallel must be one of {KINDS}, got {kind!r}")
     return kind
@@ -79,7 +72,7 @@ def context_parallel_attention(attend: Attend, q: jax.Array, k: jax.Array, v: ja
     if q_spec[:2] != kv_spec[:2]:
         raise ValueError(f"context parallel attention: q is split {q_spec[:2]} over (batch, sequence) but "
                          f"k/v {kv_spec[:2]}; the layout must split them alike")
-    cp_axes = _flat(q_spec[1])
+    cp_axes = logical.flat_axes(q_spec[1])
     if not cp_axes:
         raise ValueError("context_parallel_attention called but the layout does not split the sequence")
     cp = logical.axis_size(ctx.mesh, cp_axes)

@@ -109,12 +109,6 @@ class ExpertTopology:
         return tuple(a for a in self.expert_axes if a not in self.token_axes)
 
 
-def _flat(entry: Any) -> Axes:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _entry(axes: Axes) -> Any:
     return None if not axes else (axes[0] if len(axes) == 1 else axes)
 
@@ -128,9 +122,9 @@ def resolve_topology(ctx: logical.ShardingContext | None) -> ExpertTopology:
     wgt = tuple(wgt) + (None,) * (4 - len(wgt))
     return ExpertTopology(
         mesh=ctx.mesh,
-        token_axes=_flat(tok[0] if len(tok) else None),
-        expert_axes=_flat(wgt[0]),
-        etp_axes=_flat(wgt[3]),
+        token_axes=logical.flat_axes(tok[0] if len(tok) else None),
+        expert_axes=logical.flat_axes(wgt[0]),
+        etp_axes=logical.flat_axes(wgt[3]),
     )
 
 

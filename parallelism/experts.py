@@ -25,8 +25,9 @@ Options (all optional):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -45,14 +46,22 @@ from parallelism.permute import DROP_POLICIES
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OPTIONS: dict[str, Any] = {
-    "backend": "auto",
-    "dispatcher": "auto",
-    "capacity_factor": None,
-    "drop_policy": "probs",
-    "a2a_impl": "auto",
-    "hybrid_overflow": 0.25,
-}
+@dataclasses.dataclass(frozen=True)
+class ExpertsConfig:
+    """The ``compute.moe`` section: how the experts run (each key as in the module docstring)."""
+
+    # auto (GPU: triton, this project's Pallas-Triton kernels; else ragged_dot) | triton | tokamax |
+    # ragged_dot | dense (reference) | capacity (drop-and-pad einsum) | hybrid (padded einsum + grouped overflow)
+    backend: Literal["auto", "triton", "tokamax", "ragged_dot", "dense", "capacity", "hybrid"] = "auto"
+    # auto (alltoall when the layout shards 'exp', else local) | local | alltoall | allgather
+    dispatcher: Literal["auto", "local", "alltoall", "allgather"] = "auto"
+    capacity_factor: float | None = None  # null: dropless; else each expert keeps <= ceil(T*K/E*factor) per device group
+    drop_policy: Literal["probs", "position"] = "probs"  # which assignments a full expert keeps
+    a2a_impl: Literal["auto", "ragged", "dense"] = "auto"  # auto (GPU: ragged_all_to_all, else fixed-size all_to_all)
+    hybrid_overflow: float = 0.25  # hybrid only: the overflow buffer's rows as a fraction of the assignments
+
+
+DEFAULT_OPTIONS: dict[str, Any] = dataclasses.asdict(ExpertsConfig())
 
 
 def _platform(topo: ExpertTopology) -> str:

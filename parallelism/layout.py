@@ -1,4 +1,5 @@
-"""Layouts: a mesh shape plus logical-axis rules, read from ``configs/layouts/*.yaml``.
+"""Layouts: a mesh shape plus logical-axis rules (``configs/layouts/*.yaml``, loaded by the one config
+loader: ``moevlm_jax.config.load_layout``).
 
 A layout is data, not code: switching FSDP <-> 3D is choosing another YAML file. Mesh axes, in
 device order from outermost to innermost (innermost = fastest links):
@@ -10,29 +11,75 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import jax
 import numpy as np
-import yaml
+from flax.core import FrozenDict
 from jax.sharding import Mesh
 
-from parallelism.logical import Rules, normalize_rules
 
 MESH_AXES: tuple[str, ...] = ("stage", "data", "fsdp", "context", "expert", "tensor")
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """A layout's ``options.pipeline`` (parallelism.pipeline; checked against the stage count there)."""
+
+    schedule: Literal["gpipe", "circular"] = "gpipe"  # gpipe: each stage once; circular: interleaved repeats
+    microbatches: int | None = None  # microbatches per batch (null: the stage count)
+    repeats: int | None = None  # chunks per stage (null: 1 for gpipe, 2 for circular)
+    # decoder layers per chunk (stages x repeats entries, summing to the layer count), or
+    # {stack axis: counts}; null: an even split (a short chunk is padded with masked identity slots)
+    stage_layers: tuple[int, ...] | dict[str, tuple[int, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage_layers, Mapping):  # hashable
+            object.__setattr__(self, "stage_layers", FrozenDict({str(k): tuple(v) for k, v in self.stage_layers.items()}))
+
+    def stage_layers_by_axis(self) -> dict[str, tuple[int, ...]]:
+        """``{stack axis: per-chunk layer counts}`` (a bare list is the decoder's ``layers`` axis)."""
+        if self.stage_layers is None:
+            return {}
+        if isinstance(self.stage_layers, Mapping):
+            return dict(self.stage_layers)
+        return {"layers": tuple(self.stage_layers)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutOptions:
+    """What a layout sets beyond its mesh and rules."""
+
+    pipeline: PipelineOptions | None = None  # the pipeline schedule when the mesh has a stage axis
+    context_parallel: Literal["allgather", "ring"] = "allgather"  # K/V over sequence shards: all-gathered or a ring
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A named mesh shape (``-1`` = the remaining devices) and its logical-axis rules."""
 
-    name: str
-    mesh: dict[str, int]
-    rules: Rules
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    name: str = "layout"  # a label for logs
+    description: str = ""  # one line on what the layout is for
+    # axis sizes in device order, outermost first: stage, data, fsdp, context, expert, tensor
+    # (-1: the devices left over; axes not named have size 1)
+    mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"fsdp": -1})
+    # [logical axis, mesh axis | [mesh axes] | null] pairs; for each tensor dimension the first rule
+    # whose mesh axes the tensor does not use yet wins (parallelism.logical)
+    rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
+    options: LayoutOptions = LayoutOptions()  # pipeline schedule, context-parallel variant
+
+    def __post_init__(self) -> None:
+        from parallelism.logical import normalize_rules
+
+        unknown = [a for a in self.mesh if a not in MESH_AXES]
+        if unknown:
+            import difflib
+
+            near = difflib.get_close_matches(unknown[0], MESH_AXES, n=1)
+            raise ValueError(f"unknown mesh axis 'layout.mesh.{unknown[0]}'"
+                             f"{f'; did you mean {near[0]!r}?' if near else ''} (mesh axes: {', '.join(MESH_AXES)})")
+        object.__setattr__(self, "rules", normalize_rules(self.rules))
 
     def resolved_mesh_shape(self, num_devices: int) -> dict[str, int]:
         """Mesh axis sizes with ``-1`` filled so that the product equals ``num_devices``."""
@@ -79,34 +126,3 @@ def resolve_mesh_shape(mesh: dict[str, int], num_devices: int, name: str = "layo
             f"to fill the rest"
         )
     return shape
-
-
-def preset_name(name: str) -> str:
-    """A preset name as its file is named: '+' reads as '_' (``tp+ep`` is ``tp_ep``)."""
-    return name.replace("+", "_")
-
-
-def load_layout(name_or_path: str | Path) -> Layout:
-    """Load a layout preset by name (``configs/layouts/NAME.yaml``; ``tp+ep`` = ``tp_ep``) or from a
-    YAML path."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = CONFIG_DIR / "layouts" / f"{preset_name(str(name_or_path))}.yaml"
-    if not path.exists():
-        presets = sorted(p.stem for p in (CONFIG_DIR / "layouts").glob("*.yaml"))
-        raise FileNotFoundError(f"no layout '{name_or_path}'; presets: {presets}, or give a .yaml path")
-    raw = yaml.safe_load(path.read_text()) or {}
-    return layout_from_dict(raw, default_name=path.stem)
-
-
-def layout_from_dict(raw: dict[str, Any], default_name: str = "layout") -> Layout:
-    """Build a Layout from its YAML mapping: ``mesh``, ``rules`` and free-form ``options``."""
-    unknown = sorted(set(raw) - {"name", "mesh", "rules", "options", "description"})
-    if unknown:
-        raise ValueError(f"layout {default_name}: unknown keys {unknown}")
-    return Layout(
-        name=str(raw.get("name", default_name)),
-        mesh={str(k): int(v) for k, v in (raw.get("mesh") or {}).items()},
-        rules=normalize_rules(raw.get("rules") or []),
-        options=dict(raw.get("options") or {}),
-    )

@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +29,7 @@ LogicalAxes = Sequence[str | None]
 
 @dataclasses.dataclass(frozen=True)
 class ShardingContext:
-    """The active mesh, logical-axis rules and the layout's free-form options (e.g. ``pipeline``)."""
+    """The active mesh, logical-axis rules and the layout's options (``parallelism.layout.LayoutOptions``)."""
 
     mesh: Mesh
     rules: Rules
@@ -59,7 +60,7 @@ def normalize_rules(rules: Sequence[Sequence[Any]]) -> Rules:
 @contextlib.contextmanager
 def sharding_context(mesh: Mesh, rules: Sequence[Sequence[Any]], options: Any = None) -> Iterator[ShardingContext]:
     """Make ``mesh`` and ``rules`` the ones :func:`constrain` and the dispatchers use; ``options``
-    (a layout's ``options`` mapping) reach e.g. ``parallelism.pipeline``."""
+    (a layout's ``LayoutOptions``) reach e.g. ``parallelism.pipeline``."""
     ctx = ShardingContext(mesh, normalize_rules(rules), options)
     token = _CONTEXT.set(ctx)
     try:
@@ -128,23 +129,23 @@ def logical_to_spec(axes: LogicalAxes | None, rules: Rules, mesh: Mesh | None = 
     return PartitionSpec(*out)
 
 
-def axis_size(mesh: Mesh, axes: MeshAxes) -> int:
-    """Number of devices a dimension mapped to ``axes`` is split over."""
-    if axes is None:
-        return 1
-    flat = (axes,) if isinstance(axes, str) else tuple(axes)
-    size = 1
-    for a in flat:
-        size *= mesh.shape[a]
-    return size
+def flat_axes(entry: MeshAxes) -> tuple[str, ...]:
+    """A rule's mesh axes as a tuple: None -> (), 'a' -> ('a',), ('a', 'b') as is."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def logical_axis_size(name: str, ctx: ShardingContext | None = None) -> int:
-    """How many shards the logical axis ``name`` has under the active (or given) context."""
-    ctx = ctx or current()
-    if ctx is None:
-        return 1
-    return axis_size(ctx.mesh, mesh_axes_for(name, ctx.rules))
+def axis_size(mesh: Mesh | Mapping[str, int], axes: MeshAxes) -> int:
+    """Number of devices a dimension mapped to ``axes`` is split over (a Mesh or its axis sizes)."""
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh
+    return math.prod(int(shape[a]) for a in flat_axes(axes))
+
+
+def data_parallel_size(rules: Rules, mesh: Mesh | Mapping[str, int]) -> int:
+    """Devices the batch rows are split over: the mesh axes the rule for 'act_batch' names (Megatron's
+    DP ranks: the trainer's loss groups and the router's per-rank aux loss)."""
+    return axis_size(mesh, mesh_axes_for("act_batch", rules))
 
 
 def named_sharding(axes: LogicalAxes | None, ctx: ShardingContext | None = None) -> NamedSharding:

@@ -51,12 +51,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism import logical
+from parallelism.layout import PipelineOptions
 
 log = logging.getLogger(__name__)
 
 STAGE_AXIS = "stage"
 SCHEDULES: tuple[str, ...] = ("gpipe", "circular")
-OPTION_KEYS: tuple[str, ...] = ("microbatches", "schedule", "repeats", "stage_layers")
 PyTree = Any
 LayerFn = Callable[[PyTree, PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
 U = PartitionSpec.UNCONSTRAINED
@@ -93,19 +93,16 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (microbatches * repeats + stages - 1)
 
 
-def pipeline_config(options: Mapping[str, Any] | None, stages: int,
-                    layer_counts: Mapping[str, int] | None = None) -> PipelineConfig:
-    """Validate a layout's ``options["pipeline"]`` for a ``stages``-stage mesh (and, given the
-    model's ``layer_counts`` per stack axis, e.g. ``{"layers": 48}``, that stage_layers sum to them)."""
-    raw = dict((options or {}).get("pipeline") or {})
-    unknown = sorted(set(raw) - set(OPTION_KEYS))
-    if unknown:
-        raise ValueError(f"pipeline options: unknown keys {unknown}; known: {list(OPTION_KEYS)}")
-    schedule = raw.get("schedule", "gpipe")
+def pipeline_config(options: Any, stages: int, layer_counts: Mapping[str, int] | None = None) -> PipelineConfig:
+    """The schedule a layout's options (``parallelism.layout.LayoutOptions``; its ``pipeline``) give a
+    ``stages``-stage mesh, checked (and, given the model's ``layer_counts`` per stack axis, e.g.
+    ``{"layers": 48}``, that stage_layers sum to them)."""
+    raw = getattr(options, "pipeline", None) or PipelineOptions()
+    schedule = raw.schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {schedule!r}")
-    repeats = int(raw.get("repeats", 2 if schedule == "circular" else 1))
-    micro = int(raw.get("microbatches", stages))
+    repeats = int(raw.repeats if raw.repeats is not None else (2 if schedule == "circular" else 1))
+    micro = int(raw.microbatches if raw.microbatches is not None else stages)
     if schedule == "gpipe" and repeats != 1:
         raise ValueError(f"pipeline: schedule 'gpipe' runs each stage once (repeats 1), got repeats {repeats}; "
                          f"use schedule 'circular' for repeats > 1")
@@ -114,13 +111,8 @@ def pipeline_config(options: Mapping[str, Any] | None, stages: int,
     if repeats > 1 and micro < stages:
         raise ValueError(f"pipeline: the circular schedule needs microbatches >= stages (a microbatch must leave "
                          f"the last stage before it re-enters the first), got {micro} < {stages}")
-    layers = raw.get("stage_layers")
-    if layers is None:
-        layers = {}
-    elif not isinstance(layers, Mapping):
-        layers = {"layers": layers}
     table = []
-    for axis, counts in sorted(layers.items()):
+    for axis, counts in sorted(raw.stage_layers_by_axis().items()):
         counts = tuple(int(c) for c in counts)
         if len(counts) != stages * repeats or min(counts) < 0:
             raise ValueError(f"pipeline: stage_layers[{axis}] needs stages x repeats = {stages * repeats} "
@@ -185,10 +177,6 @@ def chunk_layers(n: int, offset: int, cfg: PipelineConfig, axis: str) -> np.ndar
 
 # ----------------------------------------------------------------------------- helpers
 
-def _flat(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-
 def _pin(x: jax.Array, mesh: Any, dims: Mapping[int, Any]) -> jax.Array:
     """Constrain the named ``dims`` of x (others unconstrained)."""
     spec = [dims.get(d, U) for d in range(x.ndim)]
@@ -249,7 +237,7 @@ def run_pipeline(layer_fn: LayerFn, params: PyTree, carry: PyTree, xs: PyTree, s
     log.info("pipeline over '%s' (layers %d..%d) %s", axis, offset, offset + n - 1, describe(cfg, chunks))
 
     rules = inner_rules(ctx.rules)
-    batch_axes = tuple(a for a in _flat(logical.mesh_axes_for("act_batch", rules)) if mesh.shape[a] > 1)
+    batch_axes = tuple(a for a in logical.flat_axes(logical.mesh_axes_for("act_batch", rules)) if mesh.shape[a] > 1)
     batch_entry = None if not batch_axes else (batch_axes[0] if len(batch_axes) == 1 else batch_axes)
     rows = jax.tree.leaves(carry)[0].shape[0]
     shards = math.prod(mesh.shape[a] for a in batch_axes)

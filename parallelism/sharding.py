@@ -25,12 +25,11 @@ PyTree = Any
 BATCH_ROW_AXIS: dict[str, int] = {"positions": 1}
 
 
-def _path(key_path: Sequence[Any]) -> str:
-    names = []
-    for k in key_path:
-        name = next((str(getattr(k, a)) for a in ("key", "name", "idx") if hasattr(k, a)), str(k))
-        names.append(name)
-    while names and names[-1] in ("value", "raw_value"):
+def path_str(key_path: Sequence[Any]) -> str:
+    """'/'-joined names of a jax key path (dict keys, attributes, indexes), without the trailing
+    'value' of nnx Variables: the one parameter-path spelling (shardings, optimizer groups, logs)."""
+    names = [next((str(getattr(k, a)) for a in ("key", "name", "idx") if hasattr(k, a)), str(k)) for k in key_path]
+    while names and names[-1] in ("value", "raw_value") and type(key_path[len(names) - 1]).__name__ == "GetAttrKey":
         names.pop()
     return "/".join(names)
 
@@ -49,7 +48,7 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Sequence[Seque
     def one(key_path: Sequence[Any], var: nnx.Variable) -> NamedSharding:
         names = var.get_metadata().get("out_sharding")
         spec = logical_to_spec(names, rules, mesh)
-        check_divisible(_path(key_path), var.shape, spec, mesh)
+        check_divisible(path_str(key_path), var.shape, spec, mesh)
         return NamedSharding(mesh, spec)
 
     flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_state))[0]
@@ -67,10 +66,10 @@ def shardings_like(tree: PyTree, reference: PyTree, reference_shardings: PyTree,
     by_path: dict[str, tuple[tuple[int, ...], Any]] = {}
     for (kp, x), (_, s) in zip(jax.tree_util.tree_flatten_with_path(reference)[0],
                                jax.tree_util.tree_flatten_with_path(reference_shardings)[0]):
-        by_path[_path(kp)] = (tuple(x.shape), s)
+        by_path[path_str(kp)] = (tuple(x.shape), s)
 
     def one(key_path: Sequence[Any], x: Any) -> NamedSharding:
-        names = _path(key_path).split("/")
+        names = path_str(key_path).split("/")
         for i in range(len(names)):
             hit = by_path.get("/".join(names[i:]))
             if hit is not None and hit[0] == tuple(x.shape):

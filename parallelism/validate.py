@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 
 import parallelism
 from parallelism.layout import MESH_AXES, Layout, resolve_mesh_shape
-from parallelism.logical import Rules, logical_to_spec
+from parallelism.logical import flat_axes, Rules, logical_to_spec
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +47,10 @@ class LayoutError(ValueError):
     """A layout that cannot run this model or batch shape; the message lists every problem."""
 
 
-def _flat(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _split(axes: Sequence[str | None], dim: int, rules: Rules, shape: dict[str, int]) -> tuple[str, ...]:
     """Mesh axes (size > 1) dimension ``dim`` of a tensor with logical ``axes`` is split over."""
     spec = tuple(logical_to_spec(axes, rules, types.SimpleNamespace(shape=shape)))
-    return _flat(spec[dim]) if dim < len(spec) else ()
+    return flat_axes(spec[dim]) if dim < len(spec) else ()
 
 
 def model_checks(model: Any) -> list[tuple[str, int, tuple[str | None, ...], int]]:
@@ -130,7 +124,7 @@ def _rule_errors(layout: Layout) -> list[str]:
     for name, axes in layout.rules:
         if name not in parallelism.LOGICAL_AXES:
             errors.append(f"rule [{name}, ...]: unknown logical axis '{name}' (known: {', '.join(parallelism.LOGICAL_AXES)})")
-        bad = [a for a in _flat(axes) if a not in MESH_AXES]
+        bad = [a for a in flat_axes(axes) if a not in MESH_AXES]
         if bad:
             errors.append(f"rule [{name}, {axes}]: unknown mesh axes {bad} (mesh axes: {', '.join(MESH_AXES)})")
     return errors
@@ -162,7 +156,7 @@ def validate_layout(model: Any, layout: Layout, mesh: Mesh | None = None, batch_
                 else:
                     msg += f"; change the rule for '{axes[dim]}' or the mesh, or make it a multiple of {n}"
                 errors.append(msg)
-        if dict(layout.options or {}).get("pipeline"):
+        if layout.options.pipeline is not None:
             try:
                 from parallelism.pipeline import pipeline_config
 

@@ -27,12 +27,6 @@ from parallelism import logical
 from parallelism.dispatch import shard_map_unchecked
 
 
-def _flat(entry: object) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _entry(axes: Sequence[str]) -> object:
     axes = tuple(axes)
     return None if not axes else (axes[0] if len(axes) == 1 else axes)
@@ -47,9 +41,9 @@ def embed_lookup(table: jax.Array, ids: jax.Array, table_axes: Sequence[str | No
         return jnp.take(table, ids, axis=0)
     out = tuple(logical.logical_to_spec(out_axes, ctx.rules, ctx.mesh))
     out = out + (None,) * (3 - len(out))
-    batch, seq, embed = (_flat(e) for e in out)
+    batch, seq, embed = (logical.flat_axes(e) for e in out)
     table_spec = tuple(logical.logical_to_spec(table_axes, ctx.rules, ctx.mesh))
-    vocab = _flat(table_spec[0] if table_spec else None)
+    vocab = logical.flat_axes(table_spec[0] if table_spec else None)
     if embed:  # an embed-sharded output is no layout of ours: leave it to GSPMD
         return logical.constrain(jnp.take(table, ids, axis=0), out_axes)
     # sequence axes the rows are reduce-scattered over: a trailing run of the sequence entry that the

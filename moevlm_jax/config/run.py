@@ -1,18 +1,19 @@
-"""Run settings: a recipe (model + layout + data + compute + optimizer + train) as layered YAML.
+"""Run settings: one typed tree (``RunConfig``) for model, layout, data, compute, optimizer and train.
 
-Layers, later wins (as in MaxText): the dataclass defaults below -> the recipe
+Layers, later wins (as in MaxText): the dataclass defaults -> the recipe
 (``configs/recipes/NAME.yaml`` or a path) -> the model / layout / data files it names
 (``configs/{models,layouts,data}/NAME.yaml`` or paths; ``--model/--layout/--data`` replace the
 names) -> command-line ``key=value`` overrides with dotted paths (``optimizer.lr=1e-4``), values
-parsed as YAML. Everything is validated once, up front: unknown keys name the near miss, type
-errors name the key and the expected type, and rules between fields (global batch = micro batch x
-grad_accum x data-parallel size, ...) are checked with messages that say what to change.
+parsed as YAML (``moevlm_jax.config.schema.parse_override``, the one override parser). Everything is
+validated once, up front, by the one loader (``moevlm_jax.config.schema.build``): unknown keys name
+the near miss, type errors name the key and the expected type, and rules between fields and
+sections (global batch = micro batch x grad_accum x data-parallel size; the data's tokenizer and
+image processing against the model; the layout against the model's heads, experts and layers and
+the batch shape) are checked here with messages that say what to change.
 
 A recipe may give ``model`` (and ``layout``, ``data``) as a name or path, as a mapping with
 ``base: NAME`` plus keys to overlay, or as a full inline mapping (how ``config.yaml`` in a run
 directory stores it, so that file is itself a recipe: ``--recipe runs/x/config.yaml``).
-The ``model``, ``data`` and ``compute`` sections are plain dicts until a schema (a dataclass, or a
-callable ``dict -> object``) is registered for them with :func:`register_schema`.
 
 The train section owns the batch shape: ``micro_batch_size`` is rows per data-parallel rank per
 microbatch (Megatron's MBS), the data-parallel size is the product of the mesh axes the layout's
@@ -26,106 +27,55 @@ import argparse
 import dataclasses
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
-from moevlm_jax.training.optimizer import PARAM_GROUP_PATTERNS
+from data.config import DataConfig
+from moevlm_jax.config.files import CONFIG_DIR, REFERENCED, find_config, resolve_reference
 from moevlm_jax.config.schema import (
     ConfigError,
-    build_dataclass,
-    deep_merge,
+    build,
+    describe,
+    format_help,
     near_miss,
-    parse_value,
+    parse_override,
+    read_yaml,
+    set_dotted,
     to_plain,
 )
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import ModelConfig
+from moevlm_jax.training.config import OptimizerConfig, TrainConfig
+from parallelism.layout import Layout
 
-__all__ = ["ConfigError", "OptimizerConfig", "TrainConfig", "RunConfig", "register_schema", "load_config",
-           "build_run_config", "save_config", "add_arguments", "from_args", "default_recipe"]
+__all__ = ["CONFIG_DIR", "ConfigError", "RunConfig", "add_arguments", "build_run_config", "default_recipe",
+           "from_args", "help_config", "load_config", "resolve_raw", "save_config"]
 
 log = logging.getLogger(__name__)
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SECTIONS = ("name", "description", "model", "layout", "data", "compute", "optimizer", "train")
-REFERENCED = {"model": "models", "layout": "layouts", "data": "data"}
 DERIVED = {"data.seq_len": "train.seq_len",
            "data.batch_size": "train.micro_batch_size / train.grad_accum (data.batch_size = global batch / processes)"}
 
 
 @dataclasses.dataclass
-class OptimizerConfig:
-    """AdamW + warmup/decay schedule + global-norm clipping (see moevlm_jax.training.optimizer)."""
-
-    name: Literal["adamw"] = "adamw"
-    lr: float = 3e-4
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 100
-    decay_steps: int | None = None  # None: train.steps
-    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    # regexes searched in '/'-joined parameter paths; matches get no weight decay (Megatron:
-    # biases and norm weights are not decayed, embeddings are)
-    no_decay_patterns: list[str] = dataclasses.field(default_factory=lambda: ["norm", "bias$"])
-    clip_grad_norm: float = 1.0  # 0: no clipping
-    state_dtype: Literal["float32", "bfloat16"] = "float32"
-    skip_nonfinite: bool = True  # skip updates whose gradients hold inf/nan (counted)
-    max_consecutive_skips: int = 10  # after this many in a row the update is applied anyway
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Loop settings: steps, batch shape, logging, evaluation, checkpoints, freezing, profiling."""
-
-    steps: int = 1000
-    micro_batch_size: int = 1  # rows per data-parallel rank per microbatch (Megatron MBS)
-    grad_accum: int = 1  # microbatches per step
-    global_batch_size: int | None = None  # if given: must equal MBS x grad_accum x DP size
-    seq_len: int = 4096
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 0  # 0: no evaluation
-    eval_batches: int = 0
-    checkpoint_every: int = 500  # 0: only the final checkpoint
-    keep_checkpoints: int = 3
-    async_checkpointing: bool = True
-    freeze_vision_model: bool = False
-    freeze_vision_projection: bool = False
-    freeze_language_model: bool = False
-    # which parameters each freeze flag covers: regexes searched in '/'-joined paths
-    param_groups: dict[str, list[str]] = dataclasses.field(
-        default_factory=lambda: {k: list(v) for k, v in PARAM_GROUP_PATTERNS.items()}
-    )
-    init_from: str | None = None  # HF checkpoint directory; None: random init
-    run_dir: str | None = None  # None: runs/<recipe name>
-    resume: bool = False
-    tensorboard: bool = True
-    profile_steps: int = 0  # 0: no profile; else trace this many steps
-    profile_start_step: int = 10
-    profile_dir: str | None = None  # None: <run_dir>/profile
-    # JAX's persistent compilation cache (compiled steps reused by later runs of the same program;
-    # MaxText's jax_cache_dir); None: JAX's own setting (JAX_COMPILATION_CACHE_DIR, default off)
-    compilation_cache_dir: str | None = None
-
-
-@dataclasses.dataclass
 class RunConfig:
-    """The validated run: typed sections plus the resolved plain mapping written to config.yaml."""
+    """A run: every section typed; ``data_parallel_size`` and ``resolved`` (the plain mapping written to
+    config.yaml) are derived when it is loaded."""
 
-    name: str
-    model: Any
-    layout: Any
-    data: Any
-    compute: Any
-    optimizer: OptimizerConfig
-    train: TrainConfig
-    data_parallel_size: int
-    resolved: dict[str, Any]
-    description: str = ""
+    name: str = "run"  # the recipe's name (default run directory: runs/<name>)
+    description: str = ""  # one line on what the recipe is for
+    model: ModelConfig = ModelConfig()  # the model's shapes (HF config.json field names)
+    layout: Layout = Layout()  # the mesh and the logical-axis rules
+    data: DataConfig = DataConfig()  # the input pipeline
+    compute: ComputeConfig = ComputeConfig()  # dtypes, kernels, recompute, capture, experts, router
+    optimizer: OptimizerConfig = OptimizerConfig()  # AdamW and its schedule
+    train: TrainConfig = TrainConfig()  # the loop: steps, batch shape, evaluation, checkpoints
+    data_parallel_size: int = dataclasses.field(default=1, init=False)
+    resolved: dict[str, Any] = dataclasses.field(default_factory=dict, init=False)
 
     @property
     def global_batch_size(self) -> int:
@@ -138,87 +88,9 @@ class RunConfig:
         return Path(self.train.run_dir or f"runs/{self.name}")
 
 
-# ----------------------------------------------------------------------------- pluggable schemas
-
-_SCHEMAS: dict[str, Any] = {}
-
-
-def register_schema(section: str, schema: type | Callable[[dict[str, Any]], Any] | None) -> None:
-    """Validate section ``model``/``data``/``compute`` with a dataclass or ``dict -> obj`` callable."""
-    if section not in ("model", "data", "compute"):
-        raise ValueError(f"schemas are pluggable for model, data and compute, not {section!r}")
-    if schema is None:
-        _SCHEMAS.pop(section, None)
-    else:
-        _SCHEMAS[section] = schema
-
-
-# ----------------------------------------------------------------------------- files and layering
-
-def find_config(kind: str, name_or_path: str | Path) -> Path:
-    """``configs/<kind>/NAME.yaml`` for a bare name, else the path itself (must exist)."""
-    text = str(name_or_path)
-    path = Path(text)
-    if path.suffix not in (".yaml", ".yml") and "/" not in text:
-        path = CONFIG_DIR / kind / f"{text.replace('+', '_')}.yaml"  # layout aliases: tp+ep = tp_ep
-    if not path.exists():
-        names = sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
-        raise ConfigError(f"no {kind} config '{text}'{near_miss(text, names)} "
-                          f"(available in configs/{kind}/: {names}; or give a .yaml path)")
-    return path
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    """The mapping in a YAML file ({} when empty); anything else is an error."""
-    raw = yaml.safe_load(path.read_text())
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    return raw
-
-
-def _resolve_reference(section: str, ref: Any, sources: dict[str, str]) -> dict[str, Any]:
-    """A name/path, a {base: NAME, ...overlay} mapping or an inline mapping -> the section dict."""
-    if ref is None:
-        raise ConfigError(f"the recipe names no {section}; set '{section}: NAME' or pass --{section}")
-    if isinstance(ref, (str, Path)):
-        path = find_config(REFERENCED[section], ref)
-        sources[section] = str(path)
-        return read_yaml(path)
-    if isinstance(ref, Mapping):
-        ref = dict(ref)
-        if "base" in ref:
-            base = _resolve_reference(section, ref.pop("base"), sources)
-            return deep_merge(base, ref)
-        sources[section] = "inline"
-        return ref
-    raise ConfigError(f"{section}: expected a name, a path or a mapping, got {type(ref).__name__} {ref!r}")
-
-
-def set_dotted(tree: dict[str, Any], key: str, value: Any, check_typos: bool = True) -> None:
-    """Set ``tree['a']['b'] = value`` for key 'a.b'. With ``check_typos``, a key that is absent but
-    a near miss of a present one is an error (sections whose schema cannot name its fields); a key that
-    is a present key with a word before or after it (``vision_max_segments`` next to ``max_segments``,
-    ``capture_scopes`` next to ``capture``) is not."""
-    parts = key.split(".")
-    if parts[0] not in SECTIONS:
-        raise ConfigError(f"unknown setting '{key}'{near_miss(parts[0], SECTIONS)} "
-                          f"(top-level sections: {', '.join(SECTIONS)})")
-    node = tree
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"'{key}': '{'.'.join(parts[:i + 1])}' is {child!r}, not a mapping")
-        node = child
-    last = parts[-1]
-    prefixed = any(last.endswith("_" + str(k)) or last.startswith(str(k) + "_") for k in node)
-    if len(parts) > 1 and check_typos and last not in node and not prefixed and near_miss(last, list(node)):
-        raise ConfigError(f"unknown key '{key}'{near_miss(last, list(node))} "
-                          f"(keys there: {', '.join(map(str, node))})")
-    node[last] = value
+def help_config() -> str:
+    """Every key of a run with its type, default and meaning (``--help-config``)."""
+    return format_help(list(describe(RunConfig)))
 
 
 def default_recipe(platform: str | None = None) -> str:
@@ -230,53 +102,7 @@ def default_recipe(platform: str | None = None) -> str:
     return "gpu-default" if platform in ("gpu", "cuda", "rocm") else "cpu-default"
 
 
-# ----------------------------------------------------------------------------- validation
-
-def _build_layout(raw: dict[str, Any], errors: list[str]) -> Any:
-    from parallelism.layout import MESH_AXES, layout_from_dict
-
-    known = ("name", "description", "mesh", "rules", "options")
-    for k in raw:
-        if k not in known:
-            errors.append(f"unknown key 'layout.{k}'{near_miss(k, known)} (known: {', '.join(known)})")
-    for axis in raw.get("mesh") or {}:
-        if axis not in MESH_AXES:
-            errors.append(f"unknown mesh axis 'layout.mesh.{axis}'{near_miss(axis, MESH_AXES)} "
-                          f"(mesh axes: {', '.join(MESH_AXES)})")
-    if errors:
-        return None
-    try:
-        return layout_from_dict(raw, default_name=str(raw.get("name", "layout")))
-    except (TypeError, ValueError) as e:
-        errors.append(f"layout: {e}")
-        return None
-
-
-def _build_section(section: str, raw: dict[str, Any], errors: list[str]) -> Any:
-    schema = _SCHEMAS.get(section)
-    if schema is None:
-        return raw
-    if dataclasses.is_dataclass(schema):
-        return build_dataclass(schema, raw, section, errors)
-    try:
-        return schema(raw)
-    except Exception as e:  # noqa: BLE001 - any schema's own validation error becomes a config error
-        errors.append(f"{section}: {e}")
-        return None
-
-
-def data_parallel_size(layout: Any, num_devices: int) -> int:
-    """Devices the batch is split over: the product of the mesh axes the rule for 'act_batch' names."""
-    from parallelism.logical import mesh_axes_for
-
-    shape = layout.resolved_mesh_shape(num_devices)
-    axes = mesh_axes_for("act_batch", layout.rules)
-    flat = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-    size = 1
-    for a in flat:
-        size *= shape[a]
-    return size
-
+# ----------------------------------------------------------------------------- rules between sections
 
 def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, dp: int, errors: list[str]) -> None:
     """Rules between fields; each message says which settings to change."""
@@ -325,6 +151,35 @@ def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, dp: int, errors: list[s
         errors.append(f"train.profile_start_step={tr.profile_start_step} is past train.steps={tr.steps}")
 
 
+def model_data_checks(model: ModelConfig, data: DataConfig) -> list[str]:
+    """The data's tokenizer and image processing must match the model config."""
+    from data.tokenizer import load_tokenizer
+    from data.config import DataError
+
+    errors = []
+    try:
+        tok = load_tokenizer(data.tokenizer)
+    except DataError as e:
+        return [f"data.tokenizer: {e}"]
+    vocab = model.text_config.vocab_size
+    if tok.vocab_size > vocab:
+        errors.append(f"model {model.name or ''} has vocab_size {vocab} but the data tokenizer '{data.tokenizer}' "
+                      f"uses ids up to {tok.vocab_size - 1}; pick a model with that vocabulary (e.g. --model tiny, "
+                      f"small or proxy for the Qwen3 tokenizer) or set model.text_config.vocab_size")
+    for token, field in (("<|image_pad|>", "image_token_id"), ("<|vision_start|>", "vision_start_token_id"),
+                         ("<|vision_end|>", "vision_end_token_id")):
+        want = tok.special_tokens.get(token)
+        if want is not None and getattr(model, field) != want:
+            errors.append(f"model.{field} = {getattr(model, field)} but the data tokenizer has {token} = {want}")
+    v, img = model.vision_config, data.image
+    for ours, theirs, name in ((v.patch_size, img.patch_size, "patch_size"),
+                               (v.spatial_merge_size, img.merge_size, "merge_size"),
+                               (v.temporal_patch_size, img.temporal_patch_size, "temporal_patch_size")):
+        if ours != theirs:
+            errors.append(f"data.image.{name} = {theirs} but the model's vision_config has {ours}")
+    return errors
+
+
 def _derive_data(raw: dict[str, Any], tr: TrainConfig, gbs: int, num_processes: int,
                  errors: list[str]) -> dict[str, Any]:
     """The train section owns the batch shape: data.seq_len = train.seq_len and data.batch_size =
@@ -340,51 +195,69 @@ def _derive_data(raw: dict[str, Any], tr: TrainConfig, gbs: int, num_processes: 
     return {**raw, **derived}
 
 
+def _layout_parts(raw: Mapping[str, Any], num_devices: int, errors: list[str]) -> tuple[Layout | None, int]:
+    """The layout and its data-parallel size over ``num_devices`` (errors appended)."""
+    from parallelism.logical import data_parallel_size
+
+    layout = build(Layout, raw.get("layout"), "layout", errors)
+    if layout is None:
+        return None, 1
+    try:
+        return layout, data_parallel_size(layout.rules, layout.resolved_mesh_shape(num_devices))
+    except ValueError as e:
+        errors.append(f"layout: {e}")
+        return layout, 1
+
+
 def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes: int = 1) -> RunConfig:
-    """Validate a resolved mapping (sections are mappings, not names) into a RunConfig."""
+    """Validate a resolved mapping (sections are mappings, not names) into a RunConfig, with every rule
+    between sections checked; all problems in one ConfigError."""
+    from parallelism.validate import LayoutError, validate_layout
+
     errors: list[str] = []
     for k in raw:
         if k not in SECTIONS:
             errors.append(f"unknown section '{k}'{near_miss(k, SECTIONS)} (sections: {', '.join(SECTIONS)})")
-    opt = build_dataclass(OptimizerConfig, raw.get("optimizer"), "optimizer", errors)
-    tr = build_dataclass(TrainConfig, raw.get("train"), "train", errors)
-    layout = _build_layout(dict(raw.get("layout") or {}), errors)
-    dp = 1
-    if layout is not None:
-        try:
-            dp = data_parallel_size(layout, num_devices)
-        except ValueError as e:
-            errors.append(f"layout: {e}")
+    raw = {k: v for k, v in raw.items() if k in SECTIONS}
+    opt = build(OptimizerConfig, raw.get("optimizer"), "optimizer", errors)
+    tr = build(TrainConfig, raw.get("train"), "train", errors)
+    layout, dp = _layout_parts(raw, num_devices, errors)
     data_raw = dict(raw.get("data") or {})
     if opt is not None and tr is not None:
         _cross_checks(opt, tr, dp, errors)
         if tr.global_batch_size is None:
-            tr.global_batch_size = tr.micro_batch_size * tr.grad_accum * dp
+            tr = dataclasses.replace(tr, global_batch_size=tr.micro_batch_size * tr.grad_accum * dp)
         data_raw = _derive_data(data_raw, tr, tr.global_batch_size, num_processes, errors)
-    model = _build_section("model", dict(raw.get("model") or {}), errors)
-    data = _build_section("data", data_raw, errors)
-    compute = _build_section("compute", dict(raw.get("compute") or {}), errors)
+    model = build(ModelConfig, raw.get("model"), "model", errors)
+    data = build(DataConfig, data_raw, "data", errors)
+    compute = build(ComputeConfig, raw.get("compute"), "compute", errors)
+    if model is not None and data is not None:
+        errors += model_data_checks(model, data)
+    if model is not None and layout is not None and tr is not None and not errors:
+        try:  # the layout against the model and the batch shape, before anything compiles
+            validate_layout(model, layout, batch_size=tr.micro_batch_size * dp, seq_len=tr.seq_len,
+                            num_devices=num_devices)
+        except LayoutError as e:
+            errors.append(str(e))
+    if tr is not None and tr.init_from and not Path(tr.init_from).expanduser().is_dir():
+        errors.append(f"train.init_from: {tr.init_from} is not a Hugging Face model directory")
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
-    name = str(raw.get("name") or "run")
-
-    def plain(section: str, obj: Any, given: Any) -> Any:
-        """Dataclass schemas: every field (defaults included); callables: the mapping they were given."""
-        return to_plain(obj if dataclasses.is_dataclass(_SCHEMAS.get(section)) else given or {})
-
-    resolved = {"name": name, "description": str(raw.get("description") or ""),
-                "model": plain("model", model, raw.get("model")), "layout": to_plain(raw.get("layout") or {}),
-                "data": plain("data", data, data_raw), "compute": plain("compute", compute, raw.get("compute")),
-                "optimizer": to_plain(opt), "train": to_plain(tr)}
-    return RunConfig(name=name, model=model, layout=layout, data=data, compute=compute, optimizer=opt,
-                     train=tr, data_parallel_size=dp, resolved=resolved, description=resolved["description"])
+    cfg = RunConfig(name=str(raw.get("name") or "run"), description=str(raw.get("description") or ""),
+                    model=model, layout=layout, data=data, compute=compute, optimizer=opt, train=tr)
+    cfg.data_parallel_size = dp
+    cfg.resolved = {f.name: to_plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.init}
+    return cfg
 
 
-def load_config(recipe: str | Path | None = None, *, model: str | None = None, layout: str | None = None,
+# ----------------------------------------------------------------------------- layering
+
+def resolve_raw(recipe: str | Path | None = None, *, model: str | None = None, layout: str | None = None,
                 data: str | None = None, overrides: Sequence[str] = (), steps: int | None = None,
-                run_dir: str | None = None, resume: bool | None = None, num_devices: int | None = None,
-                num_processes: int | None = None, platform: str | None = None) -> RunConfig:
-    """Defaults -> recipe -> model/layout/data files -> ``key=value`` overrides, validated."""
+                run_dir: str | None = None, resume: bool | None = None, platform: str | None = None
+                ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The layered raw mapping of a run (recipe -> referenced files -> overrides), before any check
+    or device query: ``(raw, sources)``; ``sources`` says which file each section came from."""
     if resume and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists():
         recipe = Path(run_dir) / "config.yaml"  # resuming: the run's own resolved config is the base
         log.info("resuming from %s", recipe)
@@ -394,13 +267,13 @@ def load_config(recipe: str | Path | None = None, *, model: str | None = None, l
     raw.setdefault("name", path.stem if path.name != "config.yaml" else path.parent.name)
     pairs = []
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not key=value (e.g. optimizer.lr=1e-4)")
-        key, text = item.split("=", 1)
-        key = key.strip()
+        key, value = parse_override(item)
         if key in DERIVED:
             raise ConfigError(f"'{key}' is derived from the train section; set {DERIVED[key]} instead")
-        pairs.append((key, parse_value(text)))
+        if key.split(".")[0] not in SECTIONS:
+            raise ConfigError(f"unknown setting '{key}'{near_miss(key.split('.')[0], SECTIONS)} "
+                              f"(top-level sections: {', '.join(SECTIONS)})")
+        pairs.append((key, value))
     refs = {"model": model, "layout": layout, "data": data}
     for key, value in pairs:  # 'model=proxy' is the same as --model proxy
         if key in REFERENCED and isinstance(value, str):
@@ -409,13 +282,11 @@ def load_config(recipe: str | Path | None = None, *, model: str | None = None, l
     for section in REFERENCED:
         if refs[section] is not None:
             raw[section] = refs[section]
-        raw[section] = _resolve_reference(section, raw.get(section), sources)
+        raw[section] = resolve_reference(section, raw.get(section), sources)
     for key, value in pairs:
         if key in REFERENCED and isinstance(value, str):
             continue
-        section = key.split(".")[0]
-        typed = section in ("optimizer", "train") or dataclasses.is_dataclass(_SCHEMAS.get(section))
-        set_dotted(raw, key, value, check_typos=not typed)
+        set_dotted(raw, key, value)
     train = dict(raw.get("train") or {})
     if steps is not None:
         train["steps"] = steps
@@ -424,6 +295,16 @@ def load_config(recipe: str | Path | None = None, *, model: str | None = None, l
     if resume is not None:
         train["resume"] = bool(resume)
     raw["train"] = train
+    return raw, sources
+
+
+def load_config(recipe: str | Path | None = None, *, model: str | None = None, layout: str | None = None,
+                data: str | None = None, overrides: Sequence[str] = (), steps: int | None = None,
+                run_dir: str | None = None, resume: bool | None = None, num_devices: int | None = None,
+                num_processes: int | None = None, platform: str | None = None) -> RunConfig:
+    """Defaults -> recipe -> model/layout/data files -> ``key=value`` overrides, validated."""
+    raw, sources = resolve_raw(recipe, model=model, layout=layout, data=data, overrides=overrides, steps=steps,
+                               run_dir=run_dir, resume=resume, platform=platform)
     if num_devices is None or num_processes is None:
         import jax
 
@@ -458,7 +339,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", default=None,
                         help="continue from the latest checkpoint in the run dir")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="any setting by dotted path, e.g. optimizer.lr=1e-4 train.grad_accum=4")
+                        help="any setting by dotted path, e.g. optimizer.lr=1e-4 train.grad_accum=4 "
+                             "(--help-config lists them all)")
 
 
 def from_args(args: argparse.Namespace, num_devices: int | None = None) -> RunConfig:

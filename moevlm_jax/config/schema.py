@@ -1,26 +1,47 @@
-"""Typed dataclasses from YAML mappings, with errors that name the key and the near miss.
+"""The one configuration loader: typed dataclasses from YAML mappings, errors that name the key.
 
-:func:`build_dataclass` turns a mapping into a (possibly nested) dataclass, checking every value
-against the field's annotation (int, float, bool, str, Optional, list/tuple/dict of those,
-Literal, nested dataclasses) and collecting every problem into one :class:`ConfigError`.
+:func:`build` turns a mapping into a (nested) dataclass, checking every value against the field's
+annotation (int, float, bool, str, Optional, Literal, list / tuple / dict of those, nested
+dataclasses, and tagged unions: a union of dataclasses told apart by their ``kind`` field) and
+collecting every problem -- unknown keys with their near miss, wrong types, the classes' own
+``__post_init__`` checks -- into one :class:`ConfigError`. Every section of a run (model, layout,
+data, compute, optimizer, train) is a dataclass loaded by this one function.
+
+Optional class-level hooks of a config dataclass:
+- ``__aliases__ = {"old": "new"}``: a renamed key; the old name still loads, with a deprecation warning.
+- ``__passthrough__ = frozenset({...})``: keys that are kept in the class's ``extra`` field rather than
+  refused (Hugging Face ``config.json`` fields we read but do not model); ``strict=False`` keeps every
+  unknown key there (an HF checkpoint's own config).
+- ``__normalize__(raw) -> raw`` (a classmethod): rewrites the raw mapping before its keys are read
+  (HF's alternative spellings of a field).
+
+A field's one-line meaning (``--help-config``) is the comment on its line, or the comment lines just
+above it, in the class's source: :func:`describe` lists every key with type, default and meaning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
+import io
+import logging
 import re
+import tokenize
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+log = logging.getLogger(__name__)
+
 
 class ConfigError(ValueError):
-    """A bad run setting; the message names every offending key."""
+    """A bad run setting; the message names every offending key and what to do."""
 
 
 def near_miss(key: str, known: Sequence[str]) -> str:
@@ -29,15 +50,54 @@ def near_miss(key: str, known: Sequence[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def type_name(tp: Any) -> str:
+    """A readable annotation: ``int | None``, ``list[str]``, ``'a' | 'b'``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("None" if a is type(None) else type_name(a) for a in args)
+    if origin is not None:
+        inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if args else getattr(origin, "__name__", str(origin))
+    if dataclasses.is_dataclass(tp):
+        return tp.__name__
+    return "any" if tp is Any else getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _convert(value: Any, tp: Any, where: str, errors: list[str]) -> Any:
-    """``value`` checked (and mildly coerced: int -> float, '1e-4' -> float) against ``tp``."""
+def tagged_variants(tp: Any) -> dict[str, type] | None:
+    """``{kind: class}`` when ``tp`` is a union of dataclasses each with a ``kind: Literal[...]`` field."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    members = [a for a in typing.get_args(tp) if a is not type(None)]
+    out = {}
+    for m in members:
+        if not dataclasses.is_dataclass(m):
+            return None
+        kind = typing.get_type_hints(m).get("kind")
+        if typing.get_origin(kind) is not Literal:
+            return None
+        out.update({str(k): m for k in typing.get_args(kind)})
+    return out
+
+
+def convert(value: Any, tp: Any, where: str, errors: list[str], strict: bool = True) -> Any:
+    """``value`` checked (and mildly coerced: int -> float, '1e-4' -> float, list -> tuple) against ``tp``."""
     if tp is Any or tp is object:
         return value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    variants = tagged_variants(tp)
+    if variants is not None:
+        if isinstance(value, tuple(variants.values())):
+            return value
+        if not isinstance(value, Mapping) or "kind" not in value:
+            errors.append(f"{where}: expected a mapping with 'kind' (one of {list(variants)}), got {value!r}")
+            return None
+        kind = str(value["kind"])
+        if kind not in variants:
+            errors.append(f"{where}.kind: {kind!r} is not one of {list(variants)}{near_miss(kind, list(variants))}")
+            return None
+        return build(variants[kind], value, where, errors, strict=strict)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -45,20 +105,20 @@ def _convert(value: Any, tp: Any, where: str, errors: list[str]) -> Any:
         trial: list[str] = []
         for a in inner:
             trial.clear()
-            out = _convert(value, a, where, trial)
+            out = convert(value, a, where, trial, strict)
             if not trial:
                 return out
         if len(inner) == 1:
             errors.extend(trial)
         else:
-            errors.append(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+            errors.append(f"{where}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
         return value
     if origin is Literal:
         if value not in args:
             errors.append(f"{where}: {value!r} is not one of {list(args)}{near_miss(str(value), [str(a) for a in args])}")
         return value
     if dataclasses.is_dataclass(tp):
-        return build_dataclass(tp, value, where, errors)
+        return build(tp, value, where, errors, strict=strict)
     if origin in (list, tuple, Sequence) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
             errors.append(f"{where}: expected a list, got {type(value).__name__} {value!r}")
@@ -67,16 +127,16 @@ def _convert(value: Any, tp: Any, where: str, errors: list[str]) -> Any:
             if len(args) != len(value):
                 errors.append(f"{where}: expected {len(args)} items, got {len(value)}")
                 return value
-            return tuple(_convert(v, a, f"{where}[{i}]", errors) for i, (v, a) in enumerate(zip(args, value)))
+            return tuple(convert(v, a, f"{where}[{i}]", errors) for i, (a, v) in enumerate(zip(args, value)))
         item = args[0] if args else Any
-        out = [_convert(v, item, f"{where}[{i}]", errors) for i, v in enumerate(value)]
+        out = [convert(v, item, f"{where}[{i}]", errors) for i, v in enumerate(value)]
         return tuple(out) if origin is tuple or tp is tuple else out
-    if origin in (dict, Mapping) or tp is dict:
+    if origin in (dict, Mapping) or tp in (dict, Mapping):
         if not isinstance(value, Mapping):
             errors.append(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
             return value
         kt, vt = args if args else (Any, Any)
-        return {_convert(k, kt, where, errors): _convert(v, vt, f"{where}.{k}", errors) for k, v in value.items()}
+        return {convert(k, kt, where, errors): convert(v, vt, f"{where}.{k}", errors) for k, v in value.items()}
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -94,14 +154,19 @@ def _convert(value: Any, tp: Any, where: str, errors: list[str]) -> Any:
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
     elif not isinstance(tp, type):
-        return value  # an annotation we do not understand: accept
-    errors.append(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        return value  # an annotation this loader does not model: accepted as given
+    errors.append(f"{where}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
     return value
 
 
-def build_dataclass(cls: type, data: Any, where: str, errors: list[str] | None = None) -> Any:
-    """Instance of dataclass ``cls`` from mapping ``data``; unknown keys and type errors raise
-    (or append to ``errors``) with the dotted key, the expected type and the near miss."""
+def _init_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def build(cls: type, data: Any, where: str, errors: list[str] | None = None, *, strict: bool = True) -> Any:
+    """Instance of dataclass ``cls`` from mapping ``data`` (None = all defaults); unknown keys, type
+    errors and the class's own checks raise one ConfigError (or are appended to ``errors``), each
+    naming the dotted key, with the near miss. ``strict=False``: unknown keys go to ``extra``."""
     own = errors is None
     errors = [] if own else errors
     if isinstance(data, cls):
@@ -110,16 +175,35 @@ def build_dataclass(cls: type, data: Any, where: str, errors: list[str] | None =
         data = {}
     if not isinstance(data, Mapping):
         errors.append(f"{where}: expected a mapping for {cls.__name__}, got {type(data).__name__} {data!r}")
-        return None
+        return _raise(errors) if own else None
+    raw = dict(data)
+    if hasattr(cls, "__normalize__"):
+        try:
+            raw = cls.__normalize__(raw)
+        except (TypeError, ValueError) as e:
+            errors.append(f"{where}: {e}")
+            return _raise(errors) if own else None
+    for old, new in getattr(cls, "__aliases__", {}).items():
+        if old in raw:
+            log.warning("config key '%s.%s' is deprecated: it is now '%s.%s'", where, old, where, new)
+            if new in raw:
+                errors.append(f"{where}: both '{old}' (deprecated) and '{new}' are given; keep '{new}'")
+            raw[new] = raw.pop(old)
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in fields:
-            errors.append(f"unknown key '{where}.{key}'{near_miss(key, list(fields))} "
-                          f"(known: {', '.join(fields)})")
-            continue
-        kwargs[key] = _convert(value, hints[key], f"{where}.{key}", errors)
+    fields = _init_fields(cls)
+    passthrough = getattr(cls, "__passthrough__", frozenset())
+    kwargs: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in fields and key != "extra":
+            kwargs[key] = convert(value, hints[key], f"{where}.{key}", errors, strict)
+        elif "extra" in fields and (key in passthrough or not strict):
+            extra[key] = value
+        else:
+            known = [f for f in fields if f != "extra"]
+            errors.append(f"unknown key '{where}.{key}'{near_miss(key, known)} (known: {', '.join(known)})")
+    if extra or "extra" in raw:
+        kwargs["extra"] = {**dict(raw.get("extra") or {}), **extra}
     missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     errors.extend(f"{where}.{n}: required and not given" for n in missing)
@@ -130,9 +214,115 @@ def build_dataclass(cls: type, data: Any, where: str, errors: list[str] | None =
         except (TypeError, ValueError) as e:  # the class's own __post_init__ checks
             errors.append(f"{where}: {e}")
     if own and errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+        _raise(errors)
     return obj
 
+
+def coerce_fields(obj: Any, where: str) -> None:
+    """Check (and normalise: lists to tuples, ints to floats, mappings to nested configs) every field of
+    a frozen config dataclass against its annotation; call it first in ``__post_init__`` so that direct
+    construction (``ComputeConfig(dtype="fp8")``) is refused as the loader would refuse it. Raises
+    ValueError naming each bad key."""
+    errors: list[str] = []
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if f.name == "extra" or not f.init:
+            continue
+        value = getattr(obj, f.name)
+        converted = convert(value, hints[f.name], f"{where}.{f.name}", errors)
+        if converted is not value and not errors:
+            object.__setattr__(obj, f.name, converted)
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
+def _raise(errors: list[str]) -> Any:
+    raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+
+
+# ----------------------------------------------------------------------------- documentation
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: meaning}`` from the class source: the comment on the field's line(s), else the
+    comment lines just above it."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    names = set(_init_fields(cls))
+    out: dict[str, str] = {}
+    starts = [i for i, ln in enumerate(lines, 1) if re.match(r"\s+(\w+)\s*:", ln)
+              and re.match(r"\s+(\w+)\s*:", ln).group(1) in names]
+    for n, start in enumerate(starts):
+        name = re.match(r"\s+(\w+)\s*:", lines[start - 1]).group(1)
+        if name in out:
+            continue
+        end = starts[n + 1] if n + 1 < len(starts) else len(lines) + 1
+        own = [comments[i] for i in range(start, end) if i in comments
+               and not lines[i - 1].lstrip().startswith("#")]
+        if own:
+            out[name] = own[0]
+            continue
+        above, i = [], start - 1
+        while i >= 1 and lines[i - 1].lstrip().startswith("#"):
+            above.insert(0, comments.get(i, ""))
+            i -= 1
+        if above:
+            out[name] = " ".join(above)
+    return out
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "(required)"
+    if dataclasses.is_dataclass(value):
+        return ""
+    return yaml.safe_dump(to_plain(value), default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
+def describe(cls: type, prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
+    """Every key of ``cls`` (nested sections and each variant of a tagged union included) as
+    ``(dotted key, type, default, meaning)``."""
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for name, f in _init_fields(cls).items():
+        if name == "extra":
+            continue
+        key, tp = f"{prefix}{name}", hints[name]
+        variants = tagged_variants(tp)
+        if dataclasses.is_dataclass(tp):
+            yield key, tp.__name__, "", docs.get(name, "")
+            yield from describe(tp, key + ".")
+        elif variants is not None:
+            yield key, "one of: " + ", ".join(f"kind={k}" for k in variants), "", docs.get(name, "")
+            for kind, variant in variants.items():
+                yield from describe(variant, f"{key}[kind={kind}].")
+        else:
+            yield key, type_name(tp), _default_text(f), docs.get(name, "")
+
+
+def format_help(rows: Sequence[tuple[str, str, str, str]]) -> str:
+    """The rows of :func:`describe` as an aligned text table."""
+    head = ("key", "type", "default", "meaning")
+    widths = [min(max(len(r[i]) for r in [head, *rows]), cap) for i, cap in enumerate((52, 34, 28, 10**6))]
+    lines = []
+    for r in [head, *rows]:
+        cells = [c if len(c) <= w else c[: w - 1] + "~" for c, w in zip(r, widths)]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- overrides and files
 
 def parse_value(text: str) -> Any:
     """A command-line value as YAML ('2' -> 2, 'true' -> True, '[a, b]' -> list), plus '1e-4' -> float."""
@@ -140,6 +330,57 @@ def parse_value(text: str) -> Any:
     if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()):
         return float(value)
     return value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``'a.b=VALUE'`` -> ``('a.b', parsed VALUE)`` (the one ``key=value`` parser)."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not key=value (e.g. optimizer.lr=1e-4)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}': '{key}' is not a dotted key (e.g. optimizer.lr=1e-4)")
+    return key, parse_value(text)
+
+
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """``tree['a']['b'] = value`` for key 'a.b' (missing mappings are created; the typed build then
+    names a key that does not exist)."""
+    parts = key.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"'{key}': '{'.'.join(parts[:i + 1])}' is {child!r}, not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def overrides_tree(items: Sequence[str], prefix: str = "") -> dict[str, Any]:
+    """``key=value`` items as a nested mapping (``a.b=1`` -> ``{"a": {"b": 1}}``; a leading ``prefix.``
+    on a key is dropped): a section's overrides, or XLA compile options."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        key, value = parse_override(item)
+        set_dotted(tree, key.removeprefix(f"{prefix}.") if prefix else key, value)
+    return tree
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The mapping in a YAML file ({} when empty); anything else is an error naming the file."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    return raw
 
 
 def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -151,7 +392,7 @@ def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def to_plain(obj: Any) -> Any:
-    """Dataclasses, tuples and mappings -> YAML-safe dicts/lists/scalars."""
+    """Dataclasses, tuples and mappings -> YAML-safe dicts / lists / scalars."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, Mapping):

@@ -1,11 +1,26 @@
-"""Names and validation of ``ComputeConfig``'s recompute, offload and capture options (kept out of
-config.py; re-exported there). The policies are built by ``moevlm_jax.model.layers.remat_policy``,
-the capture flags by ``moevlm_jax.training.capture``."""
+"""How the model computes: the ``compute`` section of a run (``ComputeConfig``).
+
+Dtypes, the attention kernel and its options, the layer scan, recompute (Megatron's selective
+recompute as remat policies: ``moevlm_jax.model.layers.remat_policy``), offload, capture
+(Megatron's CUDA-graph scopes as XLA command buffers: ``moevlm_jax.training.capture``), the experts
+(``parallelism.experts.ExpertsConfig``) and the router (:class:`RouterConfig`). Frozen and
+hashable: the config lives inside the Flax modules and is a static argument of the compiled steps.
+Constructed directly (``ComputeConfig(dtype="float32", moe={"backend": "dense"})``: mappings of the
+nested sections are accepted) or loaded with the one config loader (``ComputeConfig.from_dict``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
 
+from moevlm_jax.config.schema import build, coerce_fields
+from parallelism.experts import ExpertsConfig
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+RecomputeMode = Literal["none", "full", "selective"]
 RECOMPUTE_MODES = ("none", "full", "selective")
 # Checkpoint names (``jax.ad_checkpoint.checkpoint_name``) a recompute policy chooses among:
 #   layernorm  norm outputs                core_attn  attention output before the out-projection
@@ -33,11 +48,6 @@ RECOMPUTE_MODULES = {
 }
 CAPTURE_MODES = ("none", "step", "scopes")
 CAPTURE_SCOPES = ("attn", "moe_router", "moe_preprocess", "full_iteration")  # Megatron's CUDA-graph scope names
-# compute.attention_options: the cuDNN attention's static ragged bound (segments a row; a row with more
-# runs the dense-mask kernel) and a head dim to zero-pad q/k/v to (a kernel tuned for it; None: as is),
-# for the decoder and, with the "vision_" prefix, the vision tower (null: the decoder's value)
-ATTENTION_OPTIONS = {"max_segments": 16, "pad_head_dim": None, "vision_max_segments": None, "vision_pad_head_dim": None}
-RENAMED = {"remat": "recompute", "remat_modules": "recompute_modules"}  # old compute keys -> new
 
 
 def checkpoint_names_of(entries: Any) -> tuple[str, ...]:
@@ -52,54 +62,150 @@ def _check(ok: Any, message: str) -> None:
         raise ValueError(message)
 
 
-def check_recompute_and_capture(c: Any) -> None:
-    """Validate a ComputeConfig's recompute / offload / capture fields (list fields already tuples);
-    raises ValueError naming the field."""
-    modules = tuple(RECOMPUTE_MODULES)
-    for prefix in ("", "vision_"):  # the vision fields may be null: the decoder's setting
-        mode, mods = getattr(c, f"{prefix}recompute"), getattr(c, f"{prefix}recompute_modules")
-        null = " or null" if prefix else ""
-        _check((prefix and mode is None) or mode in RECOMPUTE_MODES,
-               f"compute.{prefix}recompute must be one of {RECOMPUTE_MODES}{null}, got {mode!r}")
-        _check((prefix and mods is None) or isinstance(mods, tuple),
-               f"compute.{prefix}recompute_modules must be a list of {modules}{null}, got {mods!r}")
-        bad = [m for m in mods or () if m not in modules]
-        _check(not bad, f"compute.{prefix}recompute_modules {bad} are not among Megatron's recompute modules {modules}")
-    _check(isinstance(c.offload, tuple), f"compute.offload must be a list of names, got {c.offload!r}")
-    bad = [n for n in c.offload if n not in modules and n not in CHECKPOINT_NAMES]
-    _check(not bad, f"compute.offload {bad} are neither recompute modules {modules} nor checkpoint names {CHECKPOINT_NAMES}")
-    for tower in ("text", "vision"):
-        mode, mods = c.stack_recompute(tower)
-        both = set(checkpoint_names_of(mods)) & set(checkpoint_names_of(c.offload)) if mode == "selective" else ()
-        own = tower == "vision" and c.vision_recompute_modules is not None
-        key = "vision_recompute_modules" if own else "recompute_modules"
-        _check(not both, f"compute.offload and compute.{key} both name {sorted(both)}: a tensor is either "
-                         "recomputed or offloaded to host memory, not both")
-    _check(c.capture in CAPTURE_MODES, f"compute.capture must be one of {CAPTURE_MODES}, got {c.capture!r}")
-    _check(isinstance(c.capture_scopes, tuple) and all(s in CAPTURE_SCOPES for s in c.capture_scopes),
-           f"compute.capture_scopes must be a list of {CAPTURE_SCOPES}, got {c.capture_scopes!r}")
-    _check(c.capture != "scopes" or c.capture_scopes,
-           "compute.capture: scopes needs at least one compute.capture_scopes entry")
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """The cuDNN attention's static ragged bound and head-dim padding, per tower (bench/attention.md)."""
+
+    # packed segments a decoder row may hold on the ragged (THD) kernel; a row with more runs the
+    # dense-mask kernel (exact, slower); the trainer checks each batch on the host
+    max_segments: int = 16
+    pad_head_dim: int | None = None  # zero-pad the decoder's q/k/v head dim to this (a tuned kernel); null: as is
+    vision_max_segments: int | None = None  # the vision tower's bound on images a row (null: max_segments)
+    vision_pad_head_dim: int | None = None  # the vision tower's head-dim padding (null: pad_head_dim)
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, "compute.attention_options")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+            _check(ok and (value is not None or f.name != "max_segments"),
+                   f"compute.attention_options.{f.name} must be a positive int"
+                   f"{'' if f.name == 'max_segments' else ' or null'}, got {value!r}")
+            _check(not f.name.endswith("pad_head_dim") or value is None or value % 8 == 0,
+                   f"compute.attention_options.{f.name} must be a multiple of 8 (cuDNN's head dims), got {value!r}")
+
+    def for_tower(self, tower: str) -> dict[str, Any]:
+        """``max_segments`` / ``pad_head_dim`` for the decoder ("text") or the vision tower ("vision":
+        its own values where set, else the decoder's)."""
+        out = {"max_segments": self.max_segments, "pad_head_dim": self.pad_head_dim}
+        if tower == "vision":
+            own = {"max_segments": self.vision_max_segments, "pad_head_dim": self.vision_pad_head_dim}
+            out.update({k: v for k, v in own.items() if v is not None})
+        return out
 
 
-def check_attention_options(options: Any) -> None:
-    """Validate ``compute.attention_options`` (a mapping; keys and defaults: ATTENTION_OPTIONS)."""
-    _check(hasattr(options, "items"), f"compute.attention_options must be a mapping, got {options!r}")
-    bad = sorted(set(options) - set(ATTENTION_OPTIONS))
-    _check(not bad, f"compute.attention_options: unknown keys {bad}; known: {sorted(ATTENTION_OPTIONS)}")
-    for key, value in options.items():
-        ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
-        _check(ok and (value is not None or key != "max_segments"),
-               f"compute.attention_options.{key} must be a positive int{'' if key == 'max_segments' else ' or null'}, got {value!r}")
-        _check(not key.endswith("pad_head_dim") or value is None or value % 8 == 0,
-               f"compute.attention_options.{key} must be a multiple of 8 (cuDNN's head dims), got {value!r}")
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Router / load-balancing options (Megatron's knobs; formulas in ``moevlm_jax.model.router``)."""
+
+    # hf: HF load_balancing_loss_func over all layers and tokens (the parity default) | aux_loss: per
+    # micro-batch per data-parallel rank | seq_aux_loss: per sequence | global_aux_loss: over the whole
+    # micro-batch, all data-parallel ranks | none
+    aux_loss: Literal["hf", "aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "hf"
+    aux_loss_coef: float | None = None  # null: the model config's router_aux_loss_coef
+    z_loss_coef: float | None = 0.0  # ST-MoE router z-loss weight (null: 0)
+    # aux-loss-free balancing: a per-layer bias added to the scores for the top-k choice only
+    expert_bias: bool = False
+    expert_bias_update_rate: float = 1e-3  # bias update per step: rate * sign(mean load - load)
+    dtype: Literal["float32", "compute"] = "float32"  # router logits in float32 (Megatron's fp32) or the compute dtype
+
+    @classmethod
+    def __normalize__(cls, d: dict[str, Any]) -> dict[str, Any]:
+        """The retired value 'global' says what it became."""
+        if d.get("aux_loss") == "global":
+            raise ValueError("compute.router.aux_loss 'global' is now 'hf' (HF's load_balancing_loss_func); "
+                             "Megatron's global-batch loss is 'global_aux_loss'")
+        return d
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, "compute.router")
+        if self.z_loss_coef is None:
+            object.__setattr__(self, "z_loss_coef", 0.0)
+        for key in ("aux_loss_coef", "z_loss_coef", "expert_bias_update_rate"):
+            v = getattr(self, key)
+            ok = (v is None and key == "aux_loss_coef") or (
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)
+            _check(ok, f"compute.router.{key} must be a number >= 0, got {v!r}")
+            if v is not None:
+                object.__setattr__(self, key, float(v))
+
+    def coef(self, model_default: float) -> float:
+        """The aux-loss coefficient in use (0 when ``aux_loss`` is "none")."""
+        if self.aux_loss == "none":
+            return 0.0
+        return float(model_default if self.aux_loss_coef is None else self.aux_loss_coef)
 
 
-def attention_kwargs(options: Any, tower: str) -> dict[str, Any]:
-    """``max_segments`` / ``pad_head_dim`` of ``compute.attention_options`` for the decoder ("text")
-    or the vision tower ("vision": its own values where set, else the decoder's)."""
-    merged = {**ATTENTION_OPTIONS, **dict(options)}
-    out = {k: merged[k] for k in ("max_segments", "pad_head_dim")}
-    if tower == "vision":
-        out.update({k: merged[f"vision_{k}"] for k in out if merged[f"vision_{k}"] is not None})
-    return out
+@dataclasses.dataclass(frozen=True)
+class ComputeConfig:
+    """How the model computes: dtypes, attention kernel, scan over depth, recompute, capture, MoE/router."""
+
+    dtype: Dtype = "bfloat16"  # compute dtype of activations and matmuls
+    param_dtype: Dtype = "float32"  # master weights (and their gradients)
+    attention: Literal["auto", "xla", "cudnn"] = "auto"  # attention kernel (auto: cuDNN on GPUs, XLA elsewhere)
+    attention_options: AttentionOptions = AttentionOptions()  # the cuDNN kernel's ragged bounds and head-dim padding
+    scan_layers: bool = True  # scan over stacked layers (false: unrolled, no per-layer weight slices, ~2x compile)
+    # none | full (save only each layer's input) | selective (recompute only recompute_modules)
+    recompute: RecomputeMode = "none"
+    # Megatron's recompute modules under selective: core_attn, moe_act, layernorm, mlp, moe (and
+    # experts: the expert matmuls); every tensor of a module not listed is kept
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    offload: tuple[str, ...] = ()  # module or checkpoint names whose saved tensors go to pinned host memory
+    vision_recompute: RecomputeMode | None = None  # the vision tower's own mode (null: the decoder's)
+    vision_recompute_modules: tuple[str, ...] | None = None  # the vision tower's own modules (null: the decoder's)
+    # XLA GPU command buffers standing in for CUDA graphs: none | step (the whole step) | scopes
+    capture: Literal["none", "step", "scopes"] = "step"
+    capture_scopes: tuple[str, ...] = ("attn", "moe_router", "moe_preprocess")  # attn, moe_router, moe_preprocess, full_iteration
+    moe: ExpertsConfig = ExpertsConfig()  # how the experts run: dispatcher, grouped-matmul backend, capacity
+    router: RouterConfig = RouterConfig()  # router dtype and load-balancing losses
+    loss_chunk_size: int = 2048  # sequence chunk of the fused LM head + cross-entropy
+
+    __aliases__ = {"remat": "recompute", "remat_modules": "recompute_modules"}  # old names -> new
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, "compute")  # types (as the loader checks them); moe={...} etc. built into their configs
+        _check(isinstance(self.loss_chunk_size, int) and self.loss_chunk_size > 0,
+               f"compute.loss_chunk_size must be a positive int, got {self.loss_chunk_size!r}")
+        modules = tuple(RECOMPUTE_MODULES)
+        for prefix in ("", "vision_"):  # the vision fields may be null: the decoder's setting
+            mode, mods = getattr(self, f"{prefix}recompute"), getattr(self, f"{prefix}recompute_modules")
+            _check((prefix and mode is None) or mode in RECOMPUTE_MODES,
+                   f"compute.{prefix}recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
+            bad = [m for m in mods or () if m not in modules]
+            _check(not bad, f"compute.{prefix}recompute_modules {bad} are not among Megatron's recompute modules {modules}")
+        bad = [n for n in self.offload if n not in modules and n not in CHECKPOINT_NAMES]
+        _check(not bad, f"compute.offload {bad} are neither recompute modules {modules} nor checkpoint names {CHECKPOINT_NAMES}")
+        for tower in ("text", "vision"):
+            mode, mods = self.stack_recompute(tower)
+            both = set(checkpoint_names_of(mods)) & set(checkpoint_names_of(self.offload)) if mode == "selective" else ()
+            key = "vision_recompute_modules" if tower == "vision" and self.vision_recompute_modules is not None \
+                else "recompute_modules"
+            _check(not both, f"compute.offload and compute.{key} both name {sorted(both)}: a tensor is either "
+                             "recomputed or offloaded to host memory, not both")
+        _check(self.capture in CAPTURE_MODES, f"compute.capture must be one of {CAPTURE_MODES}, got {self.capture!r}")
+        _check(all(s in CAPTURE_SCOPES for s in self.capture_scopes),
+               f"compute.capture_scopes must be a list of {CAPTURE_SCOPES}, got {list(self.capture_scopes)}")
+        _check(self.capture != "scopes" or self.capture_scopes,
+               "compute.capture: scopes needs at least one compute.capture_scopes entry")
+
+    def stack_recompute(self, tower: str = "text") -> tuple[str, tuple[str, ...]]:
+        """(mode, recompute modules) for the decoder ("text") or the vision tower ("vision")."""
+        if tower == "vision":
+            mode = self.recompute if self.vision_recompute is None else self.vision_recompute
+            mods = self.recompute_modules if self.vision_recompute_modules is None else self.vision_recompute_modules
+            return mode, mods
+        return self.recompute, self.recompute_modules
+
+    @property
+    def moe_options(self) -> dict[str, Any]:
+        """Keyword options for ``parallelism.experts.experts_forward``."""
+        return dataclasses.asdict(self.moe)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> ComputeConfig:
+        """From a YAML / CLI mapping, by the one config loader (unknown keys named with their near miss)."""
+        return build(cls, d, "compute")
+
+    def replace(self, **changes: Any) -> ComputeConfig:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from moevlm_jax.model.config import ComputeConfig, TextConfig
-from moevlm_jax.model.compute import attention_kwargs
+from moevlm_jax.model.compute import ComputeConfig
+
+from moevlm_jax.model.config import TextConfig
 from moevlm_jax.model.attention import dot_product_attention
 from moevlm_jax.model.layers import (
     Linear,
@@ -47,7 +48,7 @@ class TextAttention(nnx.Module):
                           cfg.num_key_value_heads, cfg.head_dim)
         kw = dict(use_bias=cfg.attention_bias, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
         self.impl = compute.attention
-        self.attn_kw = tuple(attention_kwargs(compute.attention_options, "text").items())  # cuDNN bound, head-dim pad
+        self.attn_kw = tuple(compute.attention_options.for_tower("text").items())  # cuDNN bound, head-dim pad
         self.q_proj = Linear((h,), (n, d), ("embed",), ("q_heads", "head_dim"), **kw)
         self.k_proj = Linear((h,), (k, d), ("embed",), ("kv_heads", "head_dim"), **kw)
         self.v_proj = Linear((h,), (k, d), ("embed",), ("kv_heads", "head_dim"), **kw)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import Offloadable, Saveable
 
-from moevlm_jax.model.config import CHECKPOINT_NAMES, ComputeConfig, checkpoint_names_of
+from moevlm_jax.model.compute import CHECKPOINT_NAMES, ComputeConfig, checkpoint_names_of
 from parallelism import pipeline
 
 Axes = tuple[str | None, ...]

@@ -7,21 +7,20 @@ targets/loss_mask; HF's loss is ``sum / count`` of :func:`lm_loss`; HF's router 
 concatenated, restricted to attention-mask tokens) and the total is ``lm + router_aux_loss_coef *
 aux`` when HF is asked for router logits. Megatron's router losses (aux_loss, seq_aux_loss,
 global_aux_loss, z-loss per layer) and the options that pick them live in
-``moevlm_jax.model.router`` / ``ComputeConfig.router``; :func:`model_loss` adds them.
+``moevlm_jax.model.router`` / ``ComputeConfig.router``; the trainer's objective
+(``moevlm_jax.training.objective``) adds them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from moevlm_jax.model.router import load_balancing_loss, router_losses, router_z_loss
+from moevlm_jax.model.router import load_balancing_loss, router_z_loss
 from parallelism.logical import constrain
 
-__all__ = ["lm_loss", "load_balancing_loss", "model_loss", "router_z_loss"]
+__all__ = ["lm_loss", "load_balancing_loss", "router_z_loss"]
 
 
 VOCAB_ACT = ("act_batch", "act_seq", "act_vocab")
@@ -105,25 +104,3 @@ def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask:
     total = chunked_ce(hidden.reshape(b, c, n, h).transpose(2, 0, 1, 3), kernel.astype(hidden.dtype),
                        targets.reshape(b, c, n).transpose(2, 0, 1), mc)
     return total, jnp.sum(mc)
-
-
-def model_loss(model: Any, batch: Mapping[str, Any], *, dp_size: int | None = None
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Training loss of ``model`` (a Qwen3VLMoe) on ``batch`` (needs targets and loss_mask): mean
-    token cross-entropy + the router losses per ``model.compute.router`` (``router.router_losses``;
-    ``dp_size`` row groups for "aux_loss", None = from the sharding context)."""
-    compute, text = model.compute, model.config.text_config
-    hidden, aux = model.hidden_states(batch)
-    ce_sum, count = lm_loss(hidden, model.lm_head_kernel(), jnp.asarray(batch["targets"]),
-                            jnp.asarray(batch["loss_mask"]), compute.loss_chunk_size)
-    ce = ce_sum / jnp.maximum(count, 1.0)
-    metrics = {"ce_loss": ce, "ce_sum": ce_sum, "loss_tokens": count}
-    loss = ce
-    router = aux["router"]
-    if router is not None:
-        term, router_metrics = router_losses(router, compute.router, text.num_experts, text.num_experts_per_tok,
-                                             text.router_aux_loss_coef, dp_size)
-        metrics.update(router_metrics)
-        loss = loss + term
-    metrics["loss"] = loss
-    return loss, metrics

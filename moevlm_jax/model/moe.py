@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from moevlm_jax.model.config import ComputeConfig, TextConfig
+from moevlm_jax.model.compute import ComputeConfig
+
+from moevlm_jax.model.config import TextConfig
 from moevlm_jax.model.layers import Linear, dtype_of, param
 from moevlm_jax.model.router import ExpertBias, route, router_stats
 from parallelism.experts import experts_forward_with_stats

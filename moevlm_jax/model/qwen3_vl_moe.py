@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moevlm_jax.model.config import ComputeConfig, ModelConfig
+from moevlm_jax.model.compute import ComputeConfig
+
+from moevlm_jax.model.config import ModelConfig
 from data.batch import hf_inputs_to_batch
 from moevlm_jax.model.decoder import TextModel
 from moevlm_jax.model.layers import Linear, dtype_of

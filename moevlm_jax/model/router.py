@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moevlm_jax.model.config import RouterConfig
+from moevlm_jax.model.compute import RouterConfig
+from parallelism.sharding import path_str
 
 log = logging.getLogger(__name__)
 
@@ -151,31 +152,17 @@ def aux_loss_per_layer(router: Mapping[str, jax.Array], kind: str, num_experts: 
     return _masked_mean(_switch(c, p, t, num_experts, top_k), t)
 
 
-def data_parallel_groups() -> int:
-    """Row groups of the active sharding context: the product of the mesh axes ``act_batch`` maps
-    to (1 without a context). These are Megatron's DP ranks for the per-rank "aux_loss"."""
-    from parallelism.logical import current, mesh_axes_for
-
-    ctx = current()
-    if ctx is None:
-        return 1
-    axes = mesh_axes_for("act_batch", ctx.rules)
-    flat = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-    return int(np.prod([ctx.mesh.shape[a] for a in flat], dtype=np.int64)) if flat else 1
-
-
 def router_losses(router: Mapping[str, jax.Array], cfg: RouterConfig, num_experts: int, top_k: int,
-                  model_coef: float, dp_size: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  model_coef: float, dp_size: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The router part of the objective for one micro-batch and its metrics: (coef-weighted aux +
     z terms, {router_aux_loss, router_z_loss, router_loss}). ``model_coef`` is the model config's
-    ``router_aux_loss_coef`` (used when ``cfg.aux_loss_coef`` is None); ``dp_size`` None = from the
-    active sharding context (:func:`data_parallel_groups`)."""
+    ``router_aux_loss_coef`` (used when ``cfg.aux_loss_coef`` is None); ``dp_size``: the data-parallel
+    row groups (Megatron's DP ranks) of the per-rank "aux_loss", given by the trainer."""
     if cfg.aux_loss in ("hf", "none"):
         aux_metric = load_balancing_loss(router, num_experts)
         aux_term = aux_metric
     else:
-        groups = data_parallel_groups() if dp_size is None else dp_size
-        per_layer = aux_loss_per_layer(router, cfg.aux_loss, num_experts, top_k, groups)
+        per_layer = aux_loss_per_layer(router, cfg.aux_loss, num_experts, top_k, dp_size)
         aux_metric, aux_term = jnp.mean(per_layer), jnp.sum(per_layer)
     z_layers = z_loss_per_layer(router)
     coef = cfg.coef(model_coef)
@@ -190,17 +177,9 @@ def router_losses(router: Mapping[str, jax.Array], cfg: RouterConfig, num_expert
 # ----------------------------------------------------------------------------- expert bias
 
 
-def _names(key_path: Any) -> list[str]:
-    names = [str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k)) for k in key_path]
-    while names and names[-1] in ("value", "raw_value"):
-        names.pop()
-    return names
-
-
 def is_expert_bias_path(key_path: Any) -> bool:
     """Whether a jax key path (pure dict or nnx.State) leads to an ExpertBias value."""
-    names = _names(key_path)
-    return bool(names) and names[-1] == BIAS_NAME
+    return path_str(key_path).split("/")[-1] == BIAS_NAME
 
 
 def layer_counts(router_or_counts: Mapping[str, jax.Array] | jax.Array) -> jax.Array:

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from moevlm_jax.model.config import ComputeConfig, VisionConfig
-from moevlm_jax.model.compute import attention_kwargs
+from moevlm_jax.model.compute import ComputeConfig
+
+from moevlm_jax.model.config import VisionConfig
 from moevlm_jax.model.attention import dot_product_attention
 from moevlm_jax.model.layers import (
     LayerNorm,
@@ -58,7 +59,7 @@ class VisionAttention(nnx.Module):
     def __init__(self, cfg: VisionConfig, compute: ComputeConfig, rngs: nnx.Rngs):
         pd, c, n, d = dtype_of(compute.param_dtype), cfg.hidden_size, cfg.num_heads, cfg.head_dim
         self.impl = compute.attention
-        self.attn_kw = tuple(attention_kwargs(compute.attention_options, "vision").items())  # cuDNN bound, head-dim pad
+        self.attn_kw = tuple(compute.attention_options.for_tower("vision").items())  # cuDNN bound, head-dim pad
         self.qkv = Linear((c,), (3, n, d), ("vis_embed",), (None, "vis_heads", "vis_head_dim"),
                           use_bias=True, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
         self.proj = Linear((n, d), (c,), ("vis_heads", "vis_head_dim"), ("vis_embed",),

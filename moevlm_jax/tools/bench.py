@@ -164,21 +164,20 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     import data as data_lib
     from moevlm_jax.tools import flops
     from moevlm_jax.training import optimizer as optim
-    from moevlm_jax.train import typed_sections
     from moevlm_jax.training.trainer import Trainer
 
-    sections, tr = typed_sections(cfg), cfg.train
+    tr = cfg.train
     gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     warmup, n_timed = _steady(args, gpu)
     frozen = optim.frozen_groups(tr.freeze_vision_model, tr.freeze_vision_projection, tr.freeze_language_model)
-    trainer = Trainer.create(sections.model, sections.compute, cfg.layout, cfg.optimizer, steps=tr.steps,
+    trainer = Trainer.create(cfg.model, cfg.compute, cfg.layout, cfg.optimizer, steps=tr.steps,
                              grad_accum=tr.grad_accum, frozen=frozen, param_groups=tr.param_groups, devices=devices)
     n_dev = trainer.mesh.devices.size
     if dump is not None and (n_dev != 1 or tr.grad_accum != 1):
         raise BenchError(f"--peer hf compares one device without gradient accumulation (this run: {n_dev} devices, "
                          f"grad_accum {tr.grad_accum}); pass --devices 1 and train.grad_accum=1")
     name = f"{variant.label} mbs{tr.micro_batch_size}"
-    shape = flops.ModelShape.from_config(sections.model)
+    shape = flops.ModelShape.from_config(cfg.model)
     total = warmup + n_timed
     shard = {"shard_index": jax.process_index(), "shard_count": jax.process_count()}
 
@@ -192,7 +191,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     trace = Path(args.profile) / name.replace(" ", "_") if args.profile else None
     # every batch shape the run will meet, compiled before timing (a second loader reads ahead)
     c0, compile_s = dict(COMPILES), 0.0
-    ahead = data_lib.build_loader(sections.data, **shard)
+    ahead = data_lib.build_loader(cfg.data, **shard)
     seen: set = set()
     try:
         for _ in range(total):
@@ -211,7 +210,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     finally:
         ahead.close()
 
-    loader = data_lib.build_loader(sections.data, **shard)
+    loader = data_lib.build_loader(cfg.data, **shard)
     steps: list[dict[str, Any]] = []
     hosts: list[dict[str, np.ndarray]] = []
     tracing = False
@@ -256,7 +255,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     result = {
         "side": "ours", "name": name, "data": variant.label, "data_source": source["source"], "mock": source["mock"],
         "mbs": tr.micro_batch_size, "grad_accum": tr.grad_accum, "rows": cfg.global_batch_size,
-        "seq_len": tr.seq_len, "devices": n_dev, "dtype": sections.compute.dtype, "warmup": warmup,
+        "seq_len": tr.seq_len, "devices": n_dev, "dtype": cfg.compute.dtype, "warmup": warmup,
         "timed": [i for i, s in enumerate(steps) if s["timed"]],
         **{f"{k}_per_step": [s[k] for s in steps] for k in ("time", "input", "useful_tokens", "trained_tokens",
                                                             "tokens", "flops", "loss", "ce_loss", "lr", "compiles",

@@ -36,12 +36,11 @@ import optax
 from flax import nnx
 
 from moevlm_jax.training import optimizer as optim
-from data.batch import loss_capacity
 from moevlm_jax.model.layers import dtype_of, run_stack
 from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import scatter_visual_tokens
 from moevlm_jax.model.rotary import mrope_cos_sin
-from moevlm_jax.training.trainer import gather_trained
+from moevlm_jax.training.objective import gather_trained, loss_capacity, most_trained
 from parallelism.dispatch import ExpertTopology
 from parallelism.experts import resolve_options
 from parallelism.hybrid import hybrid_buffer_ffn, hybrid_slots
@@ -257,7 +256,7 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
 
     per_stack("experts", ("moe",), ("gate_up_proj", "down_proj"), experts_body, zeros, ("rows", "counts"), 1)
 
-    capacity = loss_capacity(np.asarray(batch["loss_mask"]), 1, 1)  # as Trainer.prepare: static
+    capacity = loss_capacity(*most_trained(np.asarray(batch["loss_mask"]), 1, 1))  # as Trainer.prepare: static
     tied = model.lm_head is None
     kernel = lm.embed_tokens[...] if tied else model.lm_head.kernel[...]
 

@@ -142,10 +142,12 @@ def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: i
     ``xla_backend_optimization_level=0`` compiles faster on CPU; buffer assignment comes before it)."""
     import jax
 
-    from moevlm_jax.model.config import ComputeConfig, ModelConfig, load_model_config
+    from moevlm_jax.model.compute import ComputeConfig
+
+    from moevlm_jax.model.config import ModelConfig, load_model_config
     from moevlm_jax.config.run import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
-    from parallelism.layout import load_layout
+    from moevlm_jax.config import load_layout
     from parallelism.validate import validate_layout
 
     model = model if isinstance(model, ModelConfig) else load_model_config(model)
@@ -199,23 +201,6 @@ def split_list(text: str | None, cast: Any = str) -> list[Any]:
     return [cast(x.strip()) for x in (text or "").split(",") if x.strip()]
 
 
-def compute_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """``key=value`` compute settings (dotted keys reach ``moe.*`` / ``router.*``; YAML values)."""
-    import yaml
-
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"compute override '{item}' is not key=value (e.g. dtype=float32)")
-        key, text = item.split("=", 1)
-        node = out
-        *parents, last = key.strip().removeprefix("compute.").split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = yaml.safe_load(text)
-    return out
-
-
 def set_host_devices(n: int | None) -> None:
     """Ask XLA for ``n`` CPU host devices (before the backend starts; CPU only)."""
     if n:
@@ -250,9 +235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_host_devices(args.host_devices)
     import jax
 
-    from moevlm_jax.model.config import ComputeConfig
+    from moevlm_jax.config.schema import overrides_tree
+    from moevlm_jax.model.compute import ComputeConfig
 
-    base = compute_overrides(args.overrides)
+    base = overrides_tree(args.overrides, prefix="compute")
     if args.recompute_modules is not None:
         base["recompute_modules"] = split_list(args.recompute_modules)
     base["offload"] = split_list(args.offload)
@@ -267,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     compute = ComputeConfig.from_dict({**base, "recompute": recompute})
                     rows.append(memory_report(args.model, layout, compute, mbs=mbs, seq_len=args.seq_len,
                                               patches=args.patches, grad_accum=args.grad_accum, devices=devices,
-                                              compiler_options=compute_overrides(args.compiler_option)))
+                                              compiler_options=overrides_tree(args.compiler_option)))
                 except Exception as e:  # noqa: BLE001 - report the point and go on
                     print(f"error: layout {layout}, mbs {mbs}, recompute {recompute}: {type(e).__name__}: {e}",
                           file=sys.stderr)

@@ -31,7 +31,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moevlm_jax.tools.memory import compute_overrides, format_bytes, split_list
+from moevlm_jax.config.schema import overrides_tree
+from moevlm_jax.tools.memory import format_bytes, split_list
 
 POINT_KEYS = ("layout", "mbs", "recompute", "capture")
 CSV_COLUMNS = ("layout", "mbs", "recompute", "capture", "status", "tokens_per_s", "trained_tokens_per_s",
@@ -236,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="compute settings, e.g. dtype=bfloat16")
     args = p.parse_intermixed_args(argv)  # KEY=VALUE settings may come before and after options
-    compute = compute_overrides(args.overrides)
+    compute = overrides_tree(args.overrides, prefix="compute")
     if args.recompute_modules is not None:
         compute["recompute_modules"] = split_list(args.recompute_modules)
     for key in ("recompute", "capture", "capture_scopes"):
@@ -247,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     common = {"model": args.model, "data": data, "data_overrides": list(args.data_set), "seq_len": args.seq_len,
               "steps": args.steps, "warmup": args.warmup, "grad_accum": args.grad_accum, "compute": compute,
               "capture_scopes": split_list(args.capture_scopes), "host_devices": args.host_devices,
-              "compiler_options": compute_overrides(args.compiler_option),
+              "compiler_options": overrides_tree(args.compiler_option),
               "optimizer": {"state_dtype": args.state_dtype}}
     points = grid(split_list(args.layout), split_list(args.mbs, int), split_list(args.recompute),
                   split_list(args.capture))

@@ -41,11 +41,12 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
 
     import data as data_lib
     from moevlm_jax.tools import flops
-    from moevlm_jax.model.config import ComputeConfig, load_model_config
-    from moevlm_jax.config.run import OptimizerConfig
-    from moevlm_jax.train import _model_data_checks
+    from moevlm_jax.config import load_layout
+    from moevlm_jax.config.run import model_data_checks
+    from moevlm_jax.model.compute import ComputeConfig
+    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
-    from parallelism.layout import load_layout
     from parallelism.validate import validate_layout
 
     mbs, steps, warmup = int(spec["mbs"]), int(spec["steps"]), int(spec["warmup"])
@@ -63,7 +64,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     data_cfg = data_lib.load_data_config(spec["data"], spec.get("data_overrides", ()))
     seq_len = int(spec.get("seq_len") or data_cfg.seq_len)
     validate_layout(model, layout, trainer.mesh, batch_size=mbs * trainer.data_parallel_size, seq_len=seq_len)
-    problems = _model_data_checks(model, data_cfg)
+    problems = model_data_checks(model, data_cfg)
     if problems:
         raise ValueError("model and data disagree: " + "; ".join(problems))
     # fail fast (before loading data and compiling) on what tracing finds, at the largest patch bucket

@@ -31,7 +31,7 @@ import os
 import shlex
 from collections.abc import Iterable, Mapping
 
-from moevlm_jax.model.config import CAPTURE_MODES, CAPTURE_SCOPES, ComputeConfig
+from moevlm_jax.model.compute import CAPTURE_MODES, CAPTURE_SCOPES, ComputeConfig
 
 # Command-buffer types accepted by --xla_gpu_enable_command_buffer in jax 0.10.2's XLA (each checked
 # by XLA's flag parser on that build; DYNAMIC_SLICE_COPY_FUSION, in the proto, is rejected there).
@@ -138,26 +138,19 @@ def apply_capture(compute_or_capture: ComputeConfig | str, scopes: Iterable[str]
 def recipe_capture(recipe: str | os.PathLike | None, overrides: Iterable[str] = (), *, run_dir: str | None = None,
                    resume: bool | None = None) -> tuple[str, tuple[str, ...]]:
     """``(compute.capture, compute.capture_scopes)`` of a train recipe and its ``key=value`` overrides,
-    read without starting jax (the recipe loader asks jax for devices): what the train CLI applies
+    read without starting jax (the full config asks jax for devices): what the train CLI applies
     before anything else. Without a recipe the platform default is unknown yet, so the defaults
     (cpu-default, gpu-default) must agree (they do unless edited)."""
     from pathlib import Path
 
-    from moevlm_jax.config.run import find_config, read_yaml
-    from moevlm_jax.config.schema import parse_value
+    from moevlm_jax.config.run import resolve_raw
+    from moevlm_jax.config.schema import build
 
-    if resume and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists():
-        recipe = Path(run_dir) / "config.yaml"
+    resuming = resume and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists()
     found = set()
-    for name in [recipe] if recipe is not None else ["cpu-default", "gpu-default"]:
-        compute = dict(read_yaml(find_config("recipes", name)).get("compute") or {})
-        for item in overrides:
-            key, eq, text = item.partition("=")
-            if eq and key.strip() in ("compute.capture", "compute.capture_scopes"):
-                compute[key.strip().split(".", 1)[1]] = parse_value(text)
-        default = ComputeConfig()
-        config = ComputeConfig(capture=compute.get("capture", default.capture),
-                               capture_scopes=compute.get("capture_scopes", default.capture_scopes))
+    for name in [recipe] if recipe is not None or resuming else ["cpu-default", "gpu-default"]:
+        raw, _ = resolve_raw(name, overrides=overrides, run_dir=run_dir, resume=resume)
+        config = build(ComputeConfig, raw.get("compute"), "compute")
         found.add((config.capture, config.capture_scopes))
     if len(found) > 1:
         raise ValueError(f"the default recipes set different compute.capture values {sorted(found)}: pass --recipe")

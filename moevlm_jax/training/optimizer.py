@@ -29,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from parallelism.sharding import path_str
+
 if TYPE_CHECKING:
-    from moevlm_jax.config.run import OptimizerConfig
+    from moevlm_jax.training.config import OptimizerConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +49,6 @@ GROUPS = ("vision_projection", "vision_model", "language_model")
 
 
 # ----------------------------------------------------------------------------- paths and groups
-
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def path_str(key_path: Sequence[Any]) -> str:
-    """'/'-joined names of a jax key path, without the trailing 'value' of nnx Variables."""
-    names = [_key_name(k) for k in key_path]
-    while names and names[-1] in ("value", "raw_value") and type(key_path[-1]).__name__ == "GetAttrKey":
-        names.pop()
-        key_path = key_path[:-1]
-    return "/".join(names)
-
 
 def tree_paths(tree: PyTree) -> list[str]:
     """The '/'-joined path of every leaf of ``tree``, in leaf order."""

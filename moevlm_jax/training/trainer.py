@@ -18,14 +18,9 @@ The steps are module-level ``jax.jit`` functions whose static argument is a hash
 two trainers with equal specs share compiled programs (a resumed run compiles nothing new in the
 same process). They compile once per batch shape (patch bucket), loss capacity and ``bounded``.
 
-Loss: cross-entropy summed over trained tokens (``loss_mask``) of each microbatch, divided by the
-trained tokens of the whole global batch, plus the router losses per ``ComputeConfig.router``
-(averaged over microbatches, computed per microbatch as Megatron does). Logits are computed only
-where they are needed: the rows each data-parallel rank holds form one group, and the trained
-positions of each group are gathered first (``capacity`` per group, static: the most trained
-tokens of a group rounded up to a quarter step between powers of two), so the LM head works on
-``[DP, capacity, H]`` rather than ``[B, S, H]`` (same result; VQA answers are ~5% of the tokens).
-Groups where more than half the positions are trained keep whole rows.
+The objective (what each microbatch adds to the loss, the gathered-positions LM head, the eval pass)
+is ``moevlm_jax.training.objective``; the trainer gives it the data-parallel size and the per-batch
+statics it agrees on across processes (``parallelism.multihost``).
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,22 +38,23 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from moevlm_jax.training import optimizer as optim
-from moevlm_jax.model.config import ComputeConfig, ModelConfig, freeze
+from data.batch import MODEL_KEYS
 from moevlm_jax.model import router as moe_router
 from moevlm_jax.model.attention import rows_within_bound
-from data.batch import agreed_max, loss_capacity, segments_over_bound
-from moevlm_jax.model.loss import lm_loss
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+from moevlm_jax.training import optimizer as optim
+from moevlm_jax.training.config import OptimizerConfig
+from moevlm_jax.training.objective import ce_and_argmax, gather_trained, loss_capacity, microbatch_objective, most_trained
 from parallelism import grouped_matmul, sharding
-from parallelism.layout import Layout
-from parallelism.logical import Rules, constrain, normalize_rules, sharding_context
+from parallelism.layout import Layout, LayoutOptions
+from parallelism.logical import Rules, data_parallel_size, normalize_rules, sharding_context
+from parallelism.multihost import agreed_max
 
 log = logging.getLogger(__name__)
 
 PyTree = Any
-MODEL_KEYS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask",
-              "pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,37 +65,21 @@ class StepSpec:
     compute: ComputeConfig
     mesh: Mesh
     rules: Rules
-    optimizer: tuple[tuple[str, Any], ...]  # OptimizerConfig fields, frozen
+    optimizer: OptimizerConfig
     total_steps: int
     grad_accum: int = 1
     frozen: frozenset[str] = frozenset()
     param_groups: tuple[tuple[str, tuple[str, ...]], ...] | None = None
-    layout_options: Any = None  # the layout's options, frozen (e.g. ``pipeline``: parallelism.pipeline)
-
-    def optimizer_config(self) -> Any:
-        """The OptimizerConfig these fields came from."""
-        from moevlm_jax.config.run import OptimizerConfig
-
-        return OptimizerConfig(**{k: list(v) if isinstance(v, tuple) else v for k, v in self.optimizer})
+    layout_options: LayoutOptions | None = None  # e.g. ``pipeline``: parallelism.pipeline
 
     @property
     def dp_size(self) -> int:
         """Devices the batch rows are split over (the mesh axes the rules map ``act_batch`` to)."""
-        spec = sharding.batch_spec("input_ids", 2, self.rules, self.mesh)
-        axes = spec[0] if len(spec) else None
-        flat = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-        return math.prod(self.mesh.shape[a] for a in flat)
+        return data_parallel_size(self.rules, self.mesh)
 
     def patterns(self) -> dict[str, tuple[str, ...]] | None:
         """Parameter-group regexes (None: ``optim.PARAM_GROUP_PATTERNS``)."""
         return None if self.param_groups is None else dict(self.param_groups)
-
-
-def _freeze_items(cfg: Any) -> tuple[tuple[str, Any], ...]:
-    def frz(v: Any) -> Any:
-        return tuple(frz(x) for x in v) if isinstance(v, (list, tuple)) else v
-
-    return tuple((f.name, frz(getattr(cfg, f.name))) for f in dataclasses.fields(cfg))
 
 
 # ----------------------------------------------------------------------------- per-spec pieces (cached)
@@ -124,7 +103,7 @@ def _mask(spec: StepSpec) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=32)
 def _optimizer(spec: StepSpec) -> tuple[optax.GradientTransformation, Any]:
-    return optim.make_optimizer(spec.optimizer_config(), spec.total_steps)
+    return optim.make_optimizer(spec.optimizer, spec.total_steps)
 
 
 @functools.lru_cache(maxsize=32)
@@ -138,86 +117,28 @@ def _state_shardings(spec: StepSpec) -> dict[str, Any]:
             "step": rep, "rng": rep}
 
 
-# ----------------------------------------------------------------------------- loss pieces
-
-def trained_positions(loss_mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
-    """loss_mask ``[G, L]`` -> positions ``[G, C]`` int32 of the first ``C = capacity`` trained
-    tokens of each group in order, and valid ``[G, C]`` bool (False past a group's trained tokens)."""
-    n = loss_mask.shape[-1]
-    score = jnp.where(loss_mask > 0, n - jnp.arange(n, dtype=jnp.int32), 0)
-    values, idx = jax.lax.top_k(score, capacity)
-    return idx.astype(jnp.int32), values > 0
-
-
-def gather_trained(hidden: jax.Array, targets: jax.Array, loss_mask: jax.Array, groups: int, capacity: int
-                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """hidden ``[B, S, H]``, targets/loss_mask ``[B, S]`` -> the trained positions of each of ``groups``
-    row groups (``B / groups`` consecutive rows, one data-parallel rank's): hidden ``[G, C, H]``,
-    targets ``[G, C]``, mask ``[G, C]`` (0 on unused slots) and positions ``[G, C]`` (index into the
-    group's flattened rows, -1 on unused slots)."""
-    b, s, h = hidden.shape
-    flat = (groups, b // groups * s)
-    mask = loss_mask.reshape(flat)
-    idx, valid = trained_positions(mask, capacity)
-    # top_k's indices are distinct: a gather with unique indices, whose backward scatter needs no atomics
-    # (as take_along_axis it was a 7.3 ms bf16 atomic scatter-add per H200 step, bench/step_h200.md run 5)
-    hidden = hidden.reshape(*flat, h).at[jnp.arange(groups)[:, None], idx].get(unique_indices=True)
-    hidden = constrain(hidden, ("act_batch", "act_seq", "act_embed"))
-    targets = jnp.take_along_axis(targets.reshape(flat), idx, axis=1)
-    mask = jnp.take_along_axis(mask, idx, axis=1) * valid
-    return hidden, targets, mask, jnp.where(valid, idx, -1)
-
-
-def ce_and_argmax(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, mask: jax.Array,
-                  chunk_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """hidden ``[B, S, H]``, kernel ``[H, V]``, targets/mask ``[B, S]`` -> (masked CE sum, mask sum,
-    argmax ids ``[B, S]`` int32), scanning sequence chunks so that ``[B, S, V]`` never exists whole."""
-    b, s, h = hidden.shape
-    c = min(chunk_size, s)
-    pad = (-s) % c
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets, mask = jnp.pad(targets, ((0, 0), (0, pad))), jnp.pad(mask, ((0, 0), (0, pad)))
-    n = (s + pad) // c
-    xs = (hidden.reshape(b, n, c, h).swapaxes(0, 1), targets.reshape(b, n, c).swapaxes(0, 1),
-          mask.astype(jnp.float32).reshape(b, n, c).swapaxes(0, 1))
-    kernel = kernel.astype(hidden.dtype)
-
-    def chunk(total, x):
-        hc, tc, mc = x
-        logits = jnp.einsum("bch,hv->bcv", hc, kernel, preferred_element_type=jnp.float32)
-        logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"))
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, tc[..., None].astype(jnp.int32), axis=-1)[..., 0]
-        return total + jnp.sum((lse - tgt) * mc), jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    total, pred = jax.lax.scan(chunk, jnp.zeros((), jnp.float32), xs)
-    return total, jnp.sum(xs[2]), pred.swapaxes(0, 1).reshape(b, n * c)[:, :s]
-
-
-def microbatch_objective(model: Qwen3VLMoe, mb: Mapping[str, jax.Array], total_trained: jax.Array,
-                         num_micro: int, capacity: int | None, groups: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One microbatch's share of the step objective: CE sum / trained tokens of the global batch +
-    router losses / ``num_micro``; and summable metrics (ce_sum, trained_tokens, router losses).
-    ``capacity``: gather that many trained positions per group of rows first (None: whole rows)."""
-    compute, text = model.compute, model.config.text_config
-    hidden, aux = model.hidden_states(mb)
-    targets, mask = mb["targets"], mb["loss_mask"]
-    if capacity is not None:
-        hidden, targets, mask, _ = gather_trained(hidden, targets, mask, groups, capacity)
-    with jax.named_scope("lm_head"):  # the chunked LM head + cross-entropy (profiler trace labels)
-        ce_sum, count = lm_loss(hidden, model.lm_head_kernel(), targets, mask, compute.loss_chunk_size)
-    objective = ce_sum / total_trained
-    metrics = {"ce_sum": ce_sum, "trained_tokens": count}
-    router = aux["router"]
-    if router is not None:
-        # per micro-batch; "aux_loss" per data-parallel row group (``groups``), as Megatron per DP rank
-        term, router_metrics = moe_router.router_losses(router, compute.router, text.num_experts,
-                                                        text.num_experts_per_tok, text.router_aux_loss_coef, groups)
-        objective = objective + term / num_micro
-        metrics.update({k: v / num_micro for k, v in router_metrics.items()})
-        metrics["router_load"] = moe_router.load_sums(router)  # summed over micro-batches: the step's loads
-    return objective, metrics
+def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: set[str] | None) -> dict[str, int]:
+    """Rows of a host batch holding more segments (packed samples; images for the vision tower) than
+    the cuDNN ragged attention's bound (``compute.attention_options``): the step then runs that
+    attention on the dense-mask kernel for the whole batch (exact, but slower; bench/attention.md).
+    Returns ``{"text" | "vision": rows over}`` and logs a warning the first time per tower (``warned``;
+    None: no warning, e.g. where the attention is not cuDNN's)."""
+    over = {}
+    for tower, key in (("text", "segment_ids"), ("vision", "patch_segment_ids")):
+        if key not in arrays or not np.asarray(arrays[key]).size:
+            continue
+        bound = options.for_tower(tower)["max_segments"]
+        most = np.asarray(arrays[key]).reshape(-1, np.shape(arrays[key])[-1]).max(axis=-1)
+        n = int(np.count_nonzero(most > bound))
+        if n:
+            over[tower] = n
+            if warned is not None and tower not in warned:
+                warned.add(tower)
+                log.warning(
+                    "%d row(s) hold more %s segments than compute.attention_options.%smax_segments=%d (up to %d): "
+                    "on the GPU these batches run the dense-mask attention kernel (exact, slower); raise the bound",
+                    n, tower, "vision_" if tower == "vision" else "", bound, int(most.max()))
+    return over
 
 
 # ----------------------------------------------------------------------------- compiled steps
@@ -336,9 +257,9 @@ class Trainer:
         grouped_matmul.preload(mesh.devices.flat[0].platform, compute.moe_options.get("backend"))  # see docstring
         rules = normalize_rules(rules if rules is not None else layout.rules)
         groups = None if param_groups is None else tuple((k, tuple(v)) for k, v in sorted(param_groups.items()))
-        spec = StepSpec(model=model, compute=compute, mesh=mesh, rules=rules, optimizer=_freeze_items(optimizer),
+        spec = StepSpec(model=model, compute=compute, mesh=mesh, rules=rules, optimizer=optimizer,
                         total_steps=int(steps), grad_accum=int(grad_accum), frozen=frozenset(frozen),
-                        param_groups=groups, layout_options=freeze(layout.options) if layout is not None else None)
+                        param_groups=groups, layout_options=layout.options if layout is not None else None)
         return cls(spec)
 
     # -- shapes and shardings
@@ -408,7 +329,8 @@ class Trainer:
         over = segments_over_bound(arrays, self.spec.compute.attention_options, self.bound_warned)
         bounded = not agreed_max(int(bool(over)))
         local_groups = max(self.spec.dp_size // jax.process_count(), 1)
-        capacity = loss_capacity(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)
+        most, positions = most_trained(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)
+        capacity = loss_capacity(agreed_max(most), positions)
         leading = 0
         if train:
             arrays = optim.split_microbatches(arrays, self.spec.grad_accum)

@@ -2,11 +2,12 @@
 
 import pytest
 
-from data.config import CONFIG_DIR, DataError, load_data_config
+from data.config import DataError, load_data_config
+from moevlm_jax.config import CONFIG_DIR
 
 
 def test_every_preset_loads():
-    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    names = sorted(p.stem for p in (CONFIG_DIR / "data").glob("*.yaml"))
     assert {"vqa", "proxy", "photos", "mock", "mock_text"} <= set(names)
     for name in names:
         cfg = load_data_config(name)
@@ -18,14 +19,14 @@ def test_every_preset_loads():
 def test_proxy_preset_is_the_proxy_workload():
     cfg = load_data_config("proxy")
     assert cfg.seq_len == 4096 and cfg.batch_size == 4
-    assert cfg.source["images_per_sample"] == [4, 4]
+    assert cfg.source.images_per_sample == (4, 4)
     assert cfg.image.min_pixels == cfg.image.max_pixels == 448 * 448  # 784 patches -> 196 tokens
 
 
 def test_overrides():
     cfg = load_data_config("vqa", ["seq_len=2048", "image.max_pixels=200704", "source.num_train=10",
                                    "patch_buckets=[512, 1024]"])
-    assert cfg.seq_len == 2048 and cfg.image.max_pixels == 200704 and cfg.source["num_train"] == 10
+    assert cfg.seq_len == 2048 and cfg.image.max_pixels == 200704 and cfg.source.num_train == 10
     assert cfg.patch_buckets == (512, 1024)
     assert cfg.fingerprint() != load_data_config("vqa").fingerprint()
     assert load_data_config("vqa", ["workers=4"]).fingerprint() == load_data_config("vqa").fingerprint()
@@ -36,9 +37,10 @@ def test_overrides():
     ("patch_buckets=[8, 4]", "increasing"),
     ("image.min_pixels=999999", "min_pixels"),
     ("seq_len=0", "seq_len"),
-    ("source.kind=parquet", "source.kind"),
-    ("bogus=1", "unknown data config keys"),
-    ("image.bogus=1", "unknown image config keys"),
+    ("source.kind=parquet", "data.source.kind: 'parquet' is not one of"),
+    ("source.num_trian=5", "unknown key 'data.source.num_trian'; did you mean 'num_train'"),
+    ("bogus=1", "unknown key 'data.bogus'"),
+    ("image.bogus=1", "unknown key 'data.image.bogus'"),
     ("patch_buckets=[4]", "largest patch bucket"),
 ])
 def test_bad_settings_fail_with_a_clear_message(override, message):

@@ -95,15 +95,14 @@ def test_head_dim_padding_and_segment_bound_reach_the_cudnn_path(monkeypatch):
 
 
 def test_attention_options_per_tower_and_bad_values():
-    from moevlm_jax.model.compute import attention_kwargs
-    from moevlm_jax.model.config import ComputeConfig
+    from moevlm_jax.model.compute import ComputeConfig
 
     c = ComputeConfig(attention_options={"max_segments": 2, "vision_max_segments": 4, "vision_pad_head_dim": 128})
-    assert attention_kwargs(c.attention_options, "text") == {"max_segments": 2, "pad_head_dim": None}
-    assert attention_kwargs(c.attention_options, "vision") == {"max_segments": 4, "pad_head_dim": 128}
-    assert attention_kwargs(ComputeConfig().attention_options, "vision") == {"max_segments": 16, "pad_head_dim": None}
-    for bad, words in (({"max_segment": 2}, "unknown keys"), ({"max_segments": 0}, "positive int"),
-                       ({"max_segments": None}, "positive int"), ({"vision_pad_head_dim": 100}, "multiple of 8")):
+    assert c.attention_options.for_tower("text") == {"max_segments": 2, "pad_head_dim": None}
+    assert c.attention_options.for_tower("vision") == {"max_segments": 4, "pad_head_dim": 128}
+    assert ComputeConfig().attention_options.for_tower("vision") == {"max_segments": 16, "pad_head_dim": None}
+    for bad, words in (({"max_segment": 2}, "unknown key"), ({"max_segments": 0}, "positive int"),
+                       ({"max_segments": None}, "max_segments: expected int"), ({"vision_pad_head_dim": 100}, "multiple of 8")):
         with pytest.raises(ValueError, match=words):
             ComputeConfig(attention_options=bad)
 
@@ -111,12 +110,13 @@ def test_attention_options_per_tower_and_bad_values():
 def test_rows_over_the_segment_bound_are_counted_and_named_once(caplog):
     """Host-side check of a batch against compute.attention_options: text rows with 1 and 3 packed
     samples against a bound of 2, vision rows with 4 and 5 images against a bound of 4."""
-    from data.batch import segments_over_bound
+    from moevlm_jax.model.compute import AttentionOptions
+    from moevlm_jax.training.trainer import segments_over_bound
 
     arrays = {"segment_ids": np.array([[1, 1, 1, 0], [1, 2, 3, 3]]),
               "patch_segment_ids": np.array([[1, 2, 3, 4, 0], [1, 2, 3, 4, 5]])}
     warned: set[str] = set()
-    options = {"max_segments": 2, "vision_max_segments": 4}
+    options = AttentionOptions(max_segments=2, vision_max_segments=4)
     with caplog.at_level("WARNING"):
         assert segments_over_bound(arrays, options, warned) == {"text": 1, "vision": 1}
         assert segments_over_bound(arrays, options, warned) == {"text": 1, "vision": 1}
@@ -124,5 +124,5 @@ def test_rows_over_the_segment_bound_are_counted_and_named_once(caplog):
     assert len(warnings) == 2 and warned == {"text", "vision"}
     assert "attention_options.max_segments=2 (up to 3)" in warnings[0]
     assert "attention_options.vision_max_segments=4 (up to 5)" in warnings[1]
-    assert segments_over_bound(arrays, {"max_segments": 3, "vision_max_segments": 5}, set()) == {}
-    assert segments_over_bound(arrays, {}, set()) == {}  # the default bound 16
+    assert segments_over_bound(arrays, AttentionOptions(max_segments=3, vision_max_segments=5), set()) == {}
+    assert segments_over_bound(arrays, AttentionOptions(), set()) == {}  # the default bound 16

@@ -6,18 +6,24 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from moevlm_jax.model.config import ComputeConfig
+from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.hf import load_pretrained
 from data.batch import hf_inputs_to_batch, hf_labels_to_targets
-from moevlm_jax.model.loss import model_loss
+from moevlm_jax.training.objective import microbatch_objective
 from moevlm_jax.model.qwen3_vl_moe import jit_forward
 from tests.model.hf_reference import make_batches
 
 F32 = dict(dtype="float32", param_dtype="float32")
+
+
+def objective(model, batch):
+    """The trainer's objective of one whole batch (one microbatch, whole rows): mean CE + router losses."""
+    return microbatch_objective(model, batch, jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0), 1, None)[0]
 
 
 def _batch(hf_path, name, **kw):
@@ -48,7 +54,7 @@ def test_scan_equals_unrolled(hf_models, image_batch):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _loss_and_grads(graphdef, state, batch):
-    return jax.value_and_grad(lambda st: model_loss(nnx.merge(graphdef, st), batch)[0])(state)
+    return jax.value_and_grad(lambda st: objective(nnx.merge(graphdef, st), batch))(state)
 
 
 @pytest.mark.parametrize("compute", [

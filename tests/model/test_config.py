@@ -6,7 +6,9 @@ import pytest
 import yaml
 from transformers import Qwen3VLMoeConfig
 
-from moevlm_jax.model.config import ComputeConfig, ModelConfig, load_model_config
+from moevlm_jax.config import find_config
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import ModelConfig, load_model_config
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-v512", "proxy", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"])
@@ -52,27 +54,27 @@ def test_layer_kinds_follow_hf_rule():
 
 
 def test_yaml_typos_are_errors(tmp_path):
-    raw = yaml.safe_load(open(load_model_config.__globals__["MODEL_CONFIG_DIR"] / "tiny.yaml"))
+    raw = yaml.safe_load(open(find_config("models", "tiny")))
     raw["text_config"]["num_expert"] = 4
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
-    with pytest.raises(ValueError, match="unknown key 'text_config.num_expert'; did you mean 'num_experts'"):
+    with pytest.raises(ValueError, match="unknown key 'model.text_config.num_expert'; did you mean 'num_experts'"):
         load_model_config(tmp_path / "bad.yaml")
     with pytest.raises(ValueError, match="mrope_section"):
         load_model_config("tiny-v512").replace_text(head_dim=32)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"dtype": "fp8"}, "compute.dtype must be one of"),
-    ({"attention": "flash"}, "compute.attention must be one of"),
-    ({"recompute": "some"}, "compute.recompute must be one of"),
+    ({"dtype": "fp8"}, "compute.dtype: 'fp8' is not one of"),
+    ({"attention": "flash"}, "compute.attention: 'flash' is not one of"),
+    ({"recompute": "some"}, "compute.recompute: 'some' is not one of"),
     ({"recompute_modules": ["attn"]}, "compute.recompute_modules"),
-    ({"vision_recompute": "all"}, "compute.vision_recompute must be one of"),
+    ({"vision_recompute": "all"}, "compute.vision_recompute: 'all' is not one of"),
     ({"offload": ["attention"]}, "compute.offload"),
     ({"recompute": "selective", "offload": ["core_attn"]}, "recomputed or offloaded"),
-    ({"capture": "graphs"}, "compute.capture must be one of"),
+    ({"capture": "graphs"}, "compute.capture: 'graphs' is not one of"),
     ({"capture": "scopes", "capture_scopes": ["mlp"]}, "compute.capture_scopes"),
     ({"router": {"aux_loss": "seq"}}, "compute.router.aux_loss"),
-    ({"router": {"z_loss": 1}}, "unknown options"),
+    ({"router": {"z_loss": 1}}, "unknown key 'compute.router.z_loss'"),
     ({"loss_chunk_size": 0}, "loss_chunk_size"),
 ])
 def test_compute_config_validation(kwargs, message):
@@ -84,8 +86,14 @@ def test_compute_config_is_hashable_and_from_dict():
     c = ComputeConfig.from_dict({"dtype": "float32", "moe": {"capacity_factor": 1.25}, "recompute_modules": ["moe"]})
     assert hash(c) == hash(ComputeConfig.from_dict({"dtype": "float32", "moe": {"capacity_factor": 1.25},
                                                     "recompute_modules": ("moe",)}))
-    assert c.moe_options == {"capacity_factor": 1.25}
-    with pytest.raises(ValueError, match="unknown keys"):
+    assert c.moe.capacity_factor == 1.25 and c.moe_options["capacity_factor"] == 1.25
+    with pytest.raises(ValueError, match="unknown key 'compute.dtyp'; did you mean 'dtype'"):
         ComputeConfig.from_dict({"dtyp": "float32"})
-    with pytest.raises(ValueError, match="compute.remat is now compute.recompute"):
-        ComputeConfig.from_dict({"remat": "full"})
+
+
+def test_renamed_compute_keys_still_load(caplog):
+    """remat / remat_modules are recompute / recompute_modules now: the old names load, with a warning."""
+    with caplog.at_level("WARNING"):
+        c = ComputeConfig.from_dict({"remat": "full", "remat_modules": ["mlp"]})
+    assert c.recompute == "full" and c.recompute_modules == ("mlp",)
+    assert "'compute.remat' is deprecated: it is now 'compute.recompute'" in caplog.text

@@ -8,11 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moevlm_jax.model.config import ComputeConfig
+from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.hf import load_pretrained
 from moevlm_jax.model import qwen3_vl_moe
-from moevlm_jax.model.loss import model_loss
-from tests.model.test_compute import F32, _batch
+from tests.model.test_compute import F32, _batch, objective
 
 EMBED = ("language_model", "embed_tokens")
 
@@ -24,7 +23,7 @@ def _loss_and_embed_grad(path, batch):
 
     def loss(table):
         flat[EMBED] = flat[EMBED].replace(table)
-        return model_loss(nnx.merge(graphdef, nnx.from_flat_state(flat)), batch)[0]
+        return objective(nnx.merge(graphdef, nnx.from_flat_state(flat)), batch)
 
     table = flat[EMBED][...]
     return jax.jit(jax.value_and_grad(loss))(table)

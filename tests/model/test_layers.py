@@ -16,7 +16,8 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 )
 
 import parallelism
-from moevlm_jax.model.config import ComputeConfig, load_model_config
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import load_model_config
 from moevlm_jax.model.attention import dot_product_attention
 from moevlm_jax.model.layers import CHECKPOINT_NAMES, remat_policy
 from moevlm_jax.model.loss import lm_loss, load_balancing_loss, router_z_loss
@@ -170,7 +171,7 @@ def test_activation_constraints_trace_under_a_layout():
     """Every ``constrain`` call names as many axes as its tensor has (traced under the fsdp layout
     on 8 CPU devices; shapes only, nothing compiled)."""
     from data.batch import hf_inputs_to_batch
-    from parallelism.layout import load_layout
+    from moevlm_jax.config import load_layout
     from parallelism.logical import sharding_context
 
     config = load_model_config("tiny-v512")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moevlm_jax.model.config import ComputeConfig
+from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.hf import load_pretrained
 from data.batch import hf_inputs_to_batch, hf_labels_to_targets
 from moevlm_jax.model.loss import load_balancing_loss

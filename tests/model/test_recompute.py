@@ -22,7 +22,9 @@ import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import name_p, remat_p, saved_residuals
 
-from moevlm_jax.model.config import RECOMPUTE_MODULES, ComputeConfig, load_model_config
+from moevlm_jax.model.compute import RECOMPUTE_MODULES, ComputeConfig
+
+from moevlm_jax.model.config import load_model_config
 from moevlm_jax.model.decoder import DecoderLayer
 from moevlm_jax.model.layers import remat_policy, run_stack, stack_modules
 from moevlm_jax.model.rotary import mrope_cos_sin
@@ -252,7 +254,7 @@ def test_pipeline_stages_trace_the_policies():
     from moevlm_jax.config.run import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
     from parallelism import pipeline
-    from parallelism.layout import load_layout
+    from moevlm_jax.config import load_layout
     from parallelism.logical import sharding_context
 
     compute = ComputeConfig(**F32, recompute="selective", recompute_modules=("core_attn",), vision_recompute="full")

@@ -12,7 +12,9 @@ import optax
 import pytest
 from flax import nnx
 
-from moevlm_jax.model.config import ComputeConfig, RouterConfig, TextConfig, load_model_config
+from moevlm_jax.model.compute import ComputeConfig, RouterConfig
+
+from moevlm_jax.model.config import TextConfig, load_model_config
 from moevlm_jax.model import router as R
 from moevlm_jax.model.moe import SparseMoeBlock
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
@@ -49,10 +51,10 @@ def test_router_config_validation():
     c = ComputeConfig(router={"aux_loss": "seq_aux_loss", "expert_bias": True, "z_loss_coef": 1e-3})
     assert isinstance(c.router, RouterConfig) and c.router.aux_loss == "seq_aux_loss"
     assert hash(c) == hash(ComputeConfig(router=RouterConfig(aux_loss="seq_aux_loss", expert_bias=True, z_loss_coef=1e-3)))
-    assert c.router_option("expert_bias") is True and RouterConfig(aux_loss="none").coef(0.01) == 0.0
+    assert c.router.expert_bias is True and RouterConfig(aux_loss="none").coef(0.01) == 0.0
     assert RouterConfig(aux_loss_coef=0.1).coef(0.01) == 0.1 and RouterConfig().coef(0.01) == 0.01
     for bad, match in (({"aux_loss": "global"}, "now 'hf'"), ({"aux_loss": "seq"}, "compute.router.aux_loss"),
-                       ({"z_loss": 1}, "unknown options"), ({"expert_bias_update_rate": -1}, "expert_bias_update_rate"),
+                       ({"z_loss": 1}, "unknown key 'compute.router.z_loss'"), ({"expert_bias_update_rate": -1}, "expert_bias_update_rate"),
                        ({"expert_bias": "yes"}, "expert_bias"), ({"dtype": "bf16"}, "compute.router.dtype")):
         with pytest.raises(ValueError, match=match):
             ComputeConfig(router=bad)
@@ -131,14 +133,14 @@ def test_megatron_losses_match_token_level_reference():
     assert float(R.router_losses(router, RouterConfig(aux_loss="none"), e, k, 0.001)[0]) == 0.0
 
 
-def test_aux_loss_groups_follow_the_sharding_context():
-    from parallelism.layout import load_layout
-    from parallelism.logical import sharding_context
+def test_aux_loss_groups_are_the_layouts_data_parallel_ranks():
+    """The per-rank aux loss's row groups (the trainer passes them in): the mesh axes act_batch maps to."""
+    from moevlm_jax.config import load_layout
+    from parallelism.logical import data_parallel_size
 
-    assert R.data_parallel_groups() == 1
-    layout = load_layout("fsdp")
-    with sharding_context(layout.make_mesh(), layout.rules):
-        assert R.data_parallel_groups() == 8
+    for name, want in (("fsdp", 8), ("tp", 4), ("cp", 2), ("pp", 8), ("ep", 8)):
+        layout = load_layout(name)
+        assert data_parallel_size(layout.rules, layout.make_mesh()) == want, name
 
 
 # ----------------------------------------------------------------------------- expert bias
@@ -209,7 +211,7 @@ def test_expert_bias_is_state_of_the_train_state_and_not_of_hf_files(tmp_path):
     from moevlm_jax.hf import load_pretrained, save_pretrained
     from moevlm_jax.config.run import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
-    from parallelism.layout import load_layout
+    from moevlm_jax.config import load_layout
 
     config = load_model_config("tiny-v512")
     compute = ComputeConfig(dtype="float32", router={"expert_bias": True})

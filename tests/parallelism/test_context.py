@@ -13,7 +13,7 @@ import pytest
 
 from moevlm_jax.model.attention import dot_product_attention
 from parallelism.context import sequence_axes
-from parallelism.layout import layout_from_dict
+from moevlm_jax.config import load_layout
 from parallelism.logical import named_sharding, sharding_context
 
 B, S, N, K, D = 4, 32, 4, 2, 16
@@ -90,7 +90,7 @@ def reference(problem):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_context_parallel_attention_matches_one_device(problem, reference, name, kind, causal):
     want = reference[causal]
-    layout = layout_from_dict(LAYOUTS[name], default_name=name)
+    layout = load_layout({"name": name, **LAYOUTS[name]})
     got, hlo = _run(problem, causal, layout, kind)
     _assert_close(got, want)
     cp = layout.resolved_mesh_shape(8)["context"]
@@ -106,7 +106,7 @@ def test_context_parallel_attention_matches_one_device(problem, reference, name,
 
 def test_no_context_axis_means_plain_attention():
     """Without a layout (or with the sequence unsplit) the op does not enter shard_map."""
-    layout = layout_from_dict({"mesh": {"fsdp": 8}, "rules": [["act_batch", "fsdp"]]})
+    layout = load_layout({"mesh": {"fsdp": 8}, "rules": [["act_batch", "fsdp"]]})
     assert sequence_axes(Q_AXES) == ()
     with sharding_context(layout.make_mesh(), layout.rules):
         assert sequence_axes(Q_AXES) == ()

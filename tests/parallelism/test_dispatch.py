@@ -9,7 +9,7 @@ from jax.sharding import Mesh, PartitionSpec
 from parallelism import logical
 from parallelism.dispatch import ragged_all_to_all_dense, resolve_topology
 from parallelism.experts import experts_forward, experts_forward_with_stats
-from parallelism.layout import layout_from_dict
+from moevlm_jax.config import load_layout
 from tests.parallelism.moe_reference import assert_close, make_problem, value_and_grads
 
 TOKENS_ALL = ["act_tokens", ["data", "fsdp", "expert"]]
@@ -38,7 +38,7 @@ LAYOUTS = {
 
 
 def _mesh_and_rules(name):
-    layout = layout_from_dict(LAYOUTS[name], default_name=name)
+    layout = load_layout({"name": name, **LAYOUTS[name]})
     return layout.make_mesh(), layout.rules
 
 

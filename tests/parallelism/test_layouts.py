@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moevlm_jax.model.config import ComputeConfig, load_model_config
+from moevlm_jax.model.compute import ComputeConfig
+
+from moevlm_jax.model.config import load_model_config
 from moevlm_jax.model.loss import model_loss
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from parallelism import sharding
-from parallelism.layout import layout_from_dict, load_layout
+from moevlm_jax.config import load_layout
 from parallelism.logical import sharding_context
 from parallelism.validate import validate_layout
 from tests.parallelism.packed_batch import packed_batch
@@ -153,6 +155,6 @@ def test_kv_heads_replicated_when_tensor_exceeds_them(setup, reference):
     tp = load_layout("tp")
     rules = [list(r) for r in tp.rules if r[0] not in ("kv_heads", "act_kv_heads", "vis_heads")]
     rules = [["kv_heads", None], ["act_kv_heads", None], ["vis_heads", None], *rules]
-    layout = layout_from_dict({"name": "tp4_kv_replicated", "mesh": {"fsdp": 2, "tensor": 4}, "rules": rules})
+    layout = load_layout({"name": "tp4_kv_replicated", "mesh": {"fsdp": 2, "tensor": 4}, "rules": rules})
     compiled, params, batch = compile_layout(setup, layout)
     assert_same_training(_train(compiled, params, batch)[:1], reference[:1])

@@ -16,7 +16,7 @@ import yaml
 from moevlm_jax.training.metrics import read_metrics
 from moevlm_jax.config.run import data_parallel_size
 from moevlm_jax.train import main
-from parallelism.layout import load_layout
+from moevlm_jax.config import load_layout
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
 
 pytestmark = pytest.mark.skipif(os.environ.get("MOEVLM_LAYOUT_CLI") != "1",

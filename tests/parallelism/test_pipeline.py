@@ -21,13 +21,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moevlm_jax.model.config import ComputeConfig, ModelConfig, load_model_config
+from moevlm_jax.model.compute import ComputeConfig
+
+from moevlm_jax.model.config import ModelConfig, load_model_config
 from data.batch import hf_inputs_to_batch
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from moevlm_jax.config.run import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from parallelism import logical, pipeline
-from parallelism.layout import layout_from_dict, load_layout
+from moevlm_jax.config import load_layout
 
 # ----------------------------------------------------------------------------- toy stack
 
@@ -66,7 +68,7 @@ def toy():
 ], ids=["gpipe-4x2", "circular-4x2", "uneven-3-5", "circular-uneven"])
 def test_schedule_equals_sequential(toy, mesh, options, caplog):
     params, x, side, (ref_h, ref_ys, ref_grads) = toy
-    layout = layout_from_dict({"mesh": mesh, "rules": ROWS_RULES, "options": {"pipeline": options}})
+    layout = load_layout({"mesh": mesh, "rules": ROWS_RULES, "options": {"pipeline": options}})
     device_mesh = layout.make_mesh()
 
     def run(p):
@@ -205,7 +207,7 @@ def model_reference():
 ])
 def test_tiny_model_trains_as_on_one_device(model_reference, layout, logged, caplog):
     config, batches, start, ref_records, ref_params = model_reference
-    layout = layout_from_dict(PP4_UNEVEN) if layout == "pp4_uneven" else load_layout(layout)
+    layout = load_layout(PP4_UNEVEN) if layout == "pp4_uneven" else load_layout(layout)
     with caplog.at_level(logging.INFO, logger="parallelism.pipeline"):
         trainer, _, records, params = _train(layout, config, batches, init_params=start)
     assert all(any(text in r.getMessage() for r in caplog.records) for text in logged)  # the schedule ran
@@ -231,7 +233,7 @@ def test_mixed_groups_forward_and_router_stats():
     batch = {k: v for k, v in _host_batch(config, 0).items() if k not in ("targets", "loss_mask")}
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3VLMoe(config, ComputeConfig.from_dict(F32), nnx.Rngs(0))))
     nnx.replace_by_pure_dict(state, _random_params(config))
-    layout = layout_from_dict({"mesh": {"stage": 2, "data": 4}, "rules": ROWS_RULES,
+    layout = load_layout({"mesh": {"stage": 2, "data": 4}, "rules": ROWS_RULES,
                                "options": {"pipeline": {"microbatches": 2, "stage_layers": [1, 3]}}})
     mesh = layout.make_mesh()
 

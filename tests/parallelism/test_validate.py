@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from moevlm_jax.model.config import load_model_config
-from parallelism.layout import layout_from_dict, load_layout
+from moevlm_jax.config import load_layout
 from parallelism.validate import LayoutError, validate_layout
 
 PRESETS = ("fsdp", "tp", "ep", "tp_ep", "ep_etp", "cp", "folded")
@@ -21,7 +21,7 @@ def tiny():
 
 
 def _layout(mesh, *rules, options=None):
-    return layout_from_dict({"name": "test", "mesh": mesh, "rules": [list(r) for r in rules],
+    return load_layout({"name": "test", "mesh": mesh, "rules": [list(r) for r in rules],
                              "options": options or {}})
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallelism.layout import layout_from_dict, load_layout
+from moevlm_jax.config import load_layout
 from parallelism.logical import named_sharding, sharding_context
 from parallelism.vocab import embed_lookup
 from tests.parallelism.test_layouts import FAST, collectives
@@ -37,7 +37,7 @@ BATCH_ON_VOCAB = {"mesh": {"fsdp": 4, "tensor": 2}, "rules": [["act_batch", ["fs
 @pytest.mark.parametrize("name", ["fsdp", "tp", "folded", "batch_on_vocab_axis"])
 def test_embed_lookup_matches_take(problem, name):
     table, ids, probe = problem
-    layout = (layout_from_dict(BATCH_ON_VOCAB, default_name=name) if name == "batch_on_vocab_axis"
+    layout = (load_layout({"name": name, **BATCH_ON_VOCAB}) if name == "batch_on_vocab_axis"
               else load_layout(name))
     mesh = layout.make_mesh()
     fn = jax.value_and_grad(_loss, has_aux=True)

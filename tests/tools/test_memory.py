@@ -11,10 +11,11 @@ import jax
 import numpy as np
 
 from moevlm_jax.tools import memory
-from moevlm_jax.model.config import ComputeConfig, load_model_config
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import load_model_config
 from moevlm_jax.config.run import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from parallelism.layout import load_layout
+from moevlm_jax.config import load_layout
 
 MBS, SEQ = 2, 64
 

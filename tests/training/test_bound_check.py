@@ -9,10 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from moevlm_jax.model.config import ComputeConfig, load_model_config
+from moevlm_jax.model.compute import ComputeConfig
+
+from moevlm_jax.model.config import load_model_config
 from moevlm_jax.config.run import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from parallelism.layout import load_layout
+from moevlm_jax.config import load_layout
 from tests.training.train_setup import COMPUTE, host_batches
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from moevlm_jax.training import capture
-from moevlm_jax.model.config import ComputeConfig
+from moevlm_jax.model.compute import ComputeConfig
 
 ALL = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,COLLECTIVES,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION,CONVOLUTION"
 

@@ -1,0 +1,74 @@
+"""The ``optimizer`` and ``train`` sections of a run (loaded by the one config loader).
+
+``OptimizerConfig`` is what ``moevlm_jax.training.optimizer.make_optimizer`` builds AdamW from;
+``TrainConfig`` drives the loop (``moevlm_jax.training.loop``): steps, the batch shape, logging,
+evaluation, checkpoints, freezing, profiling. Rules between their fields and the layout (global
+batch = micro batch x accumulation x data-parallel size, ...) are checked in
+``moevlm_jax.config.run`` where all sections meet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from moevlm_jax.training.optimizer import PARAM_GROUP_PATTERNS
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW + warmup/decay schedule + global-norm clipping (moevlm_jax.training.optimizer)."""
+
+    name: Literal["adamw"] = "adamw"  # the optimizer (AdamW with decoupled weight decay)
+    lr: float = 3e-4  # peak learning rate
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"  # decay after the warmup
+    warmup_steps: int = 100  # linear warmup from 0 to lr
+    decay_steps: int | None = None  # steps of warmup + decay (null: train.steps)
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    b1: float = 0.9  # Adam's first-moment decay
+    b2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's epsilon
+    weight_decay: float = 0.1  # decoupled weight decay (not on no_decay_patterns)
+    # regexes searched in '/'-joined parameter paths; matches get no weight decay (Megatron:
+    # biases and norm weights are not decayed, embeddings are)
+    no_decay_patterns: tuple[str, ...] = ("norm", "bias$")
+    clip_grad_norm: float = 1.0  # clip the global gradient norm to this (0: no clipping)
+    state_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of AdamW's moments
+    skip_nonfinite: bool = True  # skip updates whose gradients hold inf/nan (counted)
+    max_consecutive_skips: int = 10  # after this many skips in a row the update is applied anyway
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Loop settings: steps, batch shape, logging, evaluation, checkpoints, freezing, profiling."""
+
+    steps: int = 1000  # optimizer steps of the run
+    micro_batch_size: int = 1  # rows per data-parallel rank per microbatch (Megatron's MBS)
+    grad_accum: int = 1  # microbatches per step
+    global_batch_size: int | None = None  # rows per step; if given it must equal MBS x grad_accum x DP size
+    seq_len: int = 4096  # tokens per packed row (data.seq_len is derived from it)
+    seed: int = 0  # parameter initialisation and step RNG
+    log_every: int = 10  # steps between metrics.jsonl / TensorBoard records
+    eval_every: int = 0  # steps between held-out evaluations (0: only at the end, if eval_batches)
+    eval_batches: int = 0  # held-out batches per evaluation (MBS x DP rows each)
+    checkpoint_every: int = 500  # steps between checkpoints (0: only the final one)
+    keep_checkpoints: int = 3  # checkpoints kept on disk (older ones deleted)
+    async_checkpointing: bool = True  # write checkpoints in the background
+    freeze_vision_model: bool = False  # no gradients / optimizer state for the vision tower
+    freeze_vision_projection: bool = False  # ... for the merger and the deepstack mergers
+    freeze_language_model: bool = False  # ... for the decoder, embeddings and LM head
+    # which parameters each freeze flag covers: regexes searched in '/'-joined paths
+    param_groups: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: dict(PARAM_GROUP_PATTERNS))
+    init_from: str | None = None  # a Hugging Face checkpoint directory to start from (null: random init)
+    run_dir: str | None = None  # where config, metrics and checkpoints go (null: runs/<recipe name>)
+    resume: bool = False  # continue from the run directory's latest checkpoint
+    tensorboard: bool = True  # also write TensorBoard events
+    profile_steps: int = 0  # trace this many steps with the JAX profiler (0: none)
+    profile_start_step: int = 10  # the first profiled step
+    profile_dir: str | None = None  # where the trace goes (null: <run_dir>/profile)
+    # JAX's persistent compilation cache (compiled steps reused by later runs of the same program;
+    # MaxText's jax_cache_dir); null: JAX's own setting (JAX_COMPILATION_CACHE_DIR, default off)
+    compilation_cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_groups", {k: tuple(v) for k, v in self.param_groups.items()})

@@ -1,0 +1,234 @@
+"""The training loop: config -> mesh -> sharded state + compiled step -> loader -> steps, metrics,
+evaluation, checkpoints, profile window -> the run summary.
+
+``run(cfg)`` is what ``python -m moevlm_jax.train`` runs (the CLI owns the terminal: progress bar,
+summary table); ``--resume`` continues the run in its directory from its latest checkpoint:
+parameters, optimizer state, step, RNG and the data iterator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+import data as data_lib
+from moevlm_jax.config.run import RunConfig, save_config
+from moevlm_jax.config.schema import ConfigError
+from moevlm_jax.model.router import ExpertBias
+from moevlm_jax.tools import flops, memory
+from moevlm_jax.training import capture
+from moevlm_jax.training import optimizer as optim
+from moevlm_jax.training.checkpoint import Checkpointer, resume_step
+from moevlm_jax.training.metrics import MetricsWriter, ProfileWindow, Progress, StepTracker, progress_postfix, read_metrics
+from moevlm_jax.training.trainer import Trainer
+
+log = logging.getLogger("moevlm_jax.train")
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def evaluate(trainer: Trainer, params: Any, data_cfg: Any, *, rows: int, batches: int) -> dict[str, Any]:
+    """Held-out split: teacher-forced loss on the answer tokens and exact-match answer accuracy per
+    question type (``data.answer_accuracy``) over the first ``batches`` batches of ``rows`` rows."""
+    loader = data_lib.build_loader(data_cfg, batch_size=rows, split="heldout", shard_index=jax.process_index(),
+                                   shard_count=jax.process_count())
+    ce = tokens = 0.0
+    parts = []
+    try:
+        for _, batch in zip(range(batches), loader):
+            metrics, pred = trainer.evaluate(params, batch)
+            ce, tokens = ce + metrics["ce_sum"], tokens + metrics["tokens"]
+            parts.append(data_lib.answer_accuracy(batch, pred))
+    finally:
+        loader.close()
+    accuracy = data_lib.merge_accuracy(parts) if parts else {}
+    return {"loss": ce / max(tokens, 1.0), "tokens": tokens, "accuracy": accuracy}
+
+
+def eval_record(result: dict[str, Any]) -> dict[str, float]:
+    """Flat metrics of an evaluation: eval_loss, eval_accuracy, eval_accuracy_<type>, eval_answers."""
+    out = {"eval_loss": result["loss"]}
+    for key, e in result["accuracy"].items():
+        name = "eval_accuracy" if key == "all" else f"eval_accuracy_{key}"
+        out[name] = e["accuracy"]
+    out["eval_answers"] = result["accuracy"].get("all", {}).get("answers", 0)
+    return out
+
+
+def apply_compilation_cache(path: str | None) -> Path | None:
+    """Point JAX's persistent compilation cache at ``path`` (``train.compilation_cache_dir``, ``~``
+    expanded, created): a later run of the same program on the same devices loads its compiled steps
+    instead of compiling them (unrolled layers take ~60 s a batch shape on the H200, bench/step_h200.md
+    run 10). The cache is re-checked, so this works in a process that compiled already. None: unchanged."""
+    if not path:
+        return None
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    where = Path(path).expanduser()
+    where.mkdir(parents=True, exist_ok=True)
+    if jax.config.jax_compilation_cache_dir != str(where):
+        cc.reset_cache()  # JAX decides once per process whether a cache is used
+        cc.set_cache_dir(str(where))
+        log.info("compilation cache: %s", where)
+    return where
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None = None) -> dict[str, Any]:
+    """Train per ``cfg``; returns the run summary. ``stop_after``: leave the loop after that step
+    without the final checkpoint, as an interrupted run would (tests, time boxes)."""
+    try:  # the CLI set the flags before the backend started; in-process callers must have the same
+        capture.apply_capture(cfg.compute)
+    except capture.CaptureError as e:
+        raise ConfigError(f"compute.capture {cfg.compute.capture}: {e}") from None
+    tr = cfg.train
+    apply_compilation_cache(tr.compilation_cache_dir)
+    run_dir = cfg.run_dir
+    ckpt_dir = run_dir / "checkpoints"
+    start = resume_step(ckpt_dir, tr.resume) or 0
+    if jax.process_index() == 0:
+        save_config(cfg, run_dir)
+    frozen = optim.frozen_groups(tr.freeze_vision_model, tr.freeze_vision_projection, tr.freeze_language_model)
+    trainer = Trainer.create(cfg.model, cfg.compute, cfg.layout, cfg.optimizer, steps=tr.steps,
+                             grad_accum=tr.grad_accum, frozen=frozen, param_groups=tr.param_groups)
+    _log_model(trainer, frozen, tr.param_groups)
+    if trainer.data_parallel_size != cfg.data_parallel_size:
+        raise ConfigError(f"data-parallel size {trainer.data_parallel_size} != config's {cfg.data_parallel_size}")
+    log.info("batch: global %d rows x %d tokens = micro %d x accumulation %d x data-parallel %d",
+             cfg.global_batch_size, tr.seq_len, tr.micro_batch_size, tr.grad_accum, cfg.data_parallel_size)
+    loader = data_lib.build_loader(cfg.data, shard_index=jax.process_index(), shard_count=jax.process_count())
+    ckpt = Checkpointer(ckpt_dir, save_every=tr.checkpoint_every, keep=tr.keep_checkpoints,
+                        async_save=tr.async_checkpointing)
+    if start:
+        state, data_state = ckpt.restore(trainer.abstract_state(), step=start)
+        loader.set_state(data_state)
+        log.info("resumed from step %d (%s)", start, ckpt_dir)
+    else:
+        state = trainer.init_state(tr.seed, params=_pretrained(tr.init_from, cfg, trainer))
+    writer = MetricsWriter(run_dir, tensorboard=tr.tensorboard, resume_step=start if start else None)
+    tracker = StepTracker(num_devices=trainer.mesh.devices.size, peak_flops=flops.peak_flops())
+    shape = flops.ModelShape.from_config(cfg.model)
+    profile = ProfileWindow(tr.profile_dir or run_dir / "profile", tr.profile_start_step, tr.profile_steps)
+    bar = Progress(tr.steps, initial=start, enabled=progress)
+    eval_rows = tr.micro_batch_size * cfg.data_parallel_size // jax.process_count()
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "steps": tr.steps, "evals": []}
+    t0 = time.perf_counter()
+    timed = {"time": 0.0, "useful_tokens": 0.0, "flops": 0.0}
+
+    def handle(record: dict[str, Any] | None) -> None:
+        if record is None:
+            return
+        step = record["step"]
+        if "step_time_s" in record:
+            timed["time"] += record["step_time_s"]
+            timed["useful_tokens"] += record.get("useful_tokens", 0.0)
+            timed["flops"] += record.get("flops", 0.0)
+        bar.update(step, record)
+        if step % tr.log_every == 0 or step == tr.steps or step == start + 1:
+            record = {**record, "tokens_per_s": None, **tracker.window()}
+            writer.write(step, record)
+            if not bar.bar.disable:
+                return
+            log.info("step %d/%d: %s", step, tr.steps, progress_postfix(record))
+
+    step = start
+    try:
+        for step in range(start + 1, tr.steps + 1):
+            host = next(loader)
+            batch = trainer.prepare(host)
+            profile.before_step(step)
+            try:
+                state, metrics = trainer.step(state, batch)
+                profile.after_step(step, metrics)
+                skipped = host["stats"].get("skipped_total", {})
+                handle(tracker.push(step, metrics, {**batch.counts, "flops": flops.batch_flops(shape, host),
+                                                    "data_skipped": float(sum(skipped.values()))}))
+            except Exception as e:  # out of device memory: say what does not fit and what to change
+                if not memory.is_oom(e):
+                    raise
+                name = cfg.model.name or "MODEL"
+                raise ConfigError(
+                    f"out of device memory in train step {step} ({name}, layout "
+                    f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} tokens per "
+                    f"data-parallel rank, param_dtype {cfg.compute.param_dtype}, optimizer state "
+                    f"{cfg.optimizer.state_dtype}, recompute {cfg.compute.recompute}): "
+                    f"{str(e).splitlines()[0][:300]}. "
+                    + memory.oom_advice(name, cfg.layout.name, tr.micro_batch_size, tr.seq_len)) from None
+            if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:
+                handle(tracker.flush())
+                _eval(trainer, state, cfg.data, eval_rows, tr.eval_batches, step, writer, summary)
+                tracker.discard_next_interval()
+            if ckpt.save(step, state, loader.get_state()):
+                tracker.discard_next_interval()
+            if stop_after is not None and step >= stop_after:
+                log.info("stopping after step %d (interrupted run)", step)
+                break
+        handle(tracker.flush())
+        interrupted = stop_after is not None and step >= stop_after and step < tr.steps
+        if not interrupted and step > start:
+            ckpt.save(step, state, loader.get_state(), force=True)
+            if tr.eval_every or tr.eval_batches:
+                _eval(trainer, state, cfg.data, eval_rows, max(tr.eval_batches, 1), step, writer, summary)
+    finally:
+        profile.close()
+        bar.close()
+        ckpt.wait()
+        saved = ckpt.all_steps()
+        ckpt.close()
+        writer.close()
+        loader_summary = loader.summary()
+        loader.close()
+    wall = time.perf_counter() - t0
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    summary.update({
+        "end_step": step, "wall_s": wall, "compiles": len(trainer.compiled),
+        "loss_first": records[0]["loss"] if records else None, "loss_last": records[-1]["loss"] if records else None,
+        "first_step": records[0]["step"] if records else None, "last_step": records[-1]["step"] if records else None,
+        "tokens_per_s": timed["useful_tokens"] / timed["time"] if timed["time"] else None,
+        "tflops_per_device": timed["flops"] / timed["time"] / trainer.mesh.devices.size / 1e12 if timed["time"] else None,
+        "skipped_updates": int(jax.device_get(optim.skipped_updates(state["opt_state"]))),
+        "data": loader_summary, "checkpoints": saved,
+    })
+    return summary
+
+
+def _eval(trainer: Trainer, state: Any, data_cfg: Any, rows: int, batches: int, step: int,
+          writer: MetricsWriter, summary: dict[str, Any]) -> None:
+    t = time.perf_counter()
+    result = evaluate(trainer, state["params"], data_cfg, rows=rows, batches=batches)
+    record = eval_record(result)
+    writer.write(step, record)
+    summary["evals"].append({"step": step, **result})
+    acc = result["accuracy"].get("all", {})
+    log.info("eval at step %d: loss %.4f, accuracy %.1f%% over %d answers (%.1fs)", step, result["loss"],
+             100 * acc.get("accuracy", float("nan")), acc.get("answers", 0), time.perf_counter() - t)
+
+
+def _pretrained(path: str | None, cfg: RunConfig, trainer: Trainer) -> Any:
+    if not path:
+        return None
+    from moevlm_jax.hf import load_pretrained
+
+    model, _ = load_pretrained(path, np.dtype(cfg.compute.param_dtype), compute=cfg.compute)
+    params = nnx.to_pure_dict(nnx.state(model, (nnx.Param, ExpertBias)))  # + router state (zeros)
+    want = jax.tree.map(lambda x: x.shape, trainer.abstract_params)
+    if jax.tree.map(lambda x: x.shape, params) != want:
+        raise ConfigError(f"train.init_from {path}: parameter shapes differ from the configured model")
+    return params
+
+
+def _log_model(trainer: Trainer, frozen: set[str], groups: Any) -> None:
+    sizes = optim.group_sizes(trainer.abstract_params, groups)
+    total = sum(sizes.values())
+    parts = ", ".join(f"{g} {n / 1e6:.2f}M{' (frozen)' if g in frozen else ''}" for g, n in sizes.items())
+    log.info("model %s: %.2fM parameters (%s); compute %s, params %s", trainer.spec.model.name, total / 1e6, parts,
+             trainer.spec.compute.dtype, trainer.spec.compute.param_dtype)
+
+
