@@ -29,7 +29,7 @@ from typing import Any
 from data.config import load_data_config
 from data.loader import build_loader, throughput_line
 
-# HF transformers + torch.compile, proxy workload, MBS 4 on one H200 (DESIGN.md): 33.3k tokens/s.
+# HF transformers + torch.compile, proxy workload, MBS 4 on one H200 (bench/README.md): 33.3k tokens/s.
 HF_PROXY_TOKENS_PER_S = 33300.0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 8's yardstick on one H200 in one `run` call, each side at its best MBS: ours alone on real data at
 # OURS_MBS (recipe h200's 8; HF runs out of memory there), then the bench with the HF peer at PEER_MBS (4:
-# HF's best, DESIGN.md) on the same batches: ours, HF eager and HF per-block torch.compile at that MBS.
+# HF's best, bench/README.md) on the same batches: ours, HF eager and HF per-block torch.compile at that MBS.
 # OURS_LAST=1: the peer first, ours alone in the time left (when compiles are slow, e.g. unrolled layers).
 # PEER_EXTRA: overrides for the peer invocation only, e.g. 'compute.scan_layers=true' (ours at PEER_MBS
 # then serves the same-batch loss check and compiles in ~25 s a shape instead of ~60; the ratio is ours

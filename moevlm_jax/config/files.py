@@ -34,16 +34,19 @@ def find_config(kind: str, name_or_path: str | Path) -> Path:
     return path
 
 
-def section_types() -> dict[str, type]:
-    """The dataclass of each run section."""
-    from data.config import DataConfig
-    from moevlm_jax.model.compute import ComputeConfig
-    from moevlm_jax.model.config import ModelConfig
-    from moevlm_jax.training.config import OptimizerConfig, TrainConfig
-    from parallelism.layout import Layout
+# the dataclass of each run section, imported when that section is loaded (``import data`` stays light)
+SECTION_TYPES = {"model": "moevlm_jax.model.config:ModelConfig", "layout": "parallelism.layout:Layout",
+                 "data": "data.config:DataConfig", "compute": "moevlm_jax.model.compute:ComputeConfig",
+                 "optimizer": "moevlm_jax.training.config:OptimizerConfig",
+                 "train": "moevlm_jax.training.config:TrainConfig"}
 
-    return {"model": ModelConfig, "layout": Layout, "data": DataConfig, "compute": ComputeConfig,
-            "optimizer": OptimizerConfig, "train": TrainConfig}
+
+def section_type(section: str) -> type:
+    """The dataclass of run section ``section``."""
+    import importlib
+
+    module, name = SECTION_TYPES[section].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def resolve_reference(section: str, ref: Any, sources: dict[str, str] | None = None) -> dict[str, Any]:
@@ -73,7 +76,7 @@ def load_section(section: str, ref: Any, overrides: Iterable[str] = ()) -> Any:
     """One section (``model``, ``layout``, ``data``, ...) from a name / path / mapping (or an instance,
     returned as it is when there are no overrides), with ``key=value`` overrides relative to the
     section (a leading ``SECTION.`` is accepted)."""
-    cls = section_types()[section]
+    cls = section_type(section)
     overrides = list(overrides)
     if isinstance(ref, cls) and not overrides:
         return ref

@@ -195,7 +195,9 @@ def build(cls: type, data: Any, where: str, errors: list[str] | None = None, *, 
     kwargs: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for key, value in raw.items():
-        if key in fields and key != "extra":
+        if key == "extra" and "extra" in fields:
+            continue  # merged below with the passthrough keys
+        if key in fields:
             kwargs[key] = convert(value, hints[key], f"{where}.{key}", errors, strict)
         elif "extra" in fields and (key in passthrough or not strict):
             extra[key] = value

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import os
 from pathlib import Path
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -27,10 +29,13 @@ import safetensors
 import safetensors.numpy
 from flax import nnx
 
+from moevlm_jax.hf import names, qwen3_5_names
 from moevlm_jax.hf.errors import CheckpointError
-from moevlm_jax.hf.names import Entry, check_expert_layout, checkpoint_entries, hf_out_shape, to_hf, to_ours
+from moevlm_jax.hf.names import Entry, check_expert_layout
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import ModelConfig, load_model_config
+from moevlm_jax.model.config import ModelConfig
+from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig, load_any_model_config
+from moevlm_jax.model.qwen3_5_moe import Qwen35Moe
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from moevlm_jax.model.router import ExpertBias
 
@@ -39,6 +44,49 @@ log = logging.getLogger(__name__)
 _FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
 _INDEX = "model.safetensors.index.json"
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
+
+# ----------------------------------------------------------------------------------------------
+# model families: dispatch on the config's class (read from config.json's model_type)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """What differs between the model families: the model class and the name / layout table."""
+
+    model: type
+    entries: Callable[[Any], list[Entry]]
+    to_ours: Callable[..., np.ndarray]
+    to_hf: Callable[..., np.ndarray]
+    hf_out_shape: Callable[..., tuple[int, ...]]
+    ignored_prefixes: tuple[str, ...] = ()  # HF tensors skipped on load (transformers skips them too)
+
+
+_QWEN3_VL = _Family(Qwen3VLMoe, names.checkpoint_entries, names.to_ours, names.to_hf, names.hf_out_shape)
+_QWEN3_5 = _Family(Qwen35Moe, qwen3_5_names.checkpoint_entries, qwen3_5_names.to_ours, qwen3_5_names.to_hf,
+                   qwen3_5_names.hf_out_shape, qwen3_5_names.IGNORED_PREFIXES)
+
+
+def _family(config: Any) -> _Family:
+    return _QWEN3_5 if isinstance(config, Qwen35ModelConfig) else _QWEN3_VL
+
+
+def checkpoint_entries(config: Any) -> list[Entry]:
+    """The HF tensor table of either family's config (``hf.names`` / ``hf.qwen3_5_names``)."""
+    return _family(config).entries(config)
+
+
+def _index(layer: Any) -> Any:
+    """An Entry's ``layer`` as a numpy index: an int, or a tuple with None for a whole axis."""
+    if isinstance(layer, tuple):
+        return tuple(slice(None) if i is None else i for i in layer)
+    return layer
+
+
+def _indexed_shape(shape: tuple[int, ...], layer: Any) -> tuple[int, ...]:
+    """The shape of ``parameter[layer]`` for a parameter of ``shape`` (no memory touched)."""
+    return np.broadcast_to(np.zeros((), np.int8), shape)[_index(layer)].shape
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,7 +192,7 @@ def _checkpoint_files(path: Path) -> list[Path]:
 
 
 def _locate(path: Path, config: ModelConfig, entries: dict[str, Entry],
-            files: list[SafetensorsFile]) -> dict[str, SafetensorsFile]:
+            files: list[SafetensorsFile], ignored: tuple[str, ...] = ()) -> dict[str, SafetensorsFile]:
     """The file holding each tensor of ``entries`` (from the headers alone); CheckpointError for an
     unexpected, duplicated or missing tensor."""
     where: dict[str, SafetensorsFile] = {}
@@ -153,6 +201,8 @@ def _locate(path: Path, config: ModelConfig, entries: dict[str, Entry],
             if key not in entries:
                 if key == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # tied: transformers ignores it too
+                if key.startswith(ignored):
+                    continue  # e.g. Qwen3.5's mtp.* weights: not part of the model
                 raise CheckpointError(f"unexpected tensor {key} in {st.path} "
                                       f"(not part of {config.name or 'this'} model)")
             if key in where:
@@ -171,19 +221,23 @@ def _locate(path: Path, config: ModelConfig, entries: dict[str, Entry],
 # ----------------------------------------------------------------------------------------------
 
 
-def abstract_model(config: ModelConfig, compute: ComputeConfig | None = None) -> Qwen3VLMoe:
-    """The model with ShapeDtypeStruct parameters (no memory allocated)."""
-    return nnx.eval_shape(lambda: Qwen3VLMoe(config, compute or ComputeConfig(), nnx.Rngs(0)))
+def abstract_model(config: ModelConfig | Qwen35ModelConfig,
+                   compute: ComputeConfig | None = None) -> Qwen3VLMoe | Qwen35Moe:
+    """The model (of the config's family) with ShapeDtypeStruct parameters (no memory allocated)."""
+    model = _family(config).model
+    return nnx.eval_shape(lambda: model(config, compute or ComputeConfig(), nnx.Rngs(0)))
 
 
 def load_pretrained(path: str | Path, dtype: Any = jnp.float32, *, compute: ComputeConfig | None = None,
-                    expert_layout: str = "auto") -> tuple[Qwen3VLMoe, ModelConfig]:
-    """(model, config) from an HF model directory; parameters in ``dtype``. ``compute`` defaults to
+                    expert_layout: str = "auto") -> tuple[Qwen3VLMoe | Qwen35Moe, ModelConfig | Qwen35ModelConfig]:
+    """(model, config) from an HF model directory, of the family config.json's ``model_type`` names
+    (``qwen3_5_moe``: Qwen35Moe, else Qwen3VLMoe); parameters in ``dtype``. ``compute`` defaults to
     ``dtype`` compute; ``expert_layout`` ("auto" | "hub" | "transformers") decides only tensors whose
     two layouts have the same shape ("auto" reads them as transformers does)."""
     check_expert_layout(expert_layout)
     path = Path(path)
-    config = load_model_config(path)
+    config = load_any_model_config(path)
+    family = _family(config)
     name = jnp.dtype(dtype).name
     compute = compute or ComputeConfig(dtype=name, param_dtype=name)
     if compute.param_dtype != name:
@@ -195,14 +249,14 @@ def load_pretrained(path: str | Path, dtype: Any = jnp.float32, *, compute: Comp
         if isinstance(var, ExpertBias):  # router state HF checkpoints do not have: starts at zero
             var.set_value(jnp.zeros(var.get_value().shape, var.get_value().dtype))
             del variables[vpath]
-    entries = {e.hf_key: e for e in checkpoint_entries(config)}
+    entries = {e.hf_key: e for e in family.entries(config)}
     unmapped = set(variables) - {e.path for e in entries.values()}
     if unmapped:  # the name table must cover every parameter of the model
         raise RuntimeError(f"parameters with no HF tensor: {sorted('.'.join(map(str, p)) for p in unmapped)}")
     np_dtype = np.dtype(jnp.dtype(dtype))
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(SafetensorsFile(f)) for f in _checkpoint_files(path)]
-        where = _locate(path, config, entries, files)
+        where = _locate(path, config, entries, files, family.ignored_prefixes)
         by_param: dict[tuple[Any, ...], list[Entry]] = collections.defaultdict(list)
         for e in entries.values():
             by_param[e.path].append(e)
@@ -215,12 +269,12 @@ def load_pretrained(path: str | Path, dtype: Any = jnp.float32, *, compute: Comp
                 code, _ = st.info(e.hf_key)
                 if code not in _FLOAT_CODES:
                     raise CheckpointError(f"tensor {e.hf_key} in {st.path} has dtype {code}, expected a floating dtype")
-                target = shape if e.layer is None else shape[1:]
-                w = to_ours(e, st.get(e.hf_key), target, expert_layout).astype(np_dtype, copy=False)
+                target = shape if e.layer is None else _indexed_shape(shape, e.layer)
+                w = family.to_ours(e, st.get(e.hf_key), target, expert_layout).astype(np_dtype, copy=False)
                 if buffer is None:
                     buffer = w
                 else:
-                    buffer[e.layer] = w
+                    buffer[_index(e.layer)] = w
                 del w
             var.set_value(jnp.asarray(buffer))  # parameter complete: hand it to JAX, free the host copy
             del buffer
@@ -228,21 +282,23 @@ def load_pretrained(path: str | Path, dtype: Any = jnp.float32, *, compute: Comp
     return nnx.merge(graphdef, state), config
 
 
-def _hf_tensor(e: Entry, value: jax.Array, shape: tuple[int, ...], expert_layout: str) -> np.ndarray:
+def _hf_tensor(e: Entry, value: jax.Array, shape: tuple[int, ...], expert_layout: str,
+               to_hf: Callable[..., np.ndarray] = names.to_hf) -> np.ndarray:
     """HF tensor ``e`` (``shape``, contiguous, on the host) from our parameter ``value`` ([L, ...] if stacked)."""
-    a = np.asarray(jax.device_get(value if e.layer is None else value[e.layer]))
+    a = np.asarray(jax.device_get(value if e.layer is None else value[_index(e.layer)]))
     out = np.ascontiguousarray(to_hf(e, a, expert_layout))
     if out.shape != shape:
         raise RuntimeError(f"{e.hf_key}: produced shape {out.shape}, the table says {shape}")
     return out
 
 
-def save_pretrained(model: Qwen3VLMoe, config: ModelConfig, path: str | Path, *, max_shard_bytes: int = 5 * 2**30,
-                    expert_layout: str = "auto") -> None:
+def save_pretrained(model: Qwen3VLMoe | Qwen35Moe, config: ModelConfig | Qwen35ModelConfig, path: str | Path, *,
+                    max_shard_bytes: int = 5 * 2**30, expert_layout: str = "auto") -> None:
     """Write an HF model directory (config.json + safetensors shards + index) that transformers
     loads. Experts go in the hub layout [E, H, 2I] / [E, I, H] ("auto": except tensors whose two
     layouts have the same shape, written as transformers keeps them), or all "hub" / "transformers"."""
     check_expert_layout(expert_layout)
+    family = _family(config)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     variables = dict(nnx.to_flat_state(nnx.state(model)))
@@ -252,11 +308,11 @@ def save_pretrained(model: Qwen3VLMoe, config: ModelConfig, path: str | Path, *,
                     "format and is dropped; HF routing of these weights differs from this model's")
     # plan the shards from shapes alone: (entry, HF shape, dtype, bytes)
     plan: list[tuple[Entry, tuple[int, ...], np.dtype, int]] = []
-    for e in checkpoint_entries(config):
+    for e in family.entries(config):
         if e.path not in variables:
             raise CheckpointError(f"model has no parameter {'.'.join(map(str, e.path))} for tensor {e.hf_key}")
         dtype = np.dtype(variables[e.path][...].dtype)
-        shape = hf_out_shape(e, expert_layout)
+        shape = family.hf_out_shape(e, expert_layout)
         plan.append((e, shape, dtype, math.prod(shape) * dtype.itemsize))
     shards: list[list[tuple[Entry, tuple[int, ...], np.dtype, int]]] = [[]]
     size = 0
@@ -271,7 +327,8 @@ def save_pretrained(model: Qwen3VLMoe, config: ModelConfig, path: str | Path, *,
     names = (["model.safetensors"] if len(shards) == 1
              else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for fname, shard in zip(names, shards):  # one shard's tensors in host memory at a time
-        tensors = {e.hf_key: _hf_tensor(e, variables[e.path][...], shape, expert_layout) for e, shape, _, _ in shard}
+        tensors = {e.hf_key: _hf_tensor(e, variables[e.path][...], shape, expert_layout, family.to_hf)
+                   for e, shape, _, _ in shard}
         _save_file(tensors, path / fname)
         del tensors
     if len(shards) > 1:

@@ -40,7 +40,7 @@ Axes = tuple[str | None, ...]
 # Static bound on packed segments per row for cuDNN's ragged form. Its cost grows with the bound
 # (H200, B=2 S=4096: 8 -> 383, 64 -> 253 TFLOP/s forward+backward), so keep it small.
 MAX_PACKED_SEGMENTS = 16
-# The checkpoint name of a fused attention kernel's residuals (compute_options.CHECKPOINT_NAMES)
+# The checkpoint name of a fused attention kernel's residuals (moevlm_jax.model.compute.CHECKPOINT_NAMES)
 RESIDUAL_NAME = "core_attn"
 _WITHIN_BOUND = contextvars.ContextVar("attention_rows_within_bound", default=False)
 
@@ -49,7 +49,7 @@ _WITHIN_BOUND = contextvars.ContextVar("attention_rows_within_bound", default=Fa
 def rows_within_bound(within: bool = True) -> Iterator[None]:
     """While tracing inside: the caller promises that no row holds more segments than the cuDNN
     path's ``max_segments`` (the trainer checks every batch on the host:
-    ``model.batch.segments_over_bound``), so the ragged kernel runs without its device-side dense-mask
+    ``training.trainer.segments_over_bound``), so the ragged kernel runs without its device-side dense-mask
     fallback, a ``lax.cond`` whose predicate the host reads (~96 us a call on the H200,
     bench/step_h200.md run 11; 70 conds a proxy step)."""
     token = _WITHIN_BOUND.set(within)
@@ -96,6 +96,18 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment
                                                   q_axes=logical_axes[0], kv_axes=logical_axes[1],
                                                   causal=causal, scale=scale)
     return _attention(q, k, v, q_segment_ids, kv_segment_ids, 0, **opts)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array,
+                     kv_segment_ids: jax.Array, q_offset: jax.Array | int, scale: float | None = None) -> jax.Array:
+    """Generation against a preallocated KV cache: q ``[B, Sq, N, D]`` the new tokens, which sit at
+    cache slots ``q_offset .. q_offset + Sq - 1`` (a traced scalar: one compiled decode step for every
+    slot), k/v ``[B, T, K, D]`` the whole cache, segment ids ``[B, Sq]`` / ``[B, T]`` -> ``[B, Sq, N, D]``.
+    Causal over the slots and within a segment id, as the training attention; slots past the newest
+    token are masked whatever they hold. Always the XLA einsum path (exact masked softmax; a decode
+    step's single query is memory bound), on every backend."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, causal=True, impl="xla", scale=scale)
 
 
 def _attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, *, causal, impl, scale,

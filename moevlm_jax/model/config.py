@@ -104,7 +104,8 @@ class TextConfig:
                 d["rope_parameters"] = rope
         else:
             d.pop("rope_scaling", None)
-            d.pop("rope_theta", None)
+            if "rope_theta" in d:  # a given theta wins over the one inside rope_parameters
+                d["rope_parameters"] = {**dict(d["rope_parameters"]), "rope_theta": d.pop("rope_theta")}
         if "mlp_only_layers" in d and d["mlp_only_layers"] is None:
             d["mlp_only_layers"] = []
         return d

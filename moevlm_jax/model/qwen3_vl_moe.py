@@ -2,7 +2,8 @@
 
 ``Qwen3VLMoe.hidden_states(batch)`` is the jit-able core on the per-row batch of ARCHITECTURE.md;
 ``Qwen3VLMoe.__call__`` is the eager Hugging Face style entry (HF input conventions, returns
-logits). Parameter names mirror HF's module names (see ``moevlm_jax.hf``).
+logits); ``Qwen3VLMoe.cached_hidden_states`` the generation forward with a KV cache
+(``moevlm_jax.inference``). Parameter names mirror HF's module names (see ``moevlm_jax.hf``).
 """
 
 from __future__ import annotations
@@ -84,9 +85,16 @@ class Qwen3VLMoe(nnx.Module):
         """batch (ARCHITECTURE.md) -> final-normed hidden ``[B, S, H]`` (compute dtype) and aux:
         ``aux["router"]``: expert_counts ``[L, B, E]``, prob_sums ``[L, B, E]``, tokens ``[L, B]``,
         z_sums ``[L, B]`` over the L MoE layers (valid tokens only), or None without MoE layers."""
+        x, deepstack = self.input_embeddings(batch)
+        hidden, router = self.language_model(x, jnp.asarray(batch["positions"]), jnp.asarray(batch["segment_ids"]),
+                                             deepstack)
+        return hidden, {"router": router}
+
+    def input_embeddings(self, batch: Mapping[str, Any]) -> tuple[jax.Array, jax.Array | None]:
+        """The decoder's input ``[B, S, H]`` (token embeddings, the vision tower's merged tokens on the
+        image-token rows) and the DeepStack features ``[n_ds, B, S, H]`` scattered likewise (None
+        without images or DeepStack)."""
         input_ids = jnp.asarray(batch["input_ids"])
-        segment_ids = jnp.asarray(batch["segment_ids"])
-        positions = jnp.asarray(batch["positions"])
         deepstack = None
         pixels = batch.get("pixel_values")
         images = pixels is not None and pixels.shape[1] > 0
@@ -102,16 +110,33 @@ class Qwen3VLMoe(nnx.Module):
             x = constrain(x, ("act_batch", "act_norm_seq", "act_embed"))
             if ds is not None:
                 deepstack = scatter_visual_tokens(ds.astype(x.dtype), is_image, token_valid)
-        hidden, router = self.language_model(x, positions, segment_ids, deepstack)
-        return hidden, {"router": router}
+        return x, deepstack
 
     def forward(self, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:
         """batch -> logits ``[B, S, vocab]`` (float32) and aux (see hidden_states)."""
         hidden, aux = self.hidden_states(batch)
+        return self.logits(hidden), aux
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final hidden ``[B, S, H]`` -> logits ``[B, S, vocab]`` float32 (the LM head)."""
         with jax.named_scope("lm_head"):
             kernel = self.lm_head_kernel().astype(hidden.dtype)
             logits = jnp.einsum("bsh,hv->bsv", hidden, kernel, preferred_element_type=jnp.float32)
-        return constrain(logits, ("act_batch", "act_seq", "act_vocab")), aux
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+
+    def cached_hidden_states(self, batch: Mapping[str, Any], cache: list[tuple[jax.Array, jax.Array]],
+                             kv_segment_ids: jax.Array, start: jax.Array, *,
+                             prefill: bool = False) -> tuple[jax.Array, list]:
+        """Generation (``moevlm_jax.inference``): the forward of new tokens against a KV cache.
+        batch: ``input_ids``/``segment_ids`` ``[B, S]``, ``positions`` ``[3, B, S]`` and for a prefill
+        with images the ``pixel_values``/``patch_*`` keys (the vision tower runs, its features and
+        DeepStack placed as in training); the tokens sit at cache slots ``start .. start + S - 1``;
+        cache per decoder stack ``(k, v)`` ``[n, B, T, K, D]`` (``language_model.cache_shapes``),
+        kv_segment_ids ``[B, T]`` -> final-normed hidden ``[B, S, H]`` and the updated cache.
+        ``prefill``: the cache is empty and start 0 (the prompt attends among itself, training's op)."""
+        x, deepstack = self.input_embeddings(batch)
+        return self.language_model.cached(x, jnp.asarray(batch["positions"]), jnp.asarray(batch["segment_ids"]),
+                                          cache, kv_segment_ids, start, deepstack, prefill=prefill)
 
     def __call__(self, input_ids: Any, pixel_values: Any = None, image_grid_thw: Any = None,
                  attention_mask: Any = None) -> jax.Array:

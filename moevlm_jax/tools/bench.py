@@ -1,7 +1,7 @@
 """Training-step benchmark: ``python -m moevlm_jax.tools.bench [--recipe R] [--model M] [--layout L]
 [--data real,mock] [--mbs 1,2,4] [--peer hf] [--breakdown] [--profile DIR] [--out FILE] [key=value ...]``.
 
-Runs the recipe's workload (default: ``gpu-default`` = the proxy workload of DESIGN.md on a GPU;
+Runs the recipe's workload (default: ``gpu-default`` = the proxy workload of bench/README.md on a GPU;
 ``cpu-default`` with ``--model tiny`` on CPU) in steady state and reports, per data variant and
 micro-batch size: median step time, input wait, useful tokens/s (``segment_ids > 0``: padding
 excluded; image tokens count) and trained tokens/s (``loss_mask > 0``), model TFLOP/s per device

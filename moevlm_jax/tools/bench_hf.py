@@ -7,7 +7,7 @@ the JAX side has exited, so each side has the whole accelerator. The spec (JSON,
 the optimizer settings and, per run, a directory of ``stepNNNN.npz`` host batches (the batch of
 ARCHITECTURE.md), the learning rate our side applied at each step and which steps were timed.
 
-Settings (the strongest HF configuration DESIGN.md measured): CUDA -> bf16 parameters,
+Settings (the strongest HF configuration bench/README.md records): CUDA -> bf16 parameters,
 ``attn_implementation="sdpa"``, experts ``grouped_mm``, ``torch.optim.AdamW(fused=True)``, each
 run eager and with ``torch.compile`` per transformer block (``compile_blocks``; the faster counts);
 CPU -> float32, eager, unfused, denormals flushed as XLA:CPU does (tests).

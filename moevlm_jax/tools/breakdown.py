@@ -304,7 +304,7 @@ def time_fwd_bwd(fn: Callable, diff: tuple, const: tuple, iters: int, seed: int 
 def time_optimizer(trainer: Any, state: dict[str, Any], iters: int) -> tuple[float, float]:
     """Clip + AdamW + apply on the real (sharded) train state, as inside the step; consumes ``state``."""
     spec = trainer.spec
-    tx, _ = optim.make_optimizer(spec.optimizer_config(), spec.total_steps)
+    tx, _ = optim.make_optimizer(spec.optimizer, spec.total_steps)
     mask, shard = trainer.trainable_mask, trainer.state_shardings
 
     def update(params, opt_state, grads):

@@ -1,6 +1,6 @@
 """Model FLOPs (the MFU numerator) and device peak FLOP/s (the denominator).
 
-Definition (DESIGN.md): training FLOPs = 6 x active matmul parameters x tokens, plus attention
+Definition (bench/README.md): training FLOPs = 6 x active matmul parameters x tokens, plus attention
 scores and values. Text: every useful decoder token (image placeholders included) runs the
 decoder (q/k/v/o, router, top-k experts; dense or shared-expert MLPs where present) and the LM
 head; the embedding lookup is a gather and costs nothing. Causal attention over a packed

@@ -145,7 +145,7 @@ def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: i
     from moevlm_jax.model.compute import ComputeConfig
 
     from moevlm_jax.model.config import ModelConfig, load_model_config
-    from moevlm_jax.config.run import OptimizerConfig
+    from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
     from moevlm_jax.config import load_layout
     from parallelism.validate import validate_layout

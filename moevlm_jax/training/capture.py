@@ -143,14 +143,18 @@ def recipe_capture(recipe: str | os.PathLike | None, overrides: Iterable[str] = 
     (cpu-default, gpu-default) must agree (they do unless edited)."""
     from pathlib import Path
 
-    from moevlm_jax.config.run import resolve_raw
-    from moevlm_jax.config.schema import build
+    from moevlm_jax.config.files import find_config
+    from moevlm_jax.config.schema import build, parse_override, read_yaml, set_dotted
 
-    resuming = resume and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists()
+    if resume and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists():
+        recipe = Path(run_dir) / "config.yaml"
     found = set()
-    for name in [recipe] if recipe is not None or resuming else ["cpu-default", "gpu-default"]:
-        raw, _ = resolve_raw(name, overrides=overrides, run_dir=run_dir, resume=resume)
-        config = build(ComputeConfig, raw.get("compute"), "compute")
+    for name in [recipe] if recipe is not None else ["cpu-default", "gpu-default"]:
+        tree = {"compute": dict(read_yaml(find_config("recipes", name)).get("compute") or {})}
+        for key, value in map(parse_override, overrides):
+            if key.startswith("compute."):
+                set_dotted(tree, key, value)
+        config = build(ComputeConfig, tree["compute"], "compute")
         found.add((config.capture, config.capture_scopes))
     if len(found) > 1:
         raise ValueError(f"the default recipes set different compute.capture values {sorted(found)}: pass --recipe")

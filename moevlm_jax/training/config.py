@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from moevlm_jax.config.schema import coerce_fields
 from moevlm_jax.training.optimizer import PARAM_GROUP_PATTERNS
 
 
@@ -36,6 +37,9 @@ class OptimizerConfig:
     state_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of AdamW's moments
     skip_nonfinite: bool = True  # skip updates whose gradients hold inf/nan (counted)
     max_consecutive_skips: int = 10  # after this many skips in a row the update is applied anyway
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, "optimizer")  # types, as the loader checks them (and hashable: lists to tuples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,4 +75,4 @@ class TrainConfig:
     compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "param_groups", {k: tuple(v) for k, v in self.param_groups.items()})
+        coerce_fields(self, "train")  # types, as the loader checks them

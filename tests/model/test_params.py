@@ -36,7 +36,7 @@ def test_counts_match_hf(name):
 
 
 def test_known_sizes():
-    """The published sizes: 30B-A3B is 31.07B parameters; the proxy model 6.15B (DESIGN.md)."""
+    """The published sizes: 30B-A3B is 31.07B parameters; the proxy model 6.15B (bench/README.md)."""
     assert round(param_counts(load_model_config("qwen3-vl-30b-a3b"))["total"] / 1e7) == 3107
     assert round(param_counts(load_model_config("proxy"))["total"] / 1e7) == 615
     assert round(param_counts(load_model_config("qwen3-vl-235b-a22b"))["total"] / 1e9) == 236

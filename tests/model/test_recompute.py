@@ -251,7 +251,7 @@ def _saves(policy, name: str) -> bool:
 
 def test_pipeline_stages_trace_the_policies():
     from moevlm_jax.tools.memory import abstract_batch
-    from moevlm_jax.config.run import OptimizerConfig
+    from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
     from parallelism import pipeline
     from moevlm_jax.config import load_layout

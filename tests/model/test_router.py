@@ -209,7 +209,7 @@ def test_bias_update_rule_and_stacked_layers():
 
 def test_expert_bias_is_state_of_the_train_state_and_not_of_hf_files(tmp_path):
     from moevlm_jax.hf import load_pretrained, save_pretrained
-    from moevlm_jax.config.run import OptimizerConfig
+    from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
     from moevlm_jax.config import load_layout
 

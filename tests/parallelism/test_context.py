@@ -14,6 +14,7 @@ import pytest
 from moevlm_jax.model.attention import dot_product_attention
 from parallelism.context import sequence_axes
 from moevlm_jax.config import load_layout
+from parallelism.layout import LayoutOptions
 from parallelism.logical import named_sharding, sharding_context
 
 B, S, N, K, D = 4, 32, 4, 2, 16
@@ -59,7 +60,7 @@ def _run(problem, causal, layout=None, kind="allgather"):
     mesh = layout.make_mesh()
 
     def sharded(q, k, v, seg, probe):
-        with sharding_context(mesh, layout.rules, {"context_parallel": kind}):
+        with sharding_context(mesh, layout.rules, LayoutOptions(context_parallel=kind)):
             assert sequence_axes(Q_AXES) == ("context",)
             return fn(q, k, v, seg, probe, causal)
 

@@ -1,12 +1,13 @@
-"""Every layout preset on 8 CPU devices trains the tiny model exactly like one device: the same
-losses and gradients (float32) over several SGD steps on a packed batch with images, samples and
-images crossing the sequence-shard boundaries; and the compiled programs do what the layouts say
-(HLO: weights split not gathered, vocabulary never gathered, CP score blocks [S/cp, S], all-to-all
-expert dispatch).
+"""Every layout preset on 8 CPU devices trains the tiny model exactly like one device, through the
+trainer's own step (its objective: gathered trained positions, CE over the global batch's trained
+tokens, router losses per data-parallel rank; its AdamW update): the same per-step losses, gradient
+norms and parameters (float32) over several steps on a packed batch with images, samples and images
+crossing the sequence-shard boundaries; and the compiled programs do what the layouts say (HLO:
+weights split not gathered, vocabulary never gathered, CP score blocks [S/cp, S], all-to-all expert
+dispatch). The pipeline presets (pp, pp_circular, pp_ep) are checked the same way in test_pipeline.py.
 
-One compile per preset (plus the single-device reference): the step is forward + backward + SGD.
-Compiled with LLVM optimisations off (``FAST``): the same partitioned HLO, a third of the compile
-time on this CPU.
+One compile per preset (plus the single-device reference), with LLVM optimisations off (``FAST``):
+the same partitioned HLO, a third of the compile time on this CPU.
 """
 
 from __future__ import annotations
@@ -16,84 +17,73 @@ import re
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from moevlm_jax.model.compute import ComputeConfig
-
-from moevlm_jax.model.config import load_model_config
-from moevlm_jax.model.loss import model_loss
-from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
-from parallelism import sharding
 from moevlm_jax.config import load_layout
-from parallelism.logical import sharding_context
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import load_model_config
+from moevlm_jax.training.config import OptimizerConfig
+from moevlm_jax.training.trainer import Trainer
 from parallelism.validate import validate_layout
 from tests.parallelism.packed_batch import packed_batch
 
 PRESETS = ("fsdp", "tp", "ep", "tp_ep", "ep_etp", "cp", "folded")
-ROWS, SEQ, STEPS, LR = 8, 32, 3, 0.5
+ROWS, SEQ, STEPS = 8, 32, 3
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+COMPUTE = ComputeConfig(dtype="float32", param_dtype="float32", loss_chunk_size=16)
+# Adam with eps 1 is ~SGD for the small gradients here (update ~ lr * gradient): parameters then
+# follow the gradients smoothly, and a layout that computes them differently shows in the parameters
+OPTIMIZER = OptimizerConfig(lr=0.5, schedule="constant", warmup_steps=0, eps=1.0, weight_decay=0.0, clip_grad_norm=0.0)
+METRICS = ("loss", "ce_loss", "grad_norm", "router_aux_loss", "trained_tokens")
 COLLECTIVE = re.compile(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(")
 
 
 @pytest.fixture(scope="module")
 def setup():
     config = load_model_config("tiny-v512")
-    model = Qwen3VLMoe(config, ComputeConfig(dtype="float32", param_dtype="float32"), nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
-    return config, graphdef, state, params, packed_batch(config, ROWS, SEQ)
+    abstract = Trainer.create(config, COMPUTE, load_layout("fsdp"), OPTIMIZER, steps=STEPS,
+                              devices=jax.devices()[:1]).abstract_params
+    rng = np.random.default_rng(0)
+
+    def draw(path, leaf):  # norm scales ~1, the rest ~N(0, 0.02): no init compile
+        noise = rng.standard_normal(leaf.shape).astype(np.float32)
+        return 1.0 + 0.1 * noise if "norm" in jax.tree_util.keystr(path) else 0.02 * noise
+
+    params = jax.tree_util.tree_map_with_path(draw, abstract)
+    return config, params, packed_batch(config, ROWS, SEQ)
 
 
-def _step(graphdef, mesh=None, layout=None):
-    def step(params, batch):
-        def loss(p):
-            if mesh is None:
-                return model_loss(nnx.merge(graphdef, p), batch)[0]
-            with sharding_context(mesh, layout.rules, layout.options):
-                return model_loss(nnx.merge(graphdef, p), batch)[0]
-
-        value, grads = jax.value_and_grad(loss)(params)
-        return jax.tree.map(lambda p, g: p - LR * g, params, grads), value, grads
-
-    return step
-
-
-def _train(compiled, params, batch):
-    out = []
+def train(setup, layout, devices=None):
+    """STEPS trainer steps of ``layout`` (on ``devices``, default all 8): per-step metrics, the final
+    parameters (host) and the compiled step's HLO."""
+    config, params, batch = setup
+    trainer = Trainer.create(config, COMPUTE, layout, OPTIMIZER, steps=STEPS, devices=devices)
+    validate_layout(config, layout, trainer.mesh, ROWS, SEQ)
+    state = trainer.init_state(seed=0, params=params)
+    placed = trainer.prepare(batch)
+    compiled = trainer.lower_step(state, placed.arrays, placed.capacity, bounded=placed.bounded).compile(FAST)
+    records = []
     for _ in range(STEPS):
-        params, loss, grads = compiled(params, batch)
-        out.append((float(loss), jax.tree.map(np.asarray, grads)))
-    return out
+        state, metrics = compiled(state, placed.arrays)
+        records.append({k: float(v) for k, v in jax.device_get(metrics).items() if k in METRICS})
+    return records, jax.device_get(state["params"]), compiled.as_text()
 
 
 @pytest.fixture(scope="module")
 def reference(setup):
-    """Single-device losses and gradients of STEPS SGD steps."""
-    _, graphdef, _, params, batch = setup
-    compiled = jax.jit(_step(graphdef)).lower(params, batch).compile(FAST)
-    return _train(compiled, params, batch)
+    """One device: the same trainer step's metrics and parameters."""
+    records, params, _ = train(setup, load_layout("fsdp"), devices=jax.devices()[:1])
+    return records, params
 
 
-def compile_layout(setup, layout):
-    """The SGD step compiled for ``layout`` on all 8 devices, with its placed params and batch."""
-    config, graphdef, state, params, batch = setup
-    mesh = layout.make_mesh()
-    validate_layout(config, layout, mesh, ROWS, SEQ)
-    pshard = sharding.param_shardings(state, mesh, layout.rules)
-    bshard = sharding.batch_shardings({k: v.shape for k, v in batch.items()}, mesh, layout.rules)
-    params, batch = jax.device_put(params, pshard), jax.device_put(batch, bshard)
-    jitted = jax.jit(_step(graphdef, mesh, layout), out_shardings=(pshard, sharding.replicated(mesh), pshard))
-    return jitted.lower(params, batch).compile(FAST), params, batch
-
-
-def assert_same_training(got, want):
-    for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(got, want)):
-        np.testing.assert_allclose(loss, ref_loss, rtol=2e-6, err_msg=f"loss at step {step}")
-        flat = jax.tree_util.tree_flatten_with_path(grads)[0]
-        for (path, g), r in zip(flat, jax.tree.leaves(ref_grads)):
-            scale = float(np.abs(r).max()) or 1.0
-            np.testing.assert_allclose(g, r, rtol=1e-4, atol=2e-5 * scale,
-                                       err_msg=f"gradient {jax.tree_util.keystr(path)} at step {step}")
+def assert_same_training(got, want, initial, steps=STEPS):
+    (records, params), (ref_records, ref_params) = got, want
+    for step, (r, ref) in enumerate(zip(records[:steps], ref_records[:steps])):
+        for k in METRICS:
+            assert r[k] == pytest.approx(ref[k], rel=2e-6, abs=1e-7), f"step {step} {k}: {r[k]} vs {ref[k]}"
+    flat, start = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (params, initial))
+    for path, ref in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
+        moved = np.abs(np.asarray(ref) - np.asarray(start[path])).max()  # ~ lr x |gradient| x steps
+        np.testing.assert_allclose(flat[path], ref, rtol=0, atol=1e-4 * moved + 1e-7, err_msg=jax.tree_util.keystr(path))
 
 
 def collectives(hlo: str, op: str, with_dims: bool = False) -> list:
@@ -145,9 +135,9 @@ def check_hlo(name: str, hlo: str, config) -> None:
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_trains_like_one_device(setup, reference, name):
-    compiled, params, batch = compile_layout(setup, load_layout(name))
-    assert_same_training(_train(compiled, params, batch), reference)
-    check_hlo(name, compiled.as_text(), setup[0])
+    records, params, hlo = train(setup, load_layout(name))
+    assert_same_training((records, params), reference, setup[1])
+    check_hlo(name, hlo, setup[0])
 
 
 def test_kv_heads_replicated_when_tensor_exceeds_them(setup, reference):
@@ -156,5 +146,6 @@ def test_kv_heads_replicated_when_tensor_exceeds_them(setup, reference):
     rules = [list(r) for r in tp.rules if r[0] not in ("kv_heads", "act_kv_heads", "vis_heads")]
     rules = [["kv_heads", None], ["act_kv_heads", None], ["vis_heads", None], *rules]
     layout = load_layout({"name": "tp4_kv_replicated", "mesh": {"fsdp": 2, "tensor": 4}, "rules": rules})
-    compiled, params, batch = compile_layout(setup, layout)
-    assert_same_training(_train(compiled, params, batch)[:1], reference[:1])
+    records, _, _ = train(setup, layout)
+    for k in METRICS:
+        assert records[0][k] == pytest.approx(reference[0][0][k], rel=2e-6, abs=1e-7), k

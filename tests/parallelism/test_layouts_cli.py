@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from moevlm_jax.training.metrics import read_metrics
-from moevlm_jax.config.run import data_parallel_size
+from parallelism.logical import data_parallel_size
 from moevlm_jax.train import main
 from moevlm_jax.config import load_layout
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
@@ -39,7 +39,8 @@ def recipe(tmp_path_factory):
 
 
 def _train(recipe, layout: str, run_dir) -> dict[int, float]:
-    mbs = ROWS // data_parallel_size(load_layout(layout), 8)
+    spec = load_layout(layout)
+    mbs = ROWS // data_parallel_size(spec.rules, spec.resolved_mesh_shape(8))
     code = main(["--recipe", str(recipe), "--layout", layout, "--steps", str(STEPS), "--run-dir", str(run_dir),
                  f"train.micro_batch_size={mbs}", "--quiet"])
     assert code == 0

@@ -26,7 +26,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig, load_model_config
 from data.batch import hf_inputs_to_batch
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
-from moevlm_jax.config.run import OptimizerConfig
+from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from parallelism import logical, pipeline
 from moevlm_jax.config import load_layout
@@ -89,15 +89,20 @@ def test_schedule_equals_sequential(toy, mesh, options, caplog):
         np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-5, err_msg=k)
 
 
+def _options(pipeline_options: dict):
+    """A layout's options with these pipeline settings, through the config loader."""
+    return load_layout({"mesh": {"stage": 2, "data": -1}, "options": {"pipeline": pipeline_options}}).options
+
+
 def test_bubble_fraction_and_chunks():
     assert pipeline.bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert pipeline.bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert pipeline.bubble_fraction(2, 4, repeats=2) == pytest.approx(1 / 9)
     assert pipeline.bubble_fraction(1, 8) == 0.0
-    cfg = pipeline.pipeline_config({"pipeline": {"schedule": "circular", "microbatches": 4}}, 2)
+    cfg = pipeline.pipeline_config(_options({"schedule": "circular", "microbatches": 4}), 2)
     assert (cfg.repeats, cfg.iterations, cfg.chunks) == (2, 9, 4)
     np.testing.assert_array_equal(pipeline.chunk_layers(8, 0, cfg, "layers"), [[0, 2], [2, 2], [4, 2], [6, 2]])
-    uneven = pipeline.pipeline_config({"pipeline": {"stage_layers": [3, 5]}}, 2)
+    uneven = pipeline.pipeline_config(_options({"stage_layers": [3, 5]}), 2)
     np.testing.assert_array_equal(pipeline.chunk_layers(8, 0, uneven, "layers"), [[0, 3], [3, 5]])
     # a dense group (layer 0) and an MoE group (layers 1..7) take their share of each stage
     np.testing.assert_array_equal(pipeline.chunk_layers(1, 0, uneven, "layers"), [[0, 1], [1, 0]])
@@ -106,17 +111,17 @@ def test_bubble_fraction_and_chunks():
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"schedule": "zigzag"}, "schedule must be one of"),
+    ({"schedule": "zigzag"}, "layout.options.pipeline.schedule: 'zigzag' is not one of"),
     ({"schedule": "gpipe", "repeats": 2}, "use schedule 'circular'"),
     ({"schedule": "circular", "microbatches": 1}, "microbatches >= stages"),
     ({"stage_layers": [4]}, "stages x repeats = 2"),
-    ({"microbatch": 4}, "unknown keys"),
+    ({"microbatch": 4}, "unknown key 'layout.options.pipeline.microbatch'; did you mean 'microbatches'"),
 ])
 def test_bad_options_raise(options, message):
-    with pytest.raises(ValueError, match=message):
-        pipeline.pipeline_config({"pipeline": options}, 2)
+    with pytest.raises(ValueError, match=message):  # the loader's checks, then the schedule's for 2 stages
+        pipeline.pipeline_config(_options(options), 2)
     with pytest.raises(ValueError, match="sum to 9, but the model has 8 'layers' layers"):
-        pipeline.pipeline_config({"pipeline": {"stage_layers": [4, 5]}}, 2, {"layers": 8})
+        pipeline.pipeline_config(_options({"stage_layers": [4, 5]}), 2, {"layers": 8})
 
 
 def test_inner_rules_drop_the_stage_axis():

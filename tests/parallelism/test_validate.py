@@ -103,6 +103,9 @@ def test_token_rows_not_following_the_residual_stream_warn(tiny):
 
 
 def test_pipeline_options_are_checked_early(tiny):
-    layout = _layout({"stage": 2, "fsdp": -1}, ["layers", "stage"], options={"pipeline": {"schedule": "zigzag"}})
-    with pytest.raises(LayoutError, match="pipeline schedule must be one of"):
+    with pytest.raises(ValueError, match="layout.options.pipeline.schedule: 'zigzag' is not one of"):
+        _layout({"stage": 2, "fsdp": -1}, ["layers", "stage"], options={"pipeline": {"schedule": "zigzag"}})
+    layout = _layout({"stage": 2, "fsdp": -1}, ["layers", "stage"],
+                     options={"pipeline": {"schedule": "circular", "microbatches": 1}})
+    with pytest.raises(LayoutError, match="microbatches >= stages"):
         validate_layout(tiny, layout, num_devices=8)

@@ -26,7 +26,7 @@ from moevlm_jax.tools import flops
 from moevlm_jax.tools.bench_hf import hf_batch, load_steps, text_positions
 from moevlm_jax.tools.breakdown import COMPONENTS
 from moevlm_jax.model.config import load_model_config
-from moevlm_jax.config.run import CONFIG_DIR
+from moevlm_jax.config import CONFIG_DIR
 
 SEQ_LEN, WARMUP, STEPS = 60, 1, 2
 

@@ -64,7 +64,7 @@ def test_apply_after_the_backend_started():
 
 def test_xla_parses_the_flags_before_the_backend_starts():
     """A fresh process: apply_capture sets XLA_FLAGS, then the backend starts with them."""
-    code = ("import os; from moevlm_jax import capture; "
+    code = ("import os; from moevlm_jax.training import capture; "
             "print(capture.apply_capture('scopes', ['attn', 'full_iteration'])); "
             "import jax; jax.devices(); print(capture.apply_capture('scopes', ['full_iteration']))")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -81,14 +81,14 @@ def test_recipe_capture_reads_without_jax(tmp_path):
     assert capture.recipe_capture(str(recipe)) == ("scopes", ("attn",))
     assert capture.recipe_capture(str(recipe), ["compute.capture=none", "optimizer.lr=1"]) == ("none", ("attn",))
     assert capture.recipe_capture(None) == ("step", ("attn", "moe_router", "moe_preprocess"))
-    with pytest.raises(ValueError, match="compute.capture must be one of"):
+    with pytest.raises(ValueError, match="compute.capture: 'graph' is not one of"):
         capture.recipe_capture(str(recipe), ["compute.capture=graph"])
 
 
 def test_train_cli_sets_the_flags_before_the_backend_starts():
     """The train CLI applies compute.capture before the recipe loader starts jax (here the run then
     stops at a config error, after the backend started with the flags)."""
-    code = ("import os, jax; from moevlm_jax import train, capture; "
+    code = ("import os, jax; from moevlm_jax import train; from moevlm_jax.training import capture; "
             "rc = train.main(['--recipe', 'cpu-default', 'compute.capture=none', 'train.stepz=3']); "
             "print(rc, capture.backend_started(), repr(os.environ['XLA_FLAGS']))")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.checkpoint import Checkpointer, abstract_like, resume_step
-from moevlm_jax.config.run import OptimizerConfig
+from moevlm_jax.training.config import OptimizerConfig
 
 
 def _mesh(shape, names):

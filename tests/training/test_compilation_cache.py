@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as cc
 
-from moevlm_jax import train
+from moevlm_jax.training import loop
 from moevlm_jax.config.run import load_config
 
 
@@ -23,7 +23,7 @@ def restore_cache():
 def test_a_second_compile_loads_from_the_cache(tmp_path, restore_cache):
     jnp.sin(jnp.ones(3)).block_until_ready()  # this process has compiled before the cache is set
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # cache even the quick compile below
-    where = train.apply_compilation_cache(str(tmp_path / "cache"))
+    where = loop.apply_compilation_cache(str(tmp_path / "cache"))
     assert where == tmp_path / "cache" and jax.config.jax_compilation_cache_dir == str(where)
     hits = []
 
@@ -46,7 +46,7 @@ def test_a_second_compile_loads_from_the_cache(tmp_path, restore_cache):
         jax.monitoring.unregister_event_listener(listen)
     assert hits.count("/jax/compilation_cache/cache_hits") == n + 1
     assert jnp.array_equal(got, want)
-    assert train.apply_compilation_cache(None) is None and jax.config.jax_compilation_cache_dir == str(where)
+    assert loop.apply_compilation_cache(None) is None and jax.config.jax_compilation_cache_dir == str(where)
 
 
 def test_the_train_job_applies_the_setting_before_compiling(tmp_path, monkeypatch):
@@ -59,8 +59,8 @@ def test_the_train_job_applies_the_setting_before_compiling(tmp_path, monkeypatc
         seen.append(path)
         raise Applied
 
-    monkeypatch.setattr(train, "apply_compilation_cache", record)
+    monkeypatch.setattr(loop, "apply_compilation_cache", record)
     cfg = load_config("cpu-default", overrides=[f"train.compilation_cache_dir={tmp_path}/cc", "train.steps=1"])
     with pytest.raises(Applied):
-        train.run(cfg)
+        loop.run(cfg)
     assert seen == [f"{tmp_path}/cc"]

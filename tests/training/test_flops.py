@@ -1,4 +1,4 @@
-"""Model FLOPs against hand computation and DESIGN.md's yardstick; the device peak table."""
+"""Model FLOPs against hand computation and the yardstick of bench/README.md; the device peak table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from moevlm_jax.tools import flops
-from moevlm_jax.config.run import CONFIG_DIR
+from moevlm_jax.config import CONFIG_DIR
 
 SMALL = flops.ModelShape(
     hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
@@ -56,7 +56,7 @@ def test_batch_flops_reads_documents_and_images():
 
 
 def test_proxy_matches_design_yardstick():
-    """DESIGN.md: proxy, MBS 2 x 4096 tokens, 4 images of 784 patches each, 342 ms/step ~ 180 TFLOP/s."""
+    """bench/README.md: proxy, MBS 2 x 4096 tokens, 4 images of 784 patches each, 342 ms/step ~ 180 TFLOP/s."""
     raw = yaml.safe_load((CONFIG_DIR / "models" / "proxy.yaml").read_text())
     m = flops.ModelShape.from_config(raw)
     assert (m.hidden_size, m.num_hidden_layers, m.num_experts, m.vision_depth, m.num_deepstack_mergers,

@@ -20,7 +20,7 @@ from moevlm_jax.training.metrics import (
     batch_token_counts,
     read_metrics,
 )
-from moevlm_jax.config.run import OptimizerConfig
+from moevlm_jax.training.config import OptimizerConfig
 
 GRAD_ACCUM, ROWS, SEQ, DIM = 2, 8, 4, 8
 

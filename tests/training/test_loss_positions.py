@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from data.batch import capacity_step, loss_capacity
 from moevlm_jax.model.loss import lm_loss
-from moevlm_jax.training.trainer import ce_and_argmax, gather_trained
+from moevlm_jax.training.objective import capacity_step, ce_and_argmax, gather_trained, loss_capacity, most_trained
 
 
 def _inputs(b=4, s=160, h=8, v=50, seed=0):
@@ -25,7 +24,7 @@ def _inputs(b=4, s=160, h=8, v=50, seed=0):
 @pytest.mark.parametrize("groups", [1, 4])
 def test_gathered_loss_and_gradient_equal_whole_rows(groups):
     hidden, kernel, targets, mask = _inputs()
-    capacity = loss_capacity(mask, groups)
+    capacity = loss_capacity(*most_trained(mask, groups))
     assert capacity is not None and capacity >= (mask.reshape(groups, -1) > 0).sum(-1).max()
 
     def whole(h):
@@ -70,9 +69,9 @@ def test_capacity_steps():
     assert [capacity_step(n) for n in (1, 5, 9, 17, 33, 120, 129, 161, 1000)] == [4, 5, 10, 20, 40, 128, 160, 192, 1024]
     mask = np.zeros((4, 512), np.float32)
     mask[1, :45] = 1
-    assert loss_capacity(mask, groups=1) == 48 and loss_capacity(mask, groups=4) == 48
+    assert loss_capacity(*most_trained(mask, groups=1)) == 48 and loss_capacity(*most_trained(mask, groups=4)) == 48
     mask[:, :300] = 1
-    assert loss_capacity(mask, groups=4) is None  # more than half of a group trained: whole rows
+    assert loss_capacity(*most_trained(mask, groups=4)) is None  # more than half of a group trained: whole rows
 
 
 def test_gather_trained_backward_scatter_has_unique_indices():

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from moevlm_jax.training import optimizer as optim
-from moevlm_jax.config.run import OptimizerConfig
+from moevlm_jax.training.config import OptimizerConfig
 
 
 @pytest.mark.parametrize("kind, step, expected", [

@@ -1,17 +1,19 @@
-"""Run settings: layering, CLI overrides, near-miss errors, cross-field rules, config.yaml round trip."""
+"""Run settings: layering, CLI overrides, near-miss errors, cross-field rules, config.yaml round trip,
+the schema's own help."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 from pathlib import Path
 
 import pytest
 import yaml
 
-from moevlm_jax.model.config import run as recipe
+from moevlm_jax.config import run as recipe
 from moevlm_jax.config.run import ConfigError, load_config
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.training.config import OptimizerConfig
 
 FSDP = str(recipe.CONFIG_DIR / "layouts" / "fsdp.yaml")
 
@@ -20,10 +22,12 @@ FSDP = str(recipe.CONFIG_DIR / "layouts" / "fsdp.yaml")
 def files(tmp_path: Path) -> dict[str, Path]:
     """A model, a data config and a recipe in tmp_path (so the test does not depend on presets)."""
     model = tmp_path / "m.yaml"
-    model.write_text(yaml.safe_dump({"name": "m", "text_config": {"hidden_size": 64, "num_hidden_layers": 4},
-                                     "vision_config": {"depth": 2}}))
+    tiny = yaml.safe_load((recipe.CONFIG_DIR / "models" / "tiny.yaml").read_text())
+    model.write_text(yaml.safe_dump({**tiny, "name": "m", "text_config": {**tiny["text_config"], "num_hidden_layers": 4},
+                                     "vision_config": {**tiny["vision_config"], "depth": 2, "deepstack_visual_indexes": [1]}}))
     data = tmp_path / "d.yaml"
-    data.write_text(yaml.safe_dump({"name": "d", "source": {"kind": "mock"}, "seq_len": 1024, "batch_size": 8}))
+    data.write_text(yaml.safe_dump({"name": "d", "source": {"kind": "mock"}, "seq_len": 1024, "batch_size": 8,
+                                    "patch_buckets": [256]}))
     rec = tmp_path / "r.yaml"
     rec.write_text(yaml.safe_dump({
         "name": "r",
@@ -45,30 +49,31 @@ def _error(recipe_path: Path, *overrides: str, **kw) -> str:
 
 def test_layering_defaults_recipe_files_cli(files):
     cfg = load_config(files["recipe"], overrides=["optimizer.lr=1e-4", "train.grad_accum=3",
-                                                  "model.text_config.hidden_size=32", "compute.dtype=bfloat16"],
+                                                  "model.text_config.moe_intermediate_size=32", "compute.dtype=bfloat16"],
                       steps=7, num_devices=8, num_processes=1)
     assert cfg.optimizer.lr == 1e-4 and isinstance(cfg.optimizer.lr, float)  # CLI over recipe ('1e-4' -> float)
     assert cfg.optimizer.warmup_steps == 5  # recipe over default
-    assert cfg.optimizer.b2 == recipe.OptimizerConfig().b2  # default
+    assert cfg.optimizer.b2 == OptimizerConfig().b2  # default
     assert cfg.train.steps == 7  # --steps over recipe
-    assert cfg.model["text_config"] == {"hidden_size": 32, "num_hidden_layers": 2}  # file < recipe < CLI
-    assert cfg.model["vision_config"] == {"depth": 2}
-    assert cfg.compute == {"dtype": "bfloat16"}
+    text = cfg.model.text_config  # file < recipe < CLI
+    assert (text.moe_intermediate_size, text.num_hidden_layers, text.hidden_size) == (32, 2, 64)
+    assert cfg.model.vision_config.depth == 2
+    assert cfg.compute == ComputeConfig(dtype="bfloat16")
     assert cfg.layout.name == "fsdp" and cfg.data_parallel_size == 8
     # global batch = MBS 2 x accum 3 x DP 8; the data section is derived from the train section
     assert cfg.global_batch_size == 48 and cfg.train.global_batch_size == 48
-    assert cfg.data["seq_len"] == cfg.train.seq_len == 4096 and cfg.data["batch_size"] == 48
+    assert cfg.data.seq_len == cfg.train.seq_len == 4096 and cfg.data.batch_size == 48
 
 
 def test_cli_arguments_and_references(files, tmp_path):
     parser = argparse.ArgumentParser()
     recipe.add_arguments(parser)
     other = tmp_path / "other.yaml"
-    other.write_text("name: other\ntext_config: {hidden_size: 8}\n")
+    other.write_text(yaml.safe_dump({**yaml.safe_load(files["model"].read_text()), "name": "other"}))
     args = parser.parse_args(["--recipe", str(files["recipe"]), "--model", str(other), "--run-dir", "x/y",
                               "--resume", "train.seed=3", "train.freeze_vision_model=true"])
     cfg = recipe.from_args(args, num_devices=1)
-    assert cfg.model == {"name": "other", "text_config": {"hidden_size": 8}}  # --model replaces the recipe's
+    assert cfg.model.name == "other" and cfg.model.text_config.num_hidden_layers == 4  # --model replaces the recipe's
     assert cfg.train.run_dir == "x/y" and cfg.run_dir == Path("x/y") and cfg.train.resume is True
     assert cfg.train.seed == 3 and cfg.train.freeze_vision_model is True
     cfg2 = load_config(files["recipe"], overrides=[f"model={other}"], num_devices=1, num_processes=1)
@@ -84,7 +89,7 @@ def test_cli_arguments_and_references(files, tmp_path):
     ("train.async_checkpointing=3", "train.async_checkpointing: expected bool, got int 3"),
     ("optimizer.schedule=cosin", "'cosin' is not one of ['cosine', 'linear', 'constant']; did you mean 'cosine'?"),
     ("model.text_config.hiden_size=3", "unknown key 'model.text_config.hiden_size'; did you mean 'hidden_size'?"),
-    ("layout.mesh.fsdb=2", "unknown key 'layout.mesh.fsdb'; did you mean 'fsdp'?"),
+    ("layout.mesh.fsdb=2", "unknown mesh axis 'layout.mesh.fsdb'; did you mean 'fsdp'?"),
     ("layout.mesh.tensr=2", "unknown mesh axis 'layout.mesh.tensr'; did you mean 'tensor'?"),
     ("data.seq_len=128", "'data.seq_len' is derived from the train section; set train.seq_len"),
     ("train.steps", "is not key=value"),
@@ -93,9 +98,10 @@ def test_bad_settings_name_the_key(files, override, expected):
     assert expected in _error(files["recipe"], override)
 
 
-def test_new_keys_without_near_miss_pass_to_the_schema(files):
+def test_hf_spellings_of_model_keys_are_read(files):
+    """HF's alternative spellings (v4 rope_theta) are read into the field they stand for."""
     cfg = load_config(files["recipe"], overrides=["model.text_config.rope_theta=10000"], num_devices=1, num_processes=1)
-    assert cfg.model["text_config"]["rope_theta"] == 10000
+    assert cfg.model.text_config.rope_theta == 10000
 
 
 def test_a_present_key_with_a_prefix_word_is_not_a_typo(files):
@@ -104,12 +110,13 @@ def test_a_present_key_with_a_prefix_word_is_not_a_typo(files):
     keys = ["compute.attention_options.max_segments=2", "compute.attention_options.vision_max_segments=4",
             "compute.attention_options.vision_pad_head_dim=128"]
     cfg = load_config(files["recipe"], overrides=keys, num_devices=1, num_processes=1)
-    assert cfg.compute["attention_options"] == {"max_segments": 2, "vision_max_segments": 4, "vision_pad_head_dim": 128}
+    opts = cfg.compute.attention_options
+    assert (opts.max_segments, opts.vision_max_segments, opts.vision_pad_head_dim) == (2, 4, 128)
     assert "did you mean 'max_segments'" in _error(files["recipe"], keys[0], "compute.attention_options.max_segmnets=3")
     # a present key with a word after it: compute.capture_scopes next to a recipe's compute.capture
     cfg = load_config(files["recipe"], overrides=["compute.capture=scopes", "compute.capture_scopes=[full_iteration]"],
                       num_devices=1, num_processes=1)
-    assert cfg.compute["capture_scopes"] == ["full_iteration"]
+    assert cfg.compute.capture_scopes == ("full_iteration",)
     assert "did you mean 'capture'" in _error(files["recipe"], "compute.capture=none", "compute.captur=scopes")
 
 
@@ -169,38 +176,31 @@ def test_resolved_config_round_trips(files, tmp_path):
     assert resumed.optimizer.lr == 2e-4 and resumed.train.steps == 99 and resumed.train.resume
 
 
-@dataclasses.dataclass(frozen=True)
-class ToyCompute:
-    dtype: str = "bfloat16"
-    remat: bool = False
-    chunk: int = 1024
-    modules: tuple[str, ...] = ("attn",)
+def test_help_config_lists_every_key_with_its_meaning():
+    """--help-config: every key of every section with type, default and a one-line meaning."""
+    from moevlm_jax.config.schema import describe
+
+    rows = list(describe(recipe.RunConfig))
+    keys = {r[0] for r in rows}
+    for key in ("train.micro_batch_size", "compute.moe.backend", "compute.router.aux_loss", "layout.mesh",
+                "layout.options.pipeline", "data.source[kind=vqa].num_train", "data.source[kind=llava].path",
+                "data.image.max_pixels", "model.text_config.num_experts", "optimizer.lr"):
+        assert key in keys, key
+    undocumented = [r[0] for r in rows if not r[3]]
+    assert not undocumented, f"keys without a meaning: {undocumented}"
+    row = next(r for r in rows if r[0] == "compute.recompute")
+    assert row[1] == "'none' | 'full' | 'selective'" and row[2] == "none"
+    assert "compute.moe.backend" in recipe.help_config()
 
 
-def test_pluggable_schema(files):
-    recipe.register_schema("compute", ToyCompute)
-    try:
-        cfg = load_config(files["recipe"], overrides=["compute.modules=[a, b]"], num_devices=1, num_processes=1)
-        assert cfg.compute == ToyCompute(dtype="float32", modules=("a", "b"))
-        assert cfg.resolved["compute"] == {"dtype": "float32", "remat": False, "chunk": 1024, "modules": ["a", "b"]}
-        msg = _error(files["recipe"], "compute.dtyp=x", "compute.chunk=big")
-        assert "unknown key 'compute.dtyp'; did you mean 'dtype'?" in msg
-        assert "compute.chunk: expected int, got str 'big'" in msg
-    finally:
-        recipe.register_schema("compute", None)
-
-
-def test_project_compute_config_plugs_in(files):
-    from moevlm_jax.model import config
-
-    recipe.register_schema("compute", config.ComputeConfig)
-    try:
-        cfg = load_config(files["recipe"], overrides=["compute.dtype=bfloat16"], num_devices=1, num_processes=1)
-        assert isinstance(cfg.compute, config.ComputeConfig) and cfg.compute.dtype == "bfloat16"
-        assert "compute: compute.dtype must be one of" in _error(files["recipe"], "compute.dtype=fp8")
-        assert "did you mean 'recompute'" in _error(files["recipe"], "compute.recompte=full")
-    finally:
-        recipe.register_schema("compute", None)
+def test_typed_sections_refuse_bad_values(files):
+    msg = _error(files["recipe"], "compute.dtyp=x", "compute.loss_chunk_size=big", "compute.moe.backend=fast",
+                 "data.source.kind=parquet")
+    assert "unknown key 'compute.dtyp'; did you mean 'dtype'?" in msg
+    assert "compute.loss_chunk_size: expected int, got str 'big'" in msg
+    assert "compute.moe.backend: 'fast' is not one of" in msg
+    assert "data.source.kind: 'parquet' is not one of" in msg
+    assert "did you mean 'recompute'" in _error(files["recipe"], "compute.recompte=full")
 
 
 def test_default_recipes_by_platform():
@@ -212,19 +212,17 @@ def test_default_recipes_by_platform():
         assert raw["model"] == model and raw["layout"] == "fsdp" and base == data
         cfg = load_config(name, num_devices=1, num_processes=1)
         assert cfg.name == name and cfg.train.global_batch_size == cfg.train.micro_batch_size
-        assert cfg.data["seq_len"] == cfg.train.seq_len and cfg.model["name"] == model
+        assert cfg.data.seq_len == cfg.train.seq_len and cfg.model.name == model
 
 
 def test_h200_recipe_is_the_measured_one_gpu_setting():
     """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md runs 9-16) as a recipe."""
-    from moevlm_jax.model import config
-
     cfg = load_config("h200", num_devices=1, num_processes=1)
-    assert cfg.name == "h200" and cfg.model["name"] == "proxy" and cfg.train.micro_batch_size == 10
-    compute = config.ComputeConfig.from_dict(cfg.compute)
+    assert cfg.name == "h200" and cfg.model.name == "proxy" and cfg.train.micro_batch_size == 10
+    compute = cfg.compute
     assert (compute.param_dtype, compute.recompute, compute.recompute_modules, compute.capture) == (
         "bfloat16", "selective", (), "scopes")
     assert compute.capture_scopes == ("full_iteration",)
     assert compute.scan_layers is False
-    assert compute.attention_options == {"max_segments": 2, "vision_max_segments": 4}
-    assert cfg.optimizer.state_dtype == "bfloat16" and cfg.data["seq_len"] == 4096
+    assert (compute.attention_options.max_segments, compute.attention_options.vision_max_segments) == (2, 4)
+    assert cfg.optimizer.state_dtype == "bfloat16" and cfg.data.seq_len == 4096

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from moevlm_jax.config.run import CONFIG_DIR
+from moevlm_jax.config import CONFIG_DIR
 
 SEQ_LEN = 128
 ROWS = 8  # global batch rows: MBS 8 on 1 device, MBS 1 under FSDP on 8 devices
@@ -42,6 +42,6 @@ def leaves_by_path(tree: Any) -> dict[str, np.ndarray]:
     """'/'-joined path -> numpy array for every leaf of ``tree``."""
     import jax
 
-    from moevlm_jax.training.optimizer import path_str
+    from parallelism.sharding import path_str
 
     return {path_str(kp): np.asarray(x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
