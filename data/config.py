@@ -224,27 +224,28 @@ def validate(cfg: DataConfig) -> None:
     """Raise ValueError with a clear message for inconsistent settings (the loader names the section)."""
     img = cfg.image
     if cfg.seq_len <= 1 or cfg.batch_size <= 0:
-        raise ValueError(f"seq_len ({cfg.seq_len}) must be > 1 and batch_size ({cfg.batch_size}) > 0")
+        raise ValueError(f"data.seq_len ({cfg.seq_len}) must be > 1 and data.batch_size ({cfg.batch_size}) > 0")
     block = img.merge_size**2
     buckets = list(cfg.patch_buckets)
     if not buckets or buckets != sorted(set(buckets)) or any(b <= 0 or b % block for b in buckets):
-        raise ValueError(f"patch_buckets {buckets} must be increasing positive multiples of merge_size**2={block}")
+        raise ValueError(f"data.patch_buckets {buckets} must be increasing positive multiples of merge_size**2={block}")
     if not 0 < img.min_pixels <= img.max_pixels:
-        raise ValueError(f"need 0 < min_pixels ({img.min_pixels}) <= max_pixels ({img.max_pixels})")
+        raise ValueError(f"data.image.min_pixels: need 0 < min_pixels ({img.min_pixels}) <= max_pixels ({img.max_pixels})")
     if img.max_pixels < img.factor**2:
-        raise ValueError(f"max_pixels {img.max_pixels} is below one merged patch ({img.factor}x{img.factor})")
+        raise ValueError(f"data.image.max_pixels {img.max_pixels} is below one merged patch ({img.factor}x{img.factor})")
     smallest = block * max(1, -(-img.min_pixels // img.factor**2))
     if smallest > cfg.max_patches and cfg.kind != "mock":
-        raise ValueError(f"an image of min_pixels ({img.min_pixels}) needs >= {smallest} patches but the largest "
-                        f"patch bucket is {cfg.max_patches}")
+        raise ValueError(f"data.patch_buckets: an image of min_pixels ({img.min_pixels}) needs >= {smallest} patches but "
+                         f"the largest patch bucket is {cfg.max_patches}")
     if len(img.image_mean) != 3 or len(img.image_std) != 3 or min(img.image_std) <= 0:
-        raise ValueError("image_mean and image_std need 3 values, std > 0")
+        raise ValueError("data.image.image_mean / image_std need 3 values, std > 0")
     if cfg.workers < 0 or cfg.read_threads < 0 or cfg.read_buffer < 1 or cfg.worker_buffer < 1:
-        raise ValueError("workers/read_threads must be >= 0 and read_buffer/worker_buffer >= 1")
+        raise ValueError(f"data.workers ({cfg.workers}) / read_threads ({cfg.read_threads}) must be >= 0 and read_buffer / "
+                         f"worker_buffer >= 1")
     if cfg.pack_lookahead < 1:
-        raise ValueError("pack_lookahead must be >= 1")
+        raise ValueError("data.pack_lookahead must be >= 1")
     if cfg.num_epochs is not None and cfg.num_epochs < 1:
-        raise ValueError("num_epochs must be None (forever) or >= 1")
+        raise ValueError("data.num_epochs must be null (forever) or >= 1")
 
 
 def load_data_config(name_or_path: str | Mapping[str, Any] | DataConfig | None = None,

@@ -94,7 +94,14 @@ class Loader:
     def __next__(self) -> dict[str, Any]:
         it = self._iterator()
         while True:
-            batch = next(it)
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise
+            except Exception as e:  # a worker that crashed or raised: stop the run with its error, not a hang
+                raise DataError(f"the data pipeline ({self.label}, {self.config.workers} workers) failed: "
+                                f"{type(e).__name__}: {str(e).strip().splitlines()[0][:500] if str(e).strip() else ''}"
+                                ) from e
             stats = batch["stats"]
             self._skipped.update(stats.get("skipped", {}))
             if stats.get("empty"):

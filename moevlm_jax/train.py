@@ -18,8 +18,10 @@ import sys
 from typing import Any
 
 from moevlm_jax.config.run import add_arguments, from_args, help_config
+from data.config import DataError
 from moevlm_jax.config.schema import ConfigError
 from moevlm_jax.training import capture
+from moevlm_jax.training.faults import TrainingStopped
 
 log = logging.getLogger("moevlm_jax.train")
 
@@ -73,6 +75,16 @@ def setup_logging(level: int = logging.INFO) -> None:
         logging.getLogger(name).setLevel(level)
 
 
+def print_error(e: BaseException) -> None:
+    """A configuration error on stderr: one ``error:`` line per problem, each naming its key."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):  # "invalid config:" or "layout 'tp' does not fit ...:"
+        head = lines[0][:-1].removeprefix("invalid config").lstrip(": ")
+        lines = [f"{head}: {ln}" if head else ln for ln in lines[1:]]
+    for line in lines:
+        print(f"error: {line}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int:
     """CLI entry: parse, validate, train, print the summary table; 2 on a config error."""
     parser = argparse.ArgumentParser(prog="python -m moevlm_jax.train", description=__doc__.split("\n\n")[0],
@@ -90,7 +102,7 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
         capture.apply_capture(*capture.recipe_capture(args.recipe, args.overrides, run_dir=args.run_dir,
                                                       resume=args.resume))
     except (ValueError, capture.CaptureError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     try:
         from moevlm_jax.training.loop import run
@@ -98,9 +110,16 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
         cfg = from_args(args)
         summary = run(cfg, stop_after=stop_after)
     except (ConfigError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
+    except (TrainingStopped, DataError) as e:  # the run cannot go on: why, and what was saved
+        print_error(e)
+        return 1
     print(format_summary(summary))
+    stopped = summary.get("stopped")
+    if stopped:
+        print(f"stopped by {stopped['signal']} after step {stopped['step']}: checkpoint {stopped['checkpoint']} in "
+              f"{summary['run_dir']}/checkpoints; continue with --resume --run-dir {summary['run_dir']}")
     return 0
 
 

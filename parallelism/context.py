@@ -16,12 +16,25 @@ segment ids, so the causal mask and packed-sample boundaries are right across sh
 option ``options.context_parallel: allgather | ring`` picks the variant. Load balance: with
 contiguous blocks the last CP rank does most causal work; a zig-zag sequence order would even it
 out (not implemented: it needs the data pipeline to permute rows).
+
+Recurrent layers (Qwen3.5's Gated DeltaNet) carry a state along the sequence instead of attending
+to it. :func:`context_parallel_map` runs a model function on each device's sequence shard inside
+``shard_map`` and hands it a :class:`SequenceShards`, the collectives that carry from one shard to the
+next: :meth:`~SequenceShards.from_previous` (a tensor of the previous shard, e.g. the conv's last
+K - 1 inputs: one ``ppermute``), :meth:`~SequenceShards.continues` (whether a row's first token
+continues the sample the previous shard ended with: a sample starting exactly on the boundary
+restarts the carry) and :meth:`~SequenceShards.incoming_state` (the state entering this shard when
+each shard maps its incoming state affinely, ``out = P in + F``: every shard computes its own
+(P, F) from a zero state in parallel, they are all-gathered over the CP axes, and each device folds
+the maps of the shards before it; the model then adds the incoming state's share to its outputs).
+The model's math stays in the model; nothing here knows what the state means.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -127,3 +140,71 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.
     (_, l, acc, *_), _ = jax.lax.scan(step, init, jnp.arange(size))
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # every query sees at least itself
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, n, d).astype(q.dtype)
+
+
+class SequenceShards:
+    """Inside :func:`context_parallel_map`: this device's place among the sequence shards of its rows
+    (``index`` of ``size``, in sequence order over the CP mesh ``axes``) and the collectives that carry
+    from one shard to the next."""
+
+    def __init__(self, axes: tuple[str, ...], size: int):
+        self.axes, self.size = axes, size
+
+    @property
+    def index(self) -> jax.Array:
+        """This shard's position in the sequence (0 .. size - 1)."""
+        return jax.lax.axis_index(self.axes)
+
+    def from_previous(self, x: jax.Array) -> jax.Array:
+        """The previous shard's ``x`` (any shape; zeros on the first shard): one ``ppermute``."""
+        return jax.lax.ppermute(x, self.axes, [(j, j + 1) for j in range(self.size - 1)])
+
+    def continues(self, segment_ids: jax.Array) -> jax.Array:
+        """Bool ``[B]``: row b's first token continues the (non-padding) sample the previous shard's
+        row b ends with; False on the first shard and where a sample starts on the boundary."""
+        first, last = segment_ids[:, 0], self.from_previous(segment_ids[:, -1])
+        return (self.index > 0) & (first == last) & (first != 0)
+
+    def incoming_state(self, transition: jax.Array, final: jax.Array, keep: jax.Array) -> jax.Array:
+        """The state entering this shard, for a recurrence each shard applies affinely to the state it
+        receives (after ``keep``): ``out_j = transition_j @ (keep_j * in_j) + final_j`` with
+        transition ``[..., D, D]``, final ``[..., D, E]`` (``final``: shard j's outgoing state from a zero
+        incoming one) and keep ``[B]`` (:meth:`continues`; the leading axis of the others is B).
+        Returns ``keep * in`` ``[..., D, E]`` (zeros on the first shard), float32.
+
+        The (transition, final) pairs of all shards are all-gathered over the CP axes ([cp, ...]: D x
+        (D + E) floats per row and head) and folded in sequence order on every device (cp - 1 small
+        matmuls); differentiable (the gather's transpose is a reduce-scatter)."""
+        transition, final = transition.astype(jnp.float32), final.astype(jnp.float32)
+        gather = lambda a: jax.lax.all_gather(a, self.axes, axis=0, tiled=False)
+        p_all, f_all, k_all = gather(transition), gather(final), gather(keep.astype(jnp.float32))
+        expand = lambda k: k.reshape(k.shape + (1,) * (final.ndim - 1))
+        state, incoming = jnp.zeros_like(final), [jnp.zeros_like(final)]
+        for j in range(self.size - 1):  # state entering shard j + 1 (before its keep)
+            state = jnp.einsum("...de,...ef->...df", p_all[j], expand(k_all[j]) * state) + f_all[j]
+            incoming.append(state)
+        return expand(keep.astype(jnp.float32)) * jnp.stack(incoming)[self.index]
+
+
+def context_parallel_map(fn: Callable[..., Any], args: Sequence[jax.Array], in_axes: Sequence[Sequence[str | None]],
+                         out_axes: Any, *, seq_dim: int = 1) -> Any:
+    """``fn(shards, *local_args)`` on each device's block of ``args`` inside ``shard_map``: every arg
+    split as its logical axes ``in_axes`` say under the active layout (batch rows, the sequence over
+    the CP axes, heads...), the outputs reassembled by ``out_axes`` (one axes tuple, or a tuple of
+    them for a tuple of outputs). ``shards`` is the :class:`SequenceShards` of the CP axes that the
+    first arg's dimension ``seq_dim`` is split over (which must be split)."""
+    ctx = logical.current()
+    cp_axes = logical.flat_axes(_spec(in_axes[0], ctx)[seq_dim])
+    if not cp_axes:
+        raise ValueError("context_parallel_map called but the layout does not split the sequence")
+    shards = SequenceShards(cp_axes, logical.axis_size(ctx.mesh, cp_axes))
+    single = bool(out_axes) and not isinstance(out_axes[0], (tuple, list))
+    specs_out = PartitionSpec(*_spec(out_axes, ctx)) if single else tuple(PartitionSpec(*_spec(a, ctx))
+                                                                         for a in out_axes)
+
+    def body(*local):
+        with logical.manual_region():
+            return fn(shards, *local)
+
+    in_specs = tuple(PartitionSpec(*_spec(a, ctx)) for a in in_axes)
+    return shard_map_unchecked(body, ctx.mesh, in_specs, specs_out)(*args)

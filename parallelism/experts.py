@@ -60,6 +60,15 @@ class ExpertsConfig:
     a2a_impl: Literal["auto", "ragged", "dense"] = "auto"  # auto (GPU: ragged_all_to_all, else fixed-size all_to_all)
     hybrid_overflow: float = 0.25  # hybrid only: the overflow buffer's rows as a fraction of the assignments
 
+    def __post_init__(self) -> None:
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"compute.moe.capacity_factor must be null (dropless) or > 0, got {self.capacity_factor!r}")
+        if not self.hybrid_overflow > 0:
+            raise ValueError(f"compute.moe.hybrid_overflow must be > 0 (a fraction of the assignments), got "
+                             f"{self.hybrid_overflow!r}")
+        if self.backend in ("capacity", "hybrid") and self.capacity_factor is None:
+            raise ValueError(f"compute.moe.capacity_factor: backend '{self.backend}' needs one, e.g. 1.25")
+
 
 DEFAULT_OPTIONS: dict[str, Any] = dataclasses.asdict(ExpertsConfig())
 

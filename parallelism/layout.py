@@ -19,6 +19,8 @@ import numpy as np
 from flax.core import FrozenDict
 from jax.sharding import Mesh
 
+from parallelism.cpu_threads import check_collective_threads
+
 
 MESH_AXES: tuple[str, ...] = ("stage", "data", "fsdp", "context", "expert", "tensor")
 
@@ -96,6 +98,7 @@ class Layout:
             arr = mesh_utils.create_device_mesh(sizes, devices=devices)
         except Exception:  # noqa: BLE001 - CPU host devices or odd topologies: plain order
             arr = np.asarray(devices, dtype=object).reshape(sizes)
+        check_collective_threads(len(devices), devices[0].platform)  # warns if XLA:CPU may deadlock
         return Mesh(arr, MESH_AXES)
 
 
@@ -103,25 +106,25 @@ def resolve_mesh_shape(mesh: dict[str, int], num_devices: int, name: str = "layo
     """Fill one ``-1`` axis with the remaining devices; every axis in MESH_AXES gets a size."""
     unknown = sorted(set(mesh) - set(MESH_AXES))
     if unknown:
-        raise ValueError(f"{name}: unknown mesh axes {unknown}; known axes are {list(MESH_AXES)}")
+        raise ValueError(f"layout.mesh of '{name}': unknown mesh axes {unknown}; known axes are {list(MESH_AXES)}")
     shape = {a: int(mesh.get(a, 1)) for a in MESH_AXES}
     fill = [a for a, n in shape.items() if n == -1]
     if len(fill) > 1:
-        raise ValueError(f"{name}: only one mesh axis may be -1, got {fill}")
+        raise ValueError(f"layout.mesh of '{name}': only one mesh axis may be -1, got {fill}")
     bad = {a: n for a, n in shape.items() if n == 0 or n < -1}
     if bad:
-        raise ValueError(f"{name}: mesh axis sizes must be positive or -1, got {bad}")
+        raise ValueError(f"layout.mesh of '{name}': mesh axis sizes must be positive or -1, got {bad}")
     fixed = math.prod(n for n in shape.values() if n != -1)
     if fill:
         if num_devices % fixed:
             raise ValueError(
-                f"{name}: the fixed mesh axes multiply to {fixed}, which does not divide the "
+                f"layout.mesh of '{name}': the fixed mesh axes multiply to {fixed}, which does not divide the "
                 f"{num_devices} devices, so -1 on '{fill[0]}' cannot be filled"
             )
         shape[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(
-            f"{name}: mesh axes {{{', '.join(f'{a}: {n}' for a, n in shape.items() if n > 1)}}} "
+            f"layout.mesh of '{name}': axes {{{', '.join(f'{a}: {n}' for a, n in shape.items() if n > 1)}}} "
             f"multiply to {fixed} devices but {num_devices} are available; use -1 on one axis "
             f"to fill the rest"
         )

@@ -9,9 +9,17 @@ and their sizes, and what to change:
 - divisibility of every model dimension a rule splits: attention heads, KV heads (with the
   replication hint below), head_dim, hidden sizes, MLP / expert intermediate sizes, experts,
   vocabulary, and the vision tower's heads / widths; the same for the activation axes;
+- Qwen3.5-MoE's hybrid decoder (a text config with ``linear_num_key_heads``): the Gated DeltaNet key
+  and value heads (both split along ``q_heads`` / ``act_heads``, as the layer stores them per key-head
+  group) and head widths, and the shared expert's width (``mlp`` / ``act_mlp``);
 - divisibility of the batch shape: rows over ``act_batch``, the sequence over ``act_norm_seq`` /
-  ``act_seq`` (sequence and context parallelism), MoE token rows over ``act_tokens``;
-- the pipeline options (``parallelism.pipeline.pipeline_config``), when the layout has them.
+  ``act_seq`` (sequence and context parallelism), MoE token rows over ``act_tokens``; under context
+  parallelism each sequence shard must hold the GDN conv's window (``linear_conv_kernel_dim - 1``
+  tokens: it is passed on from the previous shard);
+- the pipeline options (``parallelism.pipeline.pipeline_config``), when the layout has them, and
+  every decoder stack (a run of consecutive layers of one kind: dense / MoE, or Qwen3.5's
+  linear / full attention) dividing over the mesh axes ``layers`` maps to (its weights are stored
+  split over the stages).
 
 KV heads fewer than the tensor axis (e.g. 4 KV heads, TP 8) are an error, not silently replicated:
 the message says to map ``kv_heads`` and ``act_kv_heads`` to null (each tensor rank then computes
@@ -35,7 +43,7 @@ from jax.sharding import Mesh
 
 import parallelism
 from parallelism.layout import MESH_AXES, Layout, resolve_mesh_shape
-from parallelism.logical import flat_axes, Rules, logical_to_spec
+from parallelism.logical import Rules, flat_axes, logical_to_spec, mesh_axes_for
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +89,7 @@ def model_checks(model: Any) -> list[tuple[str, int, tuple[str | None, ...], int
                 ("text_config.hidden_size", t.hidden_size, experts, 2),
                 ("text_config.moe_intermediate_size", t.moe_intermediate_size, experts, 4),
                 ("text_config.num_experts", t.num_experts, ("layers", "embed", "exp"), 2)]
+    out += _hybrid_checks(t)
     big = v.hidden_size * v.spatial_merge_size**2
     out += [
         ("vision_config.num_heads", v.num_heads, ("vis_layers", "vis_embed", None, "vis_heads", "vis_head_dim"), 3),
@@ -93,6 +102,63 @@ def model_checks(model: Any) -> list[tuple[str, int, tuple[str | None, ...], int
         ("vision_config.out_hidden_size", v.out_hidden_size, ("vis_mlp", "embed"), 1),
     ]
     return out
+
+
+def _hybrid_checks(t: Any) -> list[tuple[str, int, tuple[str | None, ...], int]]:
+    """Qwen3.5's Gated DeltaNet heads / widths and shared expert (model.qwen3_5_gdn, qwen3_5_decoder):
+    in_proj_qkv ``[layers, embed, Hk, G]`` and the conv ``[layers, K, Hk, G]`` split Hk along q_heads,
+    in_proj_z ``[layers, embed, Hv, Dv]`` / out_proj split Hv (and Dv along head_dim); inside the layer
+    q / k ``[B, S, Hk, Dk]``, v / z ``[B, S, Hv, Dv]`` and the gates ``[B, S, Hv]`` along act_heads."""
+    if getattr(t, "linear_num_key_heads", None) is None:
+        return []
+    out = []
+    if "linear_attention" in set(getattr(t, "layer_types", ()) or ()):
+        hk, hv = t.linear_num_key_heads, t.linear_num_value_heads
+        qkv, z = ("layers", "embed", "q_heads", None), ("layers", "embed", "q_heads", "head_dim")
+        heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+        out += [("text_config.linear_num_key_heads (GDN query / key heads)", hk, qkv, 2),
+                ("text_config.linear_num_value_heads (GDN value heads)", hv, z, 2),
+                ("text_config.linear_value_head_dim", t.linear_value_head_dim, z, 3),
+                ("text_config.hidden_size", t.hidden_size, qkv, 1),
+                ("text_config.linear_num_key_heads (GDN query / key heads)", hk, heads, 2),
+                ("text_config.linear_num_value_heads (GDN value heads)", hv, heads, 2),
+                ("text_config.linear_key_head_dim", t.linear_key_head_dim, heads, 3),
+                ("text_config.linear_value_head_dim", t.linear_value_head_dim, heads, 3)]
+    width = getattr(t, "shared_expert_intermediate_size", 0) or 0
+    if width:
+        out += [("text_config.shared_expert_intermediate_size", width, ("layers", "embed", "mlp"), 2),
+                ("text_config.shared_expert_intermediate_size", width, ("act_batch", "act_seq", "act_mlp"), 2)]
+    return out
+
+
+def layer_stacks(t: Any) -> list[tuple[str, int, int]]:
+    """The decoder's stacks: ``(kind, first layer, count)`` per run of consecutive layers of one kind
+    (Qwen3.5: ``layer_types``; Qwen3-VL: dense / MoE ``layer_kinds``), as the model stores them."""
+    import itertools
+
+    kinds = tuple(getattr(t, "layer_types", None) or t.layer_kinds)
+    out, first = [], 0
+    for kind, run in itertools.groupby(kinds):
+        n = len(list(run))
+        out.append((kind, first, n))
+        first += n
+    return out
+
+
+def _stack_errors(model: Any, layout: Layout, shape: dict[str, int]) -> list[str]:
+    """Each decoder stack's layer count over the mesh axes ``layers`` maps to (pipeline stages)."""
+    split = _split(("layers", "embed"), 0, layout.rules, shape)
+    n = math.prod(shape[a] for a in split)
+    if n <= 1:
+        return []
+    stacks = layer_stacks(model.text_config)
+    bad = [(k, f, c) for k, f, c in stacks if c % n]
+    if not bad:
+        return []
+    listed = ", ".join(f"layers {f}..{f + c - 1} ({c} {k})" for k, f, c in bad)
+    return [f"decoder stacks {listed} do not divide over the {n} devices of mesh axes {_describe(split, shape)} that "
+            f"logical axis 'layers' maps to: each run of consecutive layers of one kind is one stack whose weights "
+            f"are stored split over the stages; use a layer pattern whose runs are multiples of {n}, or fewer stages"]
 
 
 def batch_checks(batch_size: int | None, seq_len: int | None) -> list[tuple[str, int, tuple[str | None, ...], int]]:
@@ -123,10 +189,11 @@ def _rule_errors(layout: Layout) -> list[str]:
     errors = []
     for name, axes in layout.rules:
         if name not in parallelism.LOGICAL_AXES:
-            errors.append(f"rule [{name}, ...]: unknown logical axis '{name}' (known: {', '.join(parallelism.LOGICAL_AXES)})")
+            errors.append(f"layout.rules [{name}, ...]: unknown logical axis '{name}' "
+                          f"(known: {', '.join(parallelism.LOGICAL_AXES)})")
         bad = [a for a in flat_axes(axes) if a not in MESH_AXES]
         if bad:
-            errors.append(f"rule [{name}, {axes}]: unknown mesh axes {bad} (mesh axes: {', '.join(MESH_AXES)})")
+            errors.append(f"layout.rules [{name}, {axes}]: unknown mesh axes {bad} (mesh axes: {', '.join(MESH_AXES)})")
     return errors
 
 
@@ -156,21 +223,50 @@ def validate_layout(model: Any, layout: Layout, mesh: Mesh | None = None, batch_
                 else:
                     msg += f"; change the rule for '{axes[dim]}' or the mesh, or make it a multiple of {n}"
                 errors.append(msg)
+        errors += _stack_errors(model, layout, shape)
+        errors += _context_errors(model, layout, shape, seq_len)
         if layout.options.pipeline is not None:
             try:
-                from parallelism.pipeline import pipeline_config
+                from parallelism.pipeline import inner_rules, pipeline_config
 
-                pipeline_config(layout.options, shape.get("stage", 1))
+                cfg = pipeline_config(layout.options, shape.get("stage", 1))
+                if batch_size is not None and cfg.stages > 1:  # what the schedule needs of the batch rows
+                    inner = tuple(a for a in flat_axes(mesh_axes_for("act_batch", inner_rules(layout.rules)))
+                                  if shape[a] > 1)
+                    shards = math.prod(shape[a] for a in inner)
+                    if batch_size % cfg.microbatches or (batch_size // cfg.microbatches) % shards:
+                        errors.append(f"pipeline: {batch_size} batch rows (micro batch x data parallel) must split "
+                                      f"into {cfg.microbatches} microbatches (layout.options.pipeline.microbatches) "
+                                      f"whose rows divide over the data axes {inner} inside a stage ({shards} "
+                                      f"devices); make the global batch a multiple of {cfg.microbatches * shards} "
+                                      f"rows per step (train.global_batch_size) or change the microbatches")
             except ValueError as e:
                 errors.append(str(e))
         warnings = _warnings(model, layout, shape)
     if errors:
-        raise LayoutError(f"layout '{layout.name}' does not fit model '{getattr(model, 'name', '') or 'model'}'"
-                          + (f" on mesh {_describe(tuple(a for a in shape if shape[a] > 1), shape) or '1 device'}"
-                             if shape else "") + ":\n  " + "\n  ".join(errors))
+        head = (f"layout '{layout.name}' does not fit model '{getattr(model, 'name', '') or 'model'}'"
+                + (f" on mesh {_describe(tuple(a for a in shape if shape[a] > 1), shape) or '1 device'}" if shape else ""))
+        raise LayoutError(f"{head}: {errors[0]}" if len(errors) == 1 else head + ":\n  " + "\n  ".join(errors))
     for w in warnings:
         log.warning("layout %s: %s", layout.name, w)
     return warnings
+
+
+def _context_errors(model: Any, layout: Layout, shape: dict[str, int], seq_len: int | None) -> list[str]:
+    """Under context parallelism a GDN sequence shard receives the previous shard's last K - 1 conv
+    inputs, so it must hold at least that many tokens (parallelism.context, model.qwen3_5_gdn)."""
+    t = model.text_config
+    if seq_len is None or "linear_attention" not in set(getattr(t, "layer_types", ()) or ()):
+        return []
+    split = _split(("act_batch", "act_seq", "act_heads", "act_head_dim"), 1, layout.rules, shape)
+    n = math.prod(shape[a] for a in split)
+    window = t.linear_conv_kernel_dim - 1
+    if n > 1 and seq_len % n == 0 and seq_len // n < window:
+        return [f"sequence length = {seq_len} over the {n} devices of mesh axes {_describe(split, shape)} that "
+                f"logical axis 'act_seq' maps to leaves {seq_len // n} tokens a shard, fewer than the "
+                f"{window} the GDN conv window (text_config.linear_conv_kernel_dim - 1) carries from one "
+                f"shard to the next; use a longer sequence or a smaller context axis"]
+    return []
 
 
 def _warnings(model: Any, layout: Layout, shape: dict[str, int]) -> list[str]:

@@ -38,6 +38,7 @@ from moevlm_jax.config.files import CONFIG_DIR, REFERENCED, find_config, resolve
 from moevlm_jax.config.schema import (
     ConfigError,
     build,
+    raise_errors,
     describe,
     format_help,
     near_miss,
@@ -104,12 +105,50 @@ def default_recipe(platform: str | None = None) -> str:
 
 # ----------------------------------------------------------------------------- rules between sections
 
-def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, dp: int, errors: list[str]) -> None:
+def resolve_batch(tr: TrainConfig, dp: int, errors: list[str]) -> TrainConfig:
+    """The batch shape as Megatron keeps it: ``train.global_batch_size`` (rows per step) is fixed when
+    given; the micro batch (rows per data-parallel rank, null: the whole share of a rank) and the
+    accumulation (null: derived) follow from it and the layout's data-parallel size ``dp``, so the same
+    recipe trains on the same rows under every layout. Without a global batch it is MBS x accumulation x
+    DP (MBS and accumulation default to 1). Returns the train section with all three set."""
+    gbs, mbs, accum = tr.global_batch_size, tr.micro_batch_size, tr.grad_accum
+    for key, value in (("micro_batch_size", mbs), ("grad_accum", accum), ("global_batch_size", gbs)):
+        if value is not None and value < 1:
+            errors.append(f"train.{key} must be >= 1, got {value}")
+            return tr
+    if gbs is None:
+        mbs, accum = mbs or 1, accum or 1
+        return dataclasses.replace(tr, micro_batch_size=mbs, grad_accum=accum, global_batch_size=mbs * accum * dp)
+    if mbs is None:
+        accum = accum or 1
+        if gbs % (dp * accum):
+            errors.append(f"train.global_batch_size={gbs} does not divide over data-parallel size {dp} x grad_accum "
+                          f"{accum}; make it a multiple of {dp * accum} or use a layout with a data-parallel size "
+                          f"that divides it")
+            return tr
+        mbs = gbs // (dp * accum)
+    elif accum is None:
+        if gbs % (mbs * dp):
+            errors.append(f"train.global_batch_size={gbs} is not a multiple of micro_batch_size {mbs} x "
+                          f"data-parallel size {dp} = {mbs * dp}; set train.micro_batch_size to a divisor of "
+                          f"{gbs // dp if gbs % dp == 0 else 'the global batch per rank'} (or null: derived)")
+            return tr
+        accum = gbs // (mbs * dp)
+    elif mbs * accum * dp != gbs:
+        per = mbs * dp
+        hint = (f"set train.grad_accum={gbs // per} (or null: derived)" if gbs % per == 0
+                else f"make it a multiple of micro_batch_size x data-parallel = {per}")
+        errors.append(f"train.global_batch_size={gbs} but micro_batch_size {mbs} x grad_accum {accum} x "
+                      f"data-parallel size {dp} = {mbs * accum * dp}; {hint}, or drop global_batch_size")
+        return tr
+    return dataclasses.replace(tr, micro_batch_size=mbs, grad_accum=accum, global_batch_size=gbs)
+
+
+def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, errors: list[str]) -> None:
     """Rules between fields; each message says which settings to change."""
-    positive = {"train.steps": tr.steps, "train.micro_batch_size": tr.micro_batch_size,
-                "train.grad_accum": tr.grad_accum, "train.seq_len": tr.seq_len,
-                "train.log_every": tr.log_every, "train.keep_checkpoints": tr.keep_checkpoints}
-    errors.extend(f"{k} must be >= 1, got {v}" for k, v in positive.items() if v < 1)
+    least = {"train.steps": (tr.steps, 1), "train.seq_len": (tr.seq_len, 2), "train.log_every": (tr.log_every, 1),
+             "train.keep_checkpoints": (tr.keep_checkpoints, 1)}
+    errors.extend(f"{k} must be >= {low}, got {v}" for k, (v, low) in least.items() if v < low)
     nonneg = {"train.eval_every": tr.eval_every, "train.eval_batches": tr.eval_batches,
               "train.checkpoint_every": tr.checkpoint_every, "train.profile_steps": tr.profile_steps,
               "optimizer.warmup_steps": opt.warmup_steps, "optimizer.weight_decay": opt.weight_decay,
@@ -119,19 +158,18 @@ def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, dp: int, errors: list[s
         errors.append(f"optimizer.lr must be > 0, got {opt.lr}")
     if not 0.0 <= opt.min_lr_ratio <= 1.0:
         errors.append(f"optimizer.min_lr_ratio must be in [0, 1], got {opt.min_lr_ratio}")
+    for key in ("b1", "b2"):
+        if not 0.0 <= getattr(opt, key) < 1.0:
+            errors.append(f"optimizer.{key} must be in [0, 1), got {getattr(opt, key)}")
+    if opt.eps <= 0:
+        errors.append(f"optimizer.eps must be > 0, got {opt.eps}")
+    if opt.max_consecutive_skips < 1:
+        errors.append(f"optimizer.max_consecutive_skips must be >= 1, got {opt.max_consecutive_skips}")
     decay = opt.decay_steps if opt.decay_steps is not None else tr.steps
     if opt.warmup_steps > decay:  # e.g. a `--steps 3` smoke run of a recipe: allowed, but said
         log.warning("optimizer.warmup_steps=%d exceeds the decay length %d (optimizer.decay_steps, default "
                     "train.steps): the learning rate stays in warmup and never reaches optimizer.lr",
                     opt.warmup_steps, decay)
-    gbs = tr.micro_batch_size * tr.grad_accum * dp
-    if tr.global_batch_size is not None and tr.global_batch_size != gbs:
-        per = tr.micro_batch_size * dp
-        hint = (f"set train.grad_accum={tr.global_batch_size // per}" if tr.global_batch_size % per == 0
-                else f"make it a multiple of micro_batch_size x data-parallel = {per}")
-        errors.append(f"train.global_batch_size={tr.global_batch_size} but micro_batch_size "
-                      f"{tr.micro_batch_size} x grad_accum {tr.grad_accum} x data-parallel size {dp} = "
-                      f"{gbs}; {hint}, or drop global_batch_size")
     if tr.eval_every > 0 and tr.eval_batches < 1:
         errors.append(f"train.eval_every={tr.eval_every} needs train.eval_batches >= 1 (got {tr.eval_batches})")
     if tr.freeze_vision_model and tr.freeze_vision_projection and tr.freeze_language_model:
@@ -142,13 +180,27 @@ def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, dp: int, errors: list[s
             errors.append(f"unknown parameter group 'train.param_groups.{group}'"
                           f"{near_miss(group, ['vision_model', 'vision_projection'])} (the language "
                           f"model is everything the two groups do not match)")
-    for pattern in [*opt.no_decay_patterns, *(p for v in tr.param_groups.values() for p in v)]:
+    patterns = [("optimizer.no_decay_patterns", p) for p in opt.no_decay_patterns]
+    patterns += [(f"train.param_groups.{g}", p) for g, v in tr.param_groups.items() for p in v]
+    for key, pattern in patterns:
         try:
             re.compile(pattern)
         except re.error as e:
-            errors.append(f"bad regex {pattern!r}: {e}")
+            errors.append(f"{key}: bad regex {pattern!r}: {e}")
     if tr.profile_steps > 0 and tr.profile_start_step >= tr.steps:
         errors.append(f"train.profile_start_step={tr.profile_start_step} is past train.steps={tr.steps}")
+
+
+def _experts_checks(compute: ComputeConfig, layout: Layout, shape: Mapping[str, int]) -> list[str]:
+    """The experts' dispatcher against the layout (what tracing the step would otherwise find)."""
+    from parallelism.logical import axis_size, mesh_axes_for
+
+    ep = axis_size(shape, mesh_axes_for("exp", layout.rules))
+    dispatcher = compute.moe.dispatcher
+    if dispatcher in ("alltoall", "allgather") and ep == 1:
+        return [f"compute.moe.dispatcher '{dispatcher}' needs expert parallelism, but layout '{layout.name}' maps 'exp' "
+                f"to no mesh axis of size > 1; use 'auto' or 'local', or a layout with EP (ep, tp_ep, ep_etp, pp_ep)"]
+    return []
 
 
 def model_data_checks(model: ModelConfig, data: DataConfig) -> list[str]:
@@ -205,8 +257,8 @@ def _layout_parts(raw: Mapping[str, Any], num_devices: int, errors: list[str]) -
     try:
         return layout, data_parallel_size(layout.rules, layout.resolved_mesh_shape(num_devices))
     except ValueError as e:
-        errors.append(f"layout: {e}")
-        return layout, 1
+        errors.append(str(e))
+        return None, 1
 
 
 def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes: int = 1) -> RunConfig:
@@ -223,11 +275,12 @@ def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes
     tr = build(TrainConfig, raw.get("train"), "train", errors)
     layout, dp = _layout_parts(raw, num_devices, errors)
     data_raw = dict(raw.get("data") or {})
+    given = tr
     if opt is not None and tr is not None:
-        _cross_checks(opt, tr, dp, errors)
-        if tr.global_batch_size is None:
-            tr = dataclasses.replace(tr, global_batch_size=tr.micro_batch_size * tr.grad_accum * dp)
-        data_raw = _derive_data(data_raw, tr, tr.global_batch_size, num_processes, errors)
+        _cross_checks(opt, tr, errors)
+        tr = resolve_batch(tr, dp, errors)
+        if tr.global_batch_size is not None and tr.micro_batch_size is not None:
+            data_raw = _derive_data(data_raw, tr, tr.global_batch_size, num_processes, errors)
     model = build(ModelConfig, raw.get("model"), "model", errors)
     data = build(DataConfig, data_raw, "data", errors)
     compute = build(ComputeConfig, raw.get("compute"), "compute", errors)
@@ -239,14 +292,19 @@ def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes
                             num_devices=num_devices)
         except LayoutError as e:
             errors.append(str(e))
+    if compute is not None and layout is not None and not errors:
+        errors += _experts_checks(compute, layout, layout.resolved_mesh_shape(num_devices))
     if tr is not None and tr.init_from and not Path(tr.init_from).expanduser().is_dir():
         errors.append(f"train.init_from: {tr.init_from} is not a Hugging Face model directory")
     if errors:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+        raise_errors(errors)
     cfg = RunConfig(name=str(raw.get("name") or "run"), description=str(raw.get("description") or ""),
                     model=model, layout=layout, data=data, compute=compute, optimizer=opt, train=tr)
     cfg.data_parallel_size = dp
-    cfg.resolved = {f.name: to_plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.init}
+    # config.yaml keeps the batch as given (micro batch / accumulation null stay derived), with the global
+    # batch fixed: resumed under another layout, the run trains on the same rows
+    recorded = dataclasses.replace(cfg, train=dataclasses.replace(given, global_batch_size=tr.global_batch_size))
+    cfg.resolved = {f.name: to_plain(getattr(recorded, f.name)) for f in dataclasses.fields(cfg) if f.init}
     return cfg
 
 

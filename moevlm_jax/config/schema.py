@@ -175,14 +175,14 @@ def build(cls: type, data: Any, where: str, errors: list[str] | None = None, *, 
         data = {}
     if not isinstance(data, Mapping):
         errors.append(f"{where}: expected a mapping for {cls.__name__}, got {type(data).__name__} {data!r}")
-        return _raise(errors) if own else None
+        return raise_errors(errors) if own else None
     raw = dict(data)
     if hasattr(cls, "__normalize__"):
         try:
             raw = cls.__normalize__(raw)
         except (TypeError, ValueError) as e:
             errors.append(f"{where}: {e}")
-            return _raise(errors) if own else None
+            return raise_errors(errors) if own else None
     for old, new in getattr(cls, "__aliases__", {}).items():
         if old in raw:
             log.warning("config key '%s.%s' is deprecated: it is now '%s.%s'", where, old, where, new)
@@ -214,9 +214,9 @@ def build(cls: type, data: Any, where: str, errors: list[str] | None = None, *, 
         try:
             obj = cls(**kwargs)
         except (TypeError, ValueError) as e:  # the class's own __post_init__ checks
-            errors.append(f"{where}: {e}")
+            errors.append(str(e) if str(e).startswith(where) else f"{where}: {e}")
     if own and errors:
-        _raise(errors)
+        raise_errors(errors)
     return obj
 
 
@@ -238,7 +238,10 @@ def coerce_fields(obj: Any, where: str) -> None:
         raise ValueError("; ".join(errors))
 
 
-def _raise(errors: list[str]) -> Any:
+def raise_errors(errors: Sequence[str]) -> Any:
+    """Raise one ConfigError for every problem: one line for one error, else a line each."""
+    if len(errors) == 1:
+        raise ConfigError(f"invalid config: {errors[0]}")
     raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
 
 

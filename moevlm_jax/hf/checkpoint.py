@@ -29,12 +29,13 @@ import safetensors
 import safetensors.numpy
 from flax import nnx
 
-from moevlm_jax.hf import names, qwen3_5_names
+from moevlm_jax.hf import names
 from moevlm_jax.hf.errors import CheckpointError
 from moevlm_jax.hf.names import Entry, check_expert_layout
+from moevlm_jax.model import registry
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
-from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig, load_any_model_config
+from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
 from moevlm_jax.model.qwen3_5_moe import Qwen35Moe
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from moevlm_jax.model.router import ExpertBias
@@ -47,13 +48,13 @@ _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
 
 # ----------------------------------------------------------------------------------------------
-# model families: dispatch on the config's class (read from config.json's model_type)
+# model families: the registry (moevlm_jax.model.registry) picks the model class and name table
 # ----------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
-    """What differs between the model families: the model class and the name / layout table."""
+    """What differs between the model families here: the model class and the name / layout table."""
 
     model: type
     entries: Callable[[Any], list[Entry]]
@@ -63,18 +64,15 @@ class _Family:
     ignored_prefixes: tuple[str, ...] = ()  # HF tensors skipped on load (transformers skips them too)
 
 
-_QWEN3_VL = _Family(Qwen3VLMoe, names.checkpoint_entries, names.to_ours, names.to_hf, names.hf_out_shape)
-_QWEN3_5 = _Family(Qwen35Moe, qwen3_5_names.checkpoint_entries, qwen3_5_names.to_ours, qwen3_5_names.to_hf,
-                   qwen3_5_names.hf_out_shape, qwen3_5_names.IGNORED_PREFIXES)
-
-
 def _family(config: Any) -> _Family:
-    return _QWEN3_5 if isinstance(config, Qwen35ModelConfig) else _QWEN3_VL
+    table = registry.hf_table(config)
+    return _Family(registry.model_class(config), table.checkpoint_entries, table.to_ours, table.to_hf,
+                   table.hf_out_shape, tuple(getattr(table, "IGNORED_PREFIXES", ())))
 
 
 def checkpoint_entries(config: Any) -> list[Entry]:
-    """The HF tensor table of either family's config (``hf.names`` / ``hf.qwen3_5_names``)."""
-    return _family(config).entries(config)
+    """The HF tensor table of any family's config (``hf.names`` / ``hf.qwen3_5_names``, by the registry)."""
+    return registry.checkpoint_entries(config)
 
 
 def _index(layer: Any) -> Any:
@@ -236,7 +234,7 @@ def load_pretrained(path: str | Path, dtype: Any = jnp.float32, *, compute: Comp
     two layouts have the same shape ("auto" reads them as transformers does)."""
     check_expert_layout(expert_layout)
     path = Path(path)
-    config = load_any_model_config(path)
+    config = registry.load_model_config(path)
     family = _family(config)
     name = jnp.dtype(dtype).name
     compute = compute or ComputeConfig(dtype=name, param_dtype=name)

@@ -30,11 +30,13 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 #   moe_router router logits               moe        MoE block output
 #   moe_permuted token rows in the experts' layout     moe_gate_up  the experts' gate/up matmul output
 #   moe_act    expert activation (SwiGLU)  moe_expert_out  the experts' down matmul output
-# (the moe_* inside parallelism.permute). Selective recompute saves every name not listed under a
+#   gdn_conv   Gated DeltaNet: the causal conv's (silu) output, q | k | v before the delta rule
+#   gdn_core   Gated DeltaNet: the chunked delta rule's output    gated_norm  its gated RMSNorm output
+# (the moe_* inside parallelism.permute; the gdn_* and gated_norm in model.qwen3_5_gdn). Selective recompute saves every name not listed under a
 # recompute module, as Megatron recomputes only those modules: a tensor the backward needs and no name
 # covers (e.g. an activation's input) would make jax.checkpoint recompute the matmul behind it.
 CHECKPOINT_NAMES = ("layernorm", "qkv_proj", "core_attn", "attn_out", "mlp_hidden", "mlp", "moe_router", "moe",
-                    "moe_permuted", "moe_gate_up", "moe_act", "moe_expert_out")
+                    "moe_permuted", "moe_gate_up", "moe_act", "moe_expert_out", "gdn_conv", "gdn_core", "gated_norm")
 # Megatron's recompute modules -> the checkpoint names they stand for
 RECOMPUTE_MODULES = {
     "core_attn": ("core_attn",),
@@ -45,6 +47,10 @@ RECOMPUTE_MODULES = {
     # not Megatron's: the expert matmuls' inputs/outputs (recompute both grouped matmuls in the backward,
     # keeping only moe_act; ~3 GB less a layer at the proxy's MBS 8: bench/step_h200.md, after run 8)
     "experts": ("moe_permuted", "moe_gate_up", "moe_expert_out"),
+    # not Megatron's (its recompute modules predate the Gated DeltaNet): the GDN layer's mixer between its
+    # projections (kept as qkv_proj) and out-projection (attn_out), as core_attn is attention's: the conv,
+    # the delta rule and the gated norm run again in the backward
+    "gdn": ("gdn_conv", "gdn_core", "gated_norm"),
 }
 CAPTURE_MODES = ("none", "step", "scopes")
 CAPTURE_SCOPES = ("attn", "moe_router", "moe_preprocess", "full_iteration")  # Megatron's CUDA-graph scope names
@@ -148,7 +154,8 @@ class ComputeConfig:
     # none | full (save only each layer's input) | selective (recompute only recompute_modules)
     recompute: RecomputeMode = "none"
     # Megatron's recompute modules under selective: core_attn, moe_act, layernorm, mlp, moe (and
-    # experts: the expert matmuls); every tensor of a module not listed is kept
+    # experts: the expert matmuls; gdn: Qwen3.5's conv + delta rule + gated norm); every tensor of a
+    # module not listed is kept
     recompute_modules: tuple[str, ...] = ("core_attn",)
     offload: tuple[str, ...] = ()  # module or checkpoint names whose saved tensors go to pinned host memory
     vision_recompute: RecomputeMode | None = None  # the vision tower's own mode (null: the decoder's)

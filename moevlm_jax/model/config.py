@@ -47,6 +47,16 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_sizes(obj: Any, where: str, positive: tuple[str, ...], nonnegative: tuple[str, ...]) -> None:
+    """Sizes that must be > 0 (or >= 0), each named with its key."""
+    for name in positive:
+        v = getattr(obj, name)
+        _check(v is None or v > 0, f"{where}.{name} must be > 0, got {v}")
+    for name in nonnegative:
+        v = getattr(obj, name)
+        _check(v >= 0, f"{where}.{name} must be >= 0, got {v}")
+
+
 def _freeze_fields(obj: Any, where: str) -> None:
     coerce_fields(obj, where)
     for f in dataclasses.fields(obj):
@@ -112,23 +122,27 @@ class TextConfig:
 
     def __post_init__(self) -> None:
         _freeze_fields(self, "model.text_config")
+        _check_sizes(self, "model.text_config", ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                 "max_position_embeddings", "moe_intermediate_size"),
+                     ("num_experts", "num_experts_per_tok"))
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         _check(self.num_attention_heads % self.num_key_value_heads == 0,
-               f"text_config: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+               f"model.text_config.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                f"num_key_value_heads ({self.num_key_value_heads})")
-        _check(self.head_dim % 2 == 0, f"text_config: head_dim must be even, got {self.head_dim}")
+        _check(self.head_dim % 2 == 0, f"model.text_config.head_dim must be even, got {self.head_dim}")
         _check(sum(self.mrope_section) == self.head_dim // 2,
-               f"text_config: rope_parameters.mrope_section {list(self.mrope_section)} must sum to "
+               f"model.text_config.rope_parameters.mrope_section {list(self.mrope_section)} must sum to "
                f"head_dim // 2 = {self.head_dim // 2}")
-        _check(self.decoder_sparse_step >= 1, "text_config: decoder_sparse_step must be >= 1")
+        _check(self.decoder_sparse_step >= 1, "model.text_config.decoder_sparse_step must be >= 1")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
-        _check(not bad, f"text_config: mlp_only_layers {bad} are not layer indexes < {self.num_hidden_layers}")
+        _check(not bad, f"model.text_config.mlp_only_layers {bad} are not layer indexes < {self.num_hidden_layers}")
         if self.num_experts > 0:
             _check(0 < self.num_experts_per_tok <= self.num_experts,
-                   f"text_config: num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                   f"model.text_config.num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                    f"1..num_experts ({self.num_experts})")
-        _check(self.hidden_act == "silu", f"text_config: only hidden_act 'silu' is supported, got {self.hidden_act!r}")
+        _check(self.hidden_act == "silu", f"model.text_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
 
     @property
     def rope_theta(self) -> float:
@@ -197,16 +211,20 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         _freeze_fields(self, "model.vision_config")
+        _check_sizes(self, "model.vision_config", ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+                                                   "patch_size", "spatial_merge_size", "temporal_patch_size",
+                                                   "out_hidden_size", "num_position_embeddings"), ())
         _check(self.hidden_size % self.num_heads == 0,
-               f"vision_config: hidden_size ({self.hidden_size}) must divide by num_heads ({self.num_heads})")
-        _check(self.head_dim % 4 == 0, f"vision_config: head dim {self.head_dim} must be a multiple of 4 (2D rotary)")
+               f"model.vision_config.num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+        _check(self.head_dim % 4 == 0,
+               f"model.vision_config.num_heads: head dim {self.head_dim} must be a multiple of 4 (2D rotary)")
         side = math.isqrt(self.num_position_embeddings)
         _check(side * side == self.num_position_embeddings,
-               f"vision_config: num_position_embeddings ({self.num_position_embeddings}) must be a square")
+               f"model.vision_config.num_position_embeddings ({self.num_position_embeddings}) must be a square")
         ds = self.deepstack_visual_indexes
         _check(len(set(ds)) == len(ds) and all(0 <= i < self.depth for i in ds),
-               f"vision_config: deepstack_visual_indexes {list(ds)} must be distinct block indexes < depth {self.depth}")
-        _check(self.hidden_act in _ACTS, f"vision_config: hidden_act {self.hidden_act!r} not in {sorted(_ACTS)}")
+               f"model.vision_config.deepstack_visual_indexes {list(ds)} must be distinct block indexes < depth {self.depth}")
+        _check(self.hidden_act in _ACTS, f"model.vision_config.hidden_act {self.hidden_act!r} not in {sorted(_ACTS)}")
 
     @property
     def head_dim(self) -> int:
@@ -263,12 +281,14 @@ class ModelConfig:
         object.__setattr__(self, "extra", freeze(self.extra))
         t, v = self.text_config, self.vision_config
         _check(v.out_hidden_size == t.hidden_size,
-               f"vision_config.out_hidden_size ({v.out_hidden_size}) must equal text_config.hidden_size "
+               f"model.vision_config.out_hidden_size ({v.out_hidden_size}) must equal text_config.hidden_size "
                f"({t.hidden_size})")
         _check(len(v.deepstack_visual_indexes) <= t.num_hidden_layers,
-               f"{len(v.deepstack_visual_indexes)} deepstack features but only {t.num_hidden_layers} decoder layers")
+               f"model.vision_config.deepstack_visual_indexes: {len(v.deepstack_visual_indexes)} deepstack features but "
+               f"only {t.num_hidden_layers} decoder layers")
         _check(0 <= self.image_token_id < t.vocab_size,
-               f"image_token_id {self.image_token_id} is outside the vocabulary ({t.vocab_size})")
+               f"model.image_token_id {self.image_token_id} is outside the vocabulary (model.text_config.vocab_size "
+               f"{t.vocab_size})")
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any], name: str = "", strict: bool = False) -> ModelConfig:

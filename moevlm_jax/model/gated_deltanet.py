@@ -32,6 +32,17 @@ shard i's last segment" (zeros if shard i ends in padding). The functions cannot
 i+1's first token continues that sample or starts a new one: the caller zeroes the carry for rows
 where ``segment_ids_{i+1}[:, 0] != segment_ids_i[:, -1]`` (a sample starting exactly on the shard
 boundary). Model code here names no mesh and no collectives.
+
+Shards in parallel (:func:`chunk_gated_delta_rule_carry`): the rule is affine in its initial state,
+``S_final = P S_in + F`` and ``o_t = o_t^0 + S_in^T q~_t``, where F and o^0 are the zero-state run's
+final state and outputs, ``P = prod_t exp(g_t) (I - beta_t k_t k_t^T)`` over the shard's first
+segment (zero if the shard holds a boundary) and ``q~_t = P_{<=t}^T q_t`` (zero after the first
+boundary). The state's value columns evolve independently, so one chunked run with the values
+widened by Dk zero columns and the initial state ``[0 | I]`` gives all four: outputs ``[o^0 | q~]``,
+final state ``[F | P]``. Every shard runs that at once; the incoming states then follow from the
+(P, F) of the shards before (``parallelism.context.SequenceShards.incoming_state``) and each shard
+adds ``S_in^T q~`` to its outputs (:func:`apply_incoming_state`). The cost: the state products with
+Dv + Dk columns instead of Dv; the intra-chunk work (UT transform, q.k) is unchanged.
 """
 
 from __future__ import annotations
@@ -259,3 +270,44 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None
     if rp is not None:
         final = jnp.where((rp[:, rp.shape[1] - (kw - 1):] == rp[:, -1:])[..., None], final, 0)
     return acc.astype(x.dtype), final
+
+
+def chunk_gated_delta_rule_carry(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+                                 chunk_size: int = 64, segment_ids: jax.Array | None = None,
+                                 use_qk_l2norm: bool = False, scale: float | None = None,
+                                 precision: Precision = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One sequence shard's rule from a zero state, with what a later initial state changes (module
+    docstring, "Shards in parallel"): shapes as :func:`chunk_gated_delta_rule` -> (out0 [B, S, Hv, Dv],
+    q_eff [B, S, Hv, Dk], final [B, Hv, Dk, Dv], transition [B, Hv, Dk, Dk]), all float32. With an
+    incoming state ``S_in``: outputs ``out0 + S_in^T q_eff`` (:func:`apply_incoming_state`), final
+    state ``transition @ S_in + final``."""
+    b, _, _, dk = q.shape
+    hv, dv = v.shape[2:]
+    v_aug = jnp.concatenate([v.astype(jnp.float32), jnp.zeros(v.shape[:3] + (dk,), jnp.float32)], axis=-1)
+    eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, hv, dk, dk))
+    init = jnp.concatenate([jnp.zeros((b, hv, dk, dv), jnp.float32), eye], axis=-1)  # [0 | I]
+    out, state = chunk_gated_delta_rule(q.astype(jnp.float32), k, v_aug, g, beta, chunk_size=chunk_size,
+                                        initial_state=init, segment_ids=segment_ids, use_qk_l2norm=use_qk_l2norm,
+                                        scale=scale, precision=precision)
+    return out[..., :dv], out[..., dv:], state[..., :dv], state[..., dv:]
+
+
+def apply_incoming_state(out0: jax.Array, q_eff: jax.Array, incoming: jax.Array,
+                         precision: Precision = None) -> jax.Array:
+    """out0 [B, S, Hv, Dv] + the incoming state's share: ``S_in^T q_eff`` (q_eff [B, S, Hv, Dk],
+    incoming [B, Hv, Dk, Dv]) -> [B, S, Hv, Dv] float32."""
+    return out0 + jnp.einsum("bshk,bhkv->bshv", q_eff, incoming.astype(jnp.float32), precision=precision)
+
+
+def conv_tail(x: jax.Array, segment_ids: jax.Array | None, width: int) -> jax.Array:
+    """The window a sequence shard hands the next one: x [B, S, C]'s last ``width`` inputs (padding
+    zeroed), zeroed where not of the row's last segment -> [B, width, C]; what :func:`causal_conv1d`
+    returns as its final window from a zero initial window when S >= width."""
+    if x.shape[1] < width:
+        raise ValueError(f"a sequence shard of {x.shape[1]} tokens cannot hold the conv window of {width}")
+    tail = x[:, x.shape[1] - width:]
+    if segment_ids is None:
+        return tail
+    seg = segment_ids[:, segment_ids.shape[1] - width:]
+    keep = (seg == segment_ids[:, -1:]) & (seg != 0)
+    return jnp.where(keep[..., None], tail, jnp.zeros((), x.dtype))

@@ -23,15 +23,14 @@ attention output gate is always there), so they are passthrough fields here too.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from flax.core import FrozenDict
 
-from moevlm_jax.config.schema import ConfigError, build, coerce_fields, read_yaml
+from moevlm_jax.config.schema import build, coerce_fields
 from moevlm_jax.model.config import ModelConfig, freeze, thaw
 
 MODEL_TYPE = "qwen3_5_moe"
@@ -281,17 +280,19 @@ class Qwen35ModelConfig:
     vision_end_token_id: int = 248054  # <|vision_end|>
     tie_word_embeddings: bool = False  # the LM head is the embedding transposed
     name: str = ""  # a label for logs and run directories
+    # the HF model family (moevlm_jax.model.registry picks the config and model classes by it); a field,
+    # so that a run's saved config.yaml loads back as this family
+    model_type: Literal["qwen3_5_moe"] = MODEL_TYPE
     extra: Any = FrozenDict()  # HF fields read but not modelled (kept for the round trip)
 
     __passthrough__ = frozenset({"pad_token_id", "bos_token_id", "eos_token_id", "use_cache", "output_router_logits"})
-    model_type = MODEL_TYPE  # not a field: the HF model_type this config writes and dispatch reads
 
     @classmethod
     def __normalize__(cls, d: dict[str, Any]) -> dict[str, Any]:
-        """Drop what describes the file rather than the model (model type, dtype, versions)."""
+        """Drop what describes the file rather than the model (dtype, versions); model_type is checked."""
         if d.get("model_type", MODEL_TYPE) != MODEL_TYPE:
             raise ValueError(f"model_type {d['model_type']!r} is not {MODEL_TYPE!r}")
-        return {k: v for k, v in d.items() if k not in _HF_FILE_KEYS}
+        return {k: v for k, v in d.items() if k not in _HF_FILE_KEYS or k == "model_type"}
 
     def __post_init__(self) -> None:
         _freeze_fields(self, "model")
@@ -335,33 +336,10 @@ class Qwen35ModelConfig:
         return dataclasses.replace(self, text_config=dataclasses.replace(self.text_config, **changes))
 
 
-def _read(p: Path) -> dict[str, Any]:
-    if p.suffix == ".json":
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot read model config {p}: {e}") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{p}: expected a mapping of config fields, got {type(d).__name__}")
-        return d
-    return read_yaml(p)
-
-
 def load_any_model_config(name_or_path: str | Path) -> ModelConfig | Qwen35ModelConfig:
-    """A model config from ``configs/models/NAME.yaml``, a YAML/JSON file or an HF model directory, of
-    the family its ``model_type`` names (``qwen3_5_moe``: :class:`Qwen35ModelConfig`; absent or
-    ``qwen3_vl_moe``: :class:`~moevlm_jax.model.config.ModelConfig`). YAML is strict, config.json not."""
-    from moevlm_jax.config.files import find_config
-    from moevlm_jax.model.config import load_model_config
+    """A model config of the family its ``model_type`` names (``qwen3_5_moe``: :class:`Qwen35ModelConfig`;
+    absent or ``qwen3_vl_moe``: :class:`~moevlm_jax.model.config.ModelConfig`), from ``configs/models/NAME.yaml``,
+    a YAML/JSON file or an HF model directory: :func:`moevlm_jax.model.registry.load_model_config`."""
+    from moevlm_jax.model.registry import load_model_config
 
-    p = Path(name_or_path)
-    if p.is_dir():
-        p = p / "config.json"
-    elif not p.exists():
-        p = find_config("models", name_or_path)
-    d = _read(p)
-    if d.get("model_type") != MODEL_TYPE:
-        return load_model_config(p)
-    is_yaml = p.suffix in (".yaml", ".yml")
-    return Qwen35ModelConfig.from_hf_dict(d, name=d.get("name") or (p.stem if is_yaml else p.parent.name),
-                                          strict=is_yaml)
+    return load_model_config(name_or_path)

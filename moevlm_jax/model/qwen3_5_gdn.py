@@ -20,6 +20,14 @@ line up because r is the same for every group).
 
 Packed rows: ``segment_ids`` restarts the conv window and the recurrent state at every packed
 sample (each sample computes as if alone); padding (id 0) gets no update and outputs zeros.
+
+Context parallelism (the layout splits ``act_seq``): the conv and the delta rule run on each device's
+sequence shard (``parallelism.context.context_parallel_map``), carrying what crosses the boundary
+instead of gathering the sequence: the conv gets the previous shard's last K - 1 inputs
+(``SequenceShards.from_previous``), the rule runs every shard from a zero state with the terms an
+incoming state adds (``gated_deltanet.chunk_gated_delta_rule_carry``), the incoming states follow
+from the shards before (``SequenceShards.incoming_state``) and are added to the outputs. A sample
+that starts exactly on a shard boundary gets no carry (``SequenceShards.continues``).
 """
 
 from __future__ import annotations
@@ -30,14 +38,26 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.gated_deltanet import causal_conv1d, chunk_gated_delta_rule, gated_rms_norm, gdn_gates
+from moevlm_jax.model.gated_deltanet import (
+    apply_incoming_state,
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_carry,
+    conv_tail,
+    gated_rms_norm,
+    gdn_gates,
+)
 from moevlm_jax.model.layers import Linear, dtype_of, param
 from moevlm_jax.model.qwen3_5_config import Qwen35TextConfig
+from parallelism import context
 from parallelism.logical import constrain
 
 INNER = ("act_batch", "act_seq", "act_embed")  # the layer's input / output (sequence gathered under SP)
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")  # q, k, v, z, the core output
 GATES = ("act_batch", "act_seq", "act_heads")  # a, b, g, beta
+MIXED = GATES + (None,)  # the fused q | k | v channels per key-head group [B, S, Hk, G]
+SEG = ("act_batch", "act_seq")
+KERNEL = (None, "act_heads", None)  # the conv weight [K, Hk, G], split like the heads it convolves
 GDN_CHUNK_SIZE = 64  # HF's torch_chunk_gated_delta_rule default (FLA's chunk)
 GDN_PRECISION = None  # matmul precision of the core (None: the backend's default for float32)
 
@@ -90,22 +110,58 @@ class GatedDeltaNet(nnx.Module):
         """x ``[B, S, H]`` (normed residual stream), segment_ids ``[B, S]`` -> ``[B, S, H]``."""
         x = constrain(x, INNER)  # SP: all-gather the sequence
         b, s, _ = x.shape
-        hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
-        mixed = checkpoint_name(constrain(self.in_proj_qkv(x), GATES + (None,)), "qkv_proj")  # [B, S, Hk, G]
+        hv, dk, dv = self.hv, self.dk, self.dv
+        mixed = checkpoint_name(constrain(self.in_proj_qkv(x), MIXED), "qkv_proj")  # [B, S, Hk, G]
         z = checkpoint_name(constrain(self.in_proj_z(x), HEADS), "qkv_proj")  # [B, S, Hv, Dv]
         beta_in = checkpoint_name(constrain(self.in_proj_b(x), GATES), "qkv_proj")  # [B, S, Hv]
         a = checkpoint_name(constrain(self.in_proj_a(x), GATES), "qkv_proj")
-        group = mixed.shape[-1]
         kernel = self.conv1d.kernel[...].astype(x.dtype)
-        conv, _ = causal_conv1d(mixed.reshape(b, s, hk * group), kernel.reshape(kernel.shape[0], hk * group),
-                                segment_ids=segment_ids, activation="silu")
-        conv = checkpoint_name(constrain(conv.reshape(b, s, hk, group), GATES + (None,)), "gdn_conv")
+        split = bool(context.sequence_axes(HEADS))  # context parallel: carry across the sequence shards
+        if split:
+            conv = context.context_parallel_map(_conv_shard, (mixed, kernel, segment_ids), (MIXED, KERNEL, SEG), MIXED)
+        else:
+            conv = _conv(mixed, kernel, segment_ids)
+        conv = checkpoint_name(constrain(conv, MIXED), "gdn_conv")
         q = constrain(conv[..., :dk], HEADS)
         k = constrain(conv[..., dk:2 * dk], HEADS)
         v = constrain(conv[..., 2 * dk:].reshape(b, s, hv, dv), HEADS)  # group j: value heads j r .. j r + r - 1
         g, beta = gdn_gates(a, beta_in, self.A_log[...], self.dt_bias[...])
-        core, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=GDN_CHUNK_SIZE, segment_ids=segment_ids,
-                                         use_qk_l2norm=True, precision=GDN_PRECISION)
+        if split:
+            core = context.context_parallel_map(_rule_shard, (q, k, v, g, beta, segment_ids),
+                                                (HEADS, HEADS, HEADS, GATES, GATES, SEG), HEADS)
+        else:
+            core, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=GDN_CHUNK_SIZE, segment_ids=segment_ids,
+                                             use_qk_l2norm=True, precision=GDN_PRECISION)
         core = checkpoint_name(constrain(core, HEADS), "gdn_core")
         y = checkpoint_name(constrain(self.norm(core, z), HEADS), "gated_norm")
         return checkpoint_name(constrain(self.out_proj(y), INNER), "attn_out")  # row-parallel partial sums
+
+
+def _conv(mixed: jax.Array, kernel: jax.Array, segment_ids: jax.Array, window: jax.Array | None = None) -> jax.Array:
+    """The causal depthwise conv + silu of the fused channels: mixed ``[B, S, Hk, G]``, kernel ``[K, Hk, G]``,
+    window ``[B, K-1, Hk G]`` (the inputs before the row; None: zeros) -> ``[B, S, Hk, G]``."""
+    b, s, hk, group = mixed.shape
+    out, _ = causal_conv1d(mixed.reshape(b, s, hk * group), kernel.reshape(kernel.shape[0], hk * group),
+                           segment_ids=segment_ids, initial_window=window, activation="silu")
+    return out.reshape(b, s, hk, group)
+
+
+def _conv_shard(shards: context.SequenceShards, mixed: jax.Array, kernel: jax.Array,
+                segment_ids: jax.Array) -> jax.Array:
+    """:func:`_conv` on one sequence shard, its window the previous shard's last K - 1 inputs (where the
+    row's first sample continues across the boundary)."""
+    b, s, hk, group = mixed.shape
+    tail = conv_tail(mixed.reshape(b, s, hk * group), segment_ids, kernel.shape[0] - 1)
+    keep = shards.continues(segment_ids)
+    window = jnp.where(keep[:, None, None], shards.from_previous(tail), jnp.zeros((), tail.dtype))
+    return _conv(mixed, kernel, segment_ids, window)
+
+
+def _rule_shard(shards: context.SequenceShards, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
+                beta: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """The chunked delta rule on one sequence shard with the state carried in from the shards before."""
+    out0, q_eff, final, transition = chunk_gated_delta_rule_carry(
+        q, k, v, g, beta, chunk_size=GDN_CHUNK_SIZE, segment_ids=segment_ids, use_qk_l2norm=True,
+        precision=GDN_PRECISION)
+    incoming = shards.incoming_state(transition, final, shards.continues(segment_ids))
+    return apply_incoming_state(out0, q_eff, incoming, GDN_PRECISION).astype(q.dtype)

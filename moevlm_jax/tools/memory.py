@@ -135,28 +135,31 @@ def memory_fields(compiled: Any) -> dict[str, int]:
 
 def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: int, patches: int | None = None,
                   grad_accum: int = 1, devices: Sequence[Any] | None = None, optimizer: Any = None,
-                  capacity: int | None = None, compiler_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  capacity: int | None = None, compiler_options: Mapping[str, Any] | None = None,
+                  frozen: Sequence[str] = (), param_groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
     """Compile (never run) the train step for this setting and return the memory fields per device
     plus ``compile_s`` and the setting. ``model``/``layout``: configs or names; ``compute`` a
     ComputeConfig or a mapping of its fields; ``compiler_options`` go to ``Lowered.compile`` (e.g.
-    ``xla_backend_optimization_level=0`` compiles faster on CPU; buffer assignment comes before it)."""
+    ``xla_backend_optimization_level=0`` compiles faster on CPU; buffer assignment comes before it);
+    ``frozen`` / ``param_groups``: frozen parameter groups as ``Trainer.create`` takes them (no gradients
+    or optimizer state for them: ``train.freeze_*``)."""
     import jax
 
     from moevlm_jax.model.compute import ComputeConfig
 
-    from moevlm_jax.model.config import ModelConfig, load_model_config
+    from moevlm_jax.model.registry import CONFIG_TYPES, load_model_config
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
     from moevlm_jax.config import load_layout
     from parallelism.validate import validate_layout
 
-    model = model if isinstance(model, ModelConfig) else load_model_config(model)
+    model = model if isinstance(model, CONFIG_TYPES) else load_model_config(model)  # any family
     layout = load_layout(layout) if isinstance(layout, str) else layout
     compute = compute if isinstance(compute, ComputeConfig) else ComputeConfig.from_dict(compute)
     patches = default_patches(seq_len) if patches is None else patches
     devices = list(devices if devices is not None else jax.devices())
     trainer = Trainer.create(model, compute, layout, optimizer or OptimizerConfig(), steps=1000,
-                             grad_accum=grad_accum, devices=devices)
+                             grad_accum=grad_accum, devices=devices, frozen=frozen, param_groups=param_groups)
     validate_layout(model, layout, trainer.mesh, batch_size=mbs * trainer.data_parallel_size, seq_len=seq_len)
     t0 = time.perf_counter()
     lowered = lower_step(trainer, trainer.abstract_state(), abstract_batch(trainer, mbs, seq_len, patches), capacity)
@@ -164,7 +167,7 @@ def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: i
     return {"model": model.name, "layout": layout.name, "devices": len(devices), "mbs": mbs, "grad_accum": grad_accum,
             "seq_len": seq_len, "patches": patches, "recompute": compute.recompute,
             "recompute_modules": list(compute.recompute_modules), "offload": list(compute.offload),
-            "vision_recompute": compute.stack_recompute("vision")[0], **fields,
+            "vision_recompute": compute.stack_recompute("vision")[0], "frozen": sorted(frozen), **fields,
             "compile_s": round(time.perf_counter() - t0, 2)}
 
 

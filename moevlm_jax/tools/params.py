@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 import jax
 from flax import nnx
 
-from moevlm_jax.model.config import ModelConfig, load_model_config
+from moevlm_jax.model.registry import load_model_config
 
 
-def param_counts(config: ModelConfig) -> dict[str, int]:
-    """Parameter counts by part: vision, embed, decoder, lm_head, total, experts, active."""
+def param_counts(config: Any) -> dict[str, int]:
+    """Parameter counts by part (any model family): vision, embed, decoder, lm_head, total, experts, active
+    (the shared experts of Qwen3.5 count as active, like every non-routed parameter)."""
     from moevlm_jax.hf import abstract_model  # local import: hf imports the model
 
     model = abstract_model(config)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("moevlm_jax.tools.sweep")
+BUILTIN_TOKENIZERS = ("qwen3", "qwen", "qwen3-vl", "qwen3.5", "qwen3_5", "qwen3.6")  # data.tokenizer.load_tokenizer's names
 
 
 def classify(message: str) -> str:
@@ -44,7 +45,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     from moevlm_jax.config import load_layout
     from moevlm_jax.config.run import model_data_checks
     from moevlm_jax.model.compute import ComputeConfig
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import data_tokenizer, load_model_config
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
     from parallelism.validate import validate_layout
@@ -61,7 +62,13 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = Trainer.create(model, compute, layout, OptimizerConfig(**spec.get("optimizer", {})),
                              steps=warmup + steps + 1, grad_accum=int(spec.get("grad_accum", 1)), devices=devices)
     rows = mbs * trainer.data_parallel_size * trainer.spec.grad_accum
-    data_cfg = data_lib.load_data_config(spec["data"], spec.get("data_overrides", ()))
+    data_overrides = list(spec.get("data_overrides", ()))
+    data_cfg = data_lib.load_data_config(spec["data"], data_overrides)
+    want = data_tokenizer(model)  # the built-in data read with the model family's tokenizer (qwen3 / qwen3.5)
+    if data_cfg.tokenizer in BUILTIN_TOKENIZERS and data_cfg.tokenizer != want and not any(
+            o.split("=")[0].removeprefix("data.") == "tokenizer" for o in data_overrides):
+        log.info("data tokenizer %s -> %s (the %s model's ids)", data_cfg.tokenizer, want, model.name or "")
+        data_cfg = data_lib.load_data_config(spec["data"], [*data_overrides, f"tokenizer={want}"])
     seq_len = int(spec.get("seq_len") or data_cfg.seq_len)
     validate_layout(model, layout, trainer.mesh, batch_size=mbs * trainer.data_parallel_size, seq_len=seq_len)
     problems = model_data_checks(model, data_cfg)

@@ -36,7 +36,7 @@ class OptimizerConfig:
     clip_grad_norm: float = 1.0  # clip the global gradient norm to this (0: no clipping)
     state_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of AdamW's moments
     skip_nonfinite: bool = True  # skip updates whose gradients hold inf/nan (counted)
-    max_consecutive_skips: int = 10  # after this many skips in a row the update is applied anyway
+    max_consecutive_skips: int = 10  # this many skipped updates in a row stop the run (a checkpoint of the last good state)
 
     def __post_init__(self) -> None:
         coerce_fields(self, "optimizer")  # types, as the loader checks them (and hashable: lists to tuples)
@@ -47,9 +47,13 @@ class TrainConfig:
     """Loop settings: steps, batch shape, logging, evaluation, checkpoints, freezing, profiling."""
 
     steps: int = 1000  # optimizer steps of the run
-    micro_batch_size: int = 1  # rows per data-parallel rank per microbatch (Megatron's MBS)
-    grad_accum: int = 1  # microbatches per step
-    global_batch_size: int | None = None  # rows per step; if given it must equal MBS x grad_accum x DP size
+    # rows per step over all devices, fixed whatever the layout (Megatron's GBS); null: MBS x grad_accum x
+    # the layout's data-parallel size
+    global_batch_size: int | None = None
+    # rows per data-parallel rank per microbatch (Megatron's MBS); null: global_batch_size / (data-parallel
+    # size x grad_accum)
+    micro_batch_size: int | None = None
+    grad_accum: int | None = None  # microbatches per step; null: global_batch_size / (MBS x data-parallel size)
     seq_len: int = 4096  # tokens per packed row (data.seq_len is derived from it)
     seed: int = 0  # parameter initialisation and step RNG
     log_every: int = 10  # steps between metrics.jsonl / TensorBoard records

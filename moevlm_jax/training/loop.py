@@ -25,6 +25,7 @@ from moevlm_jax.tools import flops, memory
 from moevlm_jax.training import capture
 from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.checkpoint import Checkpointer, resume_step
+from moevlm_jax.training.faults import NonFiniteGuard, StopSignals, TrainingStopped, check_run_dir
 from moevlm_jax.training.metrics import MetricsWriter, ProfileWindow, Progress, StepTracker, progress_postfix, read_metrics
 from moevlm_jax.training.trainer import Trainer
 
@@ -93,6 +94,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoints"
     start = resume_step(ckpt_dir, tr.resume) or 0
+    _check_run_dir(run_dir)
     if jax.process_index() == 0:
         save_config(cfg, run_dir)
     frozen = optim.frozen_groups(tr.freeze_vision_model, tr.freeze_vision_projection, tr.freeze_language_model)
@@ -103,11 +105,13 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
         raise ConfigError(f"data-parallel size {trainer.data_parallel_size} != config's {cfg.data_parallel_size}")
     log.info("batch: global %d rows x %d tokens = micro %d x accumulation %d x data-parallel %d",
              cfg.global_batch_size, tr.seq_len, tr.micro_batch_size, tr.grad_accum, cfg.data_parallel_size)
+    abstract = trainer.abstract_state()
+    _check_run_dir(run_dir, (tr.keep_checkpoints + 1) * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
     loader = data_lib.build_loader(cfg.data, shard_index=jax.process_index(), shard_count=jax.process_count())
     ckpt = Checkpointer(ckpt_dir, save_every=tr.checkpoint_every, keep=tr.keep_checkpoints,
                         async_save=tr.async_checkpointing)
     if start:
-        state, data_state = ckpt.restore(trainer.abstract_state(), step=start)
+        state, data_state = ckpt.restore(abstract, step=start)
         loader.set_state(data_state)
         log.info("resumed from step %d (%s)", start, ckpt_dir)
     else:
@@ -121,11 +125,16 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "steps": tr.steps, "evals": []}
     t0 = time.perf_counter()
     timed = {"time": 0.0, "useful_tokens": 0.0, "flops": 0.0}
+    guard = NonFiniteGuard(cfg.optimizer.max_consecutive_skips,
+                           int(jax.device_get(optim.skipped_updates(state["opt_state"]))))
+    diverged: list[int] = []
 
     def handle(record: dict[str, Any] | None) -> None:
         if record is None:
             return
         step = record["step"]
+        if "skipped" in record and guard.update(step, record["skipped"]) and not diverged:
+            diverged.append(step)
         if "step_time_s" in record:
             timed["time"] += record["step_time_s"]
             timed["useful_tokens"] += record.get("useful_tokens", 0.0)
@@ -139,52 +148,69 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             log.info("step %d/%d: %s", step, tr.steps, progress_postfix(record))
 
     step = start
-    try:
-        for step in range(start + 1, tr.steps + 1):
-            host = next(loader)
-            batch = trainer.prepare(host)
-            profile.before_step(step)
-            try:
-                state, metrics = trainer.step(state, batch)
-                profile.after_step(step, metrics)
-                skipped = host["stats"].get("skipped_total", {})
-                handle(tracker.push(step, metrics, {**batch.counts, "flops": flops.batch_flops(shape, host),
-                                                    "data_skipped": float(sum(skipped.values()))}))
-            except Exception as e:  # out of device memory: say what does not fit and what to change
-                if not memory.is_oom(e):
-                    raise
-                name = cfg.model.name or "MODEL"
-                raise ConfigError(
-                    f"out of device memory in train step {step} ({name}, layout "
-                    f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} tokens per "
-                    f"data-parallel rank, param_dtype {cfg.compute.param_dtype}, optimizer state "
-                    f"{cfg.optimizer.state_dtype}, recompute {cfg.compute.recompute}): "
-                    f"{str(e).splitlines()[0][:300]}. "
-                    + memory.oom_advice(name, cfg.layout.name, tr.micro_batch_size, tr.seq_len)) from None
-            if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:
-                handle(tracker.flush())
-                _eval(trainer, state, cfg.data, eval_rows, tr.eval_batches, step, writer, summary)
-                tracker.discard_next_interval()
-            if ckpt.save(step, state, loader.get_state()):
-                tracker.discard_next_interval()
-            if stop_after is not None and step >= stop_after:
-                log.info("stopping after step %d (interrupted run)", step)
-                break
-        handle(tracker.flush())
-        interrupted = stop_after is not None and step >= stop_after and step < tr.steps
-        if not interrupted and step > start:
-            ckpt.save(step, state, loader.get_state(), force=True)
-            if tr.eval_every or tr.eval_batches:
-                _eval(trainer, state, cfg.data, eval_rows, max(tr.eval_batches, 1), step, writer, summary)
-    finally:
-        profile.close()
-        bar.close()
-        ckpt.wait()
-        saved = ckpt.all_steps()
-        ckpt.close()
-        writer.close()
-        loader_summary = loader.summary()
-        loader.close()
+    with StopSignals() as stop:
+        try:
+            for step in range(start + 1, tr.steps + 1):
+                host = next(loader)
+                batch = trainer.prepare(host)
+                profile.before_step(step)
+                try:
+                    state, metrics = trainer.step(state, batch)
+                    profile.after_step(step, metrics)
+                    skipped = host["stats"].get("skipped_total", {})
+                    handle(tracker.push(step, metrics, {**batch.counts, "flops": flops.batch_flops(shape, host),
+                                                        "data_skipped": float(sum(skipped.values()))}))
+                except Exception as e:  # out of device memory: say what does not fit and what to change
+                    if not memory.is_oom(e):
+                        raise
+                    name = cfg.model.name or "MODEL"
+                    raise ConfigError(
+                        f"out of device memory in train step {step} ({name}, layout "
+                        f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} tokens per "
+                        f"data-parallel rank, param_dtype {cfg.compute.param_dtype}, optimizer state "
+                        f"{cfg.optimizer.state_dtype}, recompute {cfg.compute.recompute}): "
+                        f"{str(e).splitlines()[0][:300]}. "
+                        + memory.oom_advice(name, cfg.layout.name, tr.micro_batch_size, tr.seq_len)) from None
+                if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:
+                    handle(tracker.flush())
+                    _eval(trainer, state, cfg.data, eval_rows, tr.eval_batches, step, writer, summary)
+                    tracker.discard_next_interval()
+                if _save(ckpt, step, state, loader):
+                    tracker.discard_next_interval()
+                if diverged:  # the parameters are the last good ones: updates with non-finite gradients were skipped
+                    handle(tracker.flush())
+                    _save(ckpt, step, state, loader, force=True)
+                    _wait(ckpt)
+                    raise TrainingStopped(
+                        f"{guard.in_a_row} optimizer updates in a row had non-finite gradients (steps {guard.first}.."
+                        f"{step}, optimizer.max_consecutive_skips={guard.limit}); the run stopped, checkpoint "
+                        f"{ckpt.latest_step()} in {ckpt_dir} holds the last good parameters. Lower optimizer.lr, "
+                        f"check the data, or raise optimizer.max_consecutive_skips")
+                if stop.agreed():  # preemption / Ctrl-C: a checkpoint of this step, then a normal exit
+                    handle(tracker.flush())
+                    _save(ckpt, step, state, loader, force=True)
+                    _wait(ckpt)
+                    summary["stopped"] = {"signal": stop.name or "another process's signal", "step": step,
+                                          "checkpoint": ckpt.latest_step()}
+                    break
+                if stop_after is not None and step >= stop_after:
+                    log.info("stopping after step %d (interrupted run)", step)
+                    break
+            handle(tracker.flush())
+            interrupted = (stop_after is not None and step >= stop_after and step < tr.steps) or "stopped" in summary
+            if not interrupted and step > start:
+                _save(ckpt, step, state, loader, force=True)
+                if tr.eval_every or tr.eval_batches:
+                    _eval(trainer, state, cfg.data, eval_rows, max(tr.eval_batches, 1), step, writer, summary)
+        finally:
+            profile.close()
+            bar.close()
+            _wait(ckpt)
+            saved = ckpt.all_steps()
+            ckpt.close()
+            writer.close()
+            loader_summary = loader.summary()
+            loader.close()
     wall = time.perf_counter() - t0
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     summary.update({
@@ -197,6 +223,33 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
         "data": loader_summary, "checkpoints": saved,
     })
     return summary
+
+
+def _check_run_dir(run_dir: Path, need_bytes: int = 0) -> None:
+    try:
+        check_run_dir(run_dir, need_bytes)
+    except OSError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _save(ckpt: Checkpointer, step: int, state: Any, loader: Any, force: bool = False) -> bool:
+    """Start a checkpoint (periodic, or ``force``); a failed write is reported and training goes on with
+    the previous checkpoints kept."""
+    try:
+        return ckpt.save(step, state, loader.get_state(), force=force)
+    except Exception as e:  # noqa: BLE001 - a disk / storage fault must not lose the run
+        log.error("checkpoint at step %d failed (%s: %s); the previous checkpoints %s are kept", step,
+                  type(e).__name__, str(e).splitlines()[0][:300], ckpt.all_steps())
+        return False
+
+
+def _wait(ckpt: Checkpointer) -> None:
+    """Wait for pending writes; an asynchronous write that failed is reported, not raised."""
+    try:
+        ckpt.wait()
+    except Exception as e:  # noqa: BLE001 - as _save
+        log.error("a checkpoint write failed (%s: %s); the checkpoints on disk are %s", type(e).__name__,
+                  str(e).splitlines()[0][:300], ckpt.all_steps())
 
 
 def _eval(trainer: Trainer, state: Any, data_cfg: Any, rows: int, batches: int, step: int,

@@ -179,7 +179,9 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.Gradie
     parts.append(optax.scale_by_learning_rate(schedule))
     tx = with_state_dtype(optax.chain(*parts), jnp.dtype(cfg.state_dtype))
     if cfg.skip_nonfinite:
-        tx = optax.apply_if_finite(tx, max_consecutive_errors=cfg.max_consecutive_skips)
+        # never apply a non-finite update: the training loop stops the run after
+        # cfg.max_consecutive_skips of them in a row (moevlm_jax.training.faults.NonFiniteGuard)
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
     return tx, schedule
 
 

@@ -43,7 +43,7 @@ from moevlm_jax.model import router as moe_router
 from moevlm_jax.model.attention import rows_within_bound
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
-from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+from moevlm_jax.model import registry
 from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.objective import ce_and_argmax, gather_trained, loss_capacity, microbatch_objective, most_trained
@@ -86,7 +86,7 @@ class StepSpec:
 
 @functools.lru_cache(maxsize=32)
 def _abstract(spec: StepSpec) -> tuple[nnx.GraphDef, nnx.State]:
-    model = nnx.eval_shape(lambda: Qwen3VLMoe(spec.model, spec.compute, nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: registry.build_model(spec.model, spec.compute, nnx.Rngs(0)))  # by family
     return nnx.split(model)
 
 
@@ -206,7 +206,7 @@ def _eval_step(params: PyTree, batch: dict[str, jax.Array], *, spec: StepSpec,
 @functools.partial(jax.jit, static_argnames=("spec", "seed"))
 def _init_state(*, spec: StepSpec, seed: int) -> dict[str, Any]:
     pkey, rkey = jax.random.split(jax.random.key(seed))
-    model = Qwen3VLMoe(spec.model, spec.compute, nnx.Rngs(pkey))
+    model = registry.build_model(spec.model, spec.compute, nnx.Rngs(pkey))
     params = nnx.to_pure_dict(nnx.state(model, (nnx.Param, moe_router.ExpertBias)))  # + router state
     return _with_optimizer(spec, params, rkey)
 
@@ -314,7 +314,7 @@ class Trainer:
         init = jax.jit(lambda p, k: _with_optimizer(self.spec, p, k))
         return init(params, jax.random.key(seed))
 
-    def model(self, params: PyTree) -> Qwen3VLMoe:
+    def model(self, params: PyTree) -> Any:
         """The nnx model holding ``params`` (for eager use outside the steps)."""
         return nnx.merge(self.graphdef, params)
 

@@ -95,3 +95,27 @@ def test_mock_is_labelled_in_every_throughput_line(cache):
     assert "MOCK" not in throughput_line(real.summary(), 2.0)
     assert set(model_inputs(batch)) == {"input_ids", "positions", "segment_ids", "targets", "loss_mask",
                                         "pixel_values", "patch_rc", "patch_hw", "patch_segment_ids"}
+
+
+def test_a_crashed_worker_stops_the_loader_with_its_error(cache):
+    """A data worker killed mid-run (SIGKILL: an OOM kill, a segfault in a decoder) ends iteration
+    within seconds with a DataError naming the worker's exit, instead of hanging the train loop."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    loader = build_loader("vqa", workers=2, overrides=[*SMALL, cache])
+    try:
+        next(loader)
+        workers = mp.active_children()
+        assert workers, "grain started no worker processes"
+        for w in workers:
+            os.kill(w.pid, signal.SIGKILL)
+        t0 = time.perf_counter()
+        with pytest.raises(DataError, match="the data pipeline .* failed: .*(exit code|terminated)"):
+            for _ in range(10_000):
+                next(loader)
+        assert time.perf_counter() - t0 < 60
+    finally:
+        loader.close()

@@ -131,14 +131,21 @@ def test_missing_named_config_suggests(files):
 
 
 def test_cross_field_rules(files, caplog):
-    # 8 devices, MBS 2: global batch 32 needs grad_accum 2, and the message says so
-    msg = _error(files["recipe"], "train.global_batch_size=32")
+    # the global batch is fixed, the accumulation derived (Megatron): 8 devices, MBS 2, global batch 32 ->
+    # grad_accum 2; given both, they must agree, and the message says what to set
+    ok = load_config(files["recipe"], overrides=["train.global_batch_size=32"], num_devices=8, num_processes=1)
+    assert (ok.global_batch_size, ok.train.grad_accum, ok.train.micro_batch_size) == (32, 2, 2)
+    msg = _error(files["recipe"], "train.global_batch_size=32", "train.grad_accum=1")
     assert "train.global_batch_size=32 but micro_batch_size 2 x grad_accum 1 x data-parallel size 8 = 16" in msg
     assert "set train.grad_accum=2" in msg
-    assert "multiple of micro_batch_size x data-parallel = 16" in _error(files["recipe"], "train.global_batch_size=40")
-    ok = load_config(files["recipe"], overrides=["train.global_batch_size=32", "train.grad_accum=2"],
-                     num_devices=8, num_processes=1)
-    assert ok.global_batch_size == 32
+    assert "not a multiple of micro_batch_size 2 x data-parallel size 8 = 16" in _error(
+        files["recipe"], "train.global_batch_size=40")
+    # no micro batch given: the global batch split over the data-parallel ranks
+    free = load_config(files["recipe"], overrides=["train.global_batch_size=16", "train.micro_batch_size=null"],
+                       num_devices=8, num_processes=1)
+    assert (free.train.micro_batch_size, free.train.grad_accum) == (2, 1)
+    assert "does not divide over data-parallel size 8" in _error(files["recipe"], "train.global_batch_size=12",
+                                                                 "train.micro_batch_size=null")
     assert "nothing would be trained" in _error(files["recipe"], "train.freeze_vision_model=true",
                                                 "train.freeze_vision_projection=true",
                                                 "train.freeze_language_model=true")

@@ -1,0 +1,74 @@
+"""Export a training checkpoint as a Hugging Face model directory:
+``python -m moevlm_jax.export --run-dir DIR [--step N] --out HF_DIR [--dtype float32|bfloat16]``.
+
+The run's ``config.yaml`` gives the model; the checkpoint's ``params`` are restored onto one device
+whatever layout (and however many processes) the run trained under — orbax stores the global arrays
+— and written with ``moevlm_jax.hf.save_pretrained`` (safetensors shards + index + config.json, loadable
+by ``transformers``). The same state saved under any layout exports to the same files, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+log = logging.getLogger("moevlm_jax.export")
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, dtype: str | None = None,
+               max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``out`` as an HF
+    directory; ``dtype`` casts the parameters (default: as saved). Returns ``out``."""
+    from moevlm_jax.hf import save_pretrained
+    from moevlm_jax.inference.loading import checkpoint_steps, restore_params, run_sections
+    from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+    from moevlm_jax.model.router import ExpertBias
+
+    run_dir = Path(run_dir)
+    model_cfg, compute, _ = run_sections(run_dir)
+    steps = checkpoint_steps(run_dir)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
+    step = steps[-1] if step is None else int(step)
+    if step not in steps:
+        raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir / 'checkpoints'}; have {steps}")
+    abstract = nnx.eval_shape(lambda: Qwen3VLMoe(model_cfg, compute, nnx.Rngs(0)))
+    abstract_params = nnx.to_pure_dict(nnx.state(abstract, (nnx.Param, ExpertBias)))
+    params = restore_params(run_dir / "checkpoints" / str(step) / "state", abstract_params)
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                              params)
+    graphdef = nnx.graphdef(abstract)
+    save_pretrained(nnx.merge(graphdef, params), model_cfg, out, max_shard_bytes=max_shard_bytes)
+    log.info("exported %s step %d to %s", run_dir, step, out)
+    return Path(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: export a run's checkpoint; 2 on a missing run / checkpoint."""
+    p = argparse.ArgumentParser(prog="python -m moevlm_jax.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", required=True, help="a training run directory (config.yaml + checkpoints/)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="cast the weights (default: as saved)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        out = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype,
+                         max_shard_bytes=int(args.max_shard_gb * 2**30))
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.run_dir} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Checkpoints move between layouts: a train state saved under fsdp restores under every other preset
+with identical parameters and optimizer state (orbax reshards onto the new mesh), the next step's
+losses there equal fsdp's, and ``python -m moevlm_jax.export`` writes the same Hugging Face files,
+bit for bit, from a checkpoint of any layout, in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import yaml
+
+from moevlm_jax.config import load_layout
+from moevlm_jax.config.schema import to_plain
+from moevlm_jax.export import main as export_main
+from moevlm_jax.training.checkpoint import Checkpointer
+from moevlm_jax.training.trainer import Trainer
+from tests.parallelism.packed_batch import packed_batch
+from tests.parallelism.test_layouts import COMPUTE, FAST, OPTIMIZER
+
+PRESETS = ("ep", "tp", "tp_ep", "ep_etp", "cp", "folded", "pp", "pp_circular", "pp_ep")
+ROWS, SEQ = 16, 32  # 16 rows: 4 pipeline microbatches over 4 fsdp devices under pp
+
+
+def _trainer(config, layout):
+    return Trainer.create(config, COMPUTE, load_layout(layout), OPTIMIZER, steps=10)
+
+
+def _run_dir(tmp, config, layout, state, step=1):
+    """A run directory as the train CLI writes one: config.yaml (its model and compute sections are what
+    the export reads) and a checkpoint of ``state``."""
+    run = tmp / layout
+    run.mkdir(parents=True)
+    sections = {"model": to_plain(config), "compute": to_plain(COMPUTE), "layout": layout}
+    (run / "config.yaml").write_text(yaml.safe_dump(sections))
+    with Checkpointer(run / "checkpoints", save_every=1, keep=1, async_save=False) as ckpt:
+        ckpt.save(step, state, {"batches": step}, force=True)
+    return run
+
+
+def _leaves(tree):
+    def host(x):
+        return np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+
+    return [host(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from moevlm_jax.model.config import load_model_config
+
+    tmp = tmp_path_factory.mktemp("portable")
+    config = load_model_config("tiny-v512")
+    trainer = _trainer(config, "fsdp")
+    state = trainer.init_state(seed=3)
+    return tmp, config, trainer, state, _run_dir(tmp, config, "fsdp", state)
+
+
+@pytest.mark.parametrize("layout", PRESETS)
+def test_a_fsdp_checkpoint_restores_under_every_preset(saved, layout):
+    _, config, _, state, run = saved
+    trainer = _trainer(config, layout)
+    with Checkpointer(run / "checkpoints", save_every=1, keep=1) as ckpt:
+        restored, data = ckpt.restore(trainer.abstract_state())
+    assert data == {"batches": 1}
+    for got, want in zip(_leaves(restored), _leaves(state)):
+        np.testing.assert_array_equal(got, want)
+    shardings = trainer.state_shardings  # laid out for the new layout, not the saved one
+    assert jax.tree.leaves(jax.tree.map(lambda x, s: x.sharding == s, restored, shardings)) == \
+        [True] * len(jax.tree.leaves(restored))
+
+
+def test_the_next_step_after_restoring_elsewhere_matches(saved):
+    """Resumed under ep and pp, the step from the restored state gives fsdp's losses."""
+    _, config, fsdp, state, run = saved
+    batch = packed_batch(config, ROWS, SEQ)
+    records = {}
+    for layout in ("fsdp", "ep", "pp"):
+        trainer = _trainer(config, layout)
+        with Checkpointer(run / "checkpoints", save_every=1, keep=1) as ckpt:
+            restored, _ = ckpt.restore(trainer.abstract_state())
+        placed = trainer.prepare(batch)
+        compiled = trainer.lower_step(restored, placed.arrays, placed.capacity, bounded=placed.bounded).compile(FAST)
+        _, metrics = compiled(restored, placed.arrays)
+        records[layout] = {k: float(v) for k, v in jax.device_get(metrics).items() if k in ("loss", "grad_norm")}
+    for layout in ("ep", "pp"):
+        for k, v in records[layout].items():
+            assert v == pytest.approx(records["fsdp"][k], rel=2e-6), (layout, k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_from_any_layout_is_bitwise_the_same(saved, tmp_path, dtype):
+    tmp, config, _, state, fsdp_run = saved
+    outs = {}
+    for layout in ("fsdp", "ep", "pp"):
+        if layout == "fsdp":
+            run = fsdp_run
+        else:  # the state as that layout holds it (restored onto its mesh), saved from there
+            trainer = _trainer(config, layout)
+            with Checkpointer(fsdp_run / "checkpoints", save_every=1, keep=1) as ckpt:
+                placed, _ = ckpt.restore(trainer.abstract_state())
+            run = _run_dir(tmp_path, config, layout, placed)
+        out = tmp_path / f"hf_{layout}_{dtype}"
+        assert export_main(["--run-dir", str(run), "--out", str(out), "--dtype", dtype]) == 0
+        outs[layout] = out
+    files = sorted(p.name for p in outs["fsdp"].iterdir())
+    assert "config.json" in files and any(f.endswith(".safetensors") for f in files)
+    for layout in ("ep", "pp"):
+        assert sorted(p.name for p in outs[layout].iterdir()) == files
+        assert (outs[layout] / "config.json").read_text() == (outs["fsdp"] / "config.json").read_text()
+        for name in files:
+            if name.endswith(".safetensors"):
+                a, b = load_file(outs["fsdp"] / name), load_file(outs[layout] / name)
+                assert a.keys() == b.keys()
+                for k in a:
+                    assert a[k].dtype == np.dtype(dtype if dtype == "float32" else "bfloat16")
+                    np.testing.assert_array_equal(a[k].view(np.uint8), b[k].view(np.uint8), err_msg=k)
