@@ -14,7 +14,7 @@ from typing import Any
 
 _EXPORTS = {
     "build_loader": "data.loader", "Loader": "data.loader", "model_inputs": "data.loader",
-    "throughput_line": "data.loader", "HOST_KEYS": "data.loader",
+    "throughput_line": "data.loader", "HOST_KEYS": "data.loader", "merge_states": "data.loader",
     "MODEL_KEYS": "data.batch", "EVAL_KEYS": "data.packing",
     "DataConfig": "data.config", "ImageConfig": "data.config", "DataError": "data.config",
     "load_data_config": "data.config",
@@ -24,7 +24,7 @@ _EXPORTS = {
     "load_tokenizer": "data.tokenizer",
 }
 __all__ = [  # noqa: RUF022 - grouped as in _EXPORTS
-    "build_loader", "Loader", "model_inputs", "throughput_line", "HOST_KEYS", "MODEL_KEYS", "EVAL_KEYS",
+    "build_loader", "Loader", "model_inputs", "throughput_line", "HOST_KEYS", "merge_states", "MODEL_KEYS", "EVAL_KEYS",
     "DataConfig", "ImageConfig", "DataError", "load_data_config", "SKIP_REASONS", "QUESTION_TYPES", "CHANCE",
     "answer_accuracy", "merge_accuracy", "load_tokenizer",
 ]

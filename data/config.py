@@ -158,6 +158,9 @@ class DataConfig:
     source: SourceConfig = VqaConfig()  # where samples come from (a tagged union on 'kind')
     seq_len: int = 1024  # tokens per packed row (in a run: derived from train.seq_len)
     batch_size: int = 8  # packed rows per host per step (in a run: derived from the global batch)
+    # logical data shards, each its own pipeline; a process reads its share, so the batches do not depend on
+    # the process count (null: one per process of the run's first start; a checkpoint keeps the count)
+    num_shards: int | None = None
     patch_buckets: tuple[int, ...] = (512, 1024, 2048, 4096)  # allowed patch rows of a batch (one compile each)
     image: ImageConfig = ImageConfig()  # Qwen-VL image processing
     tokenizer: str = "qwen3"  # "qwen3" (offline BPE ranks) or a path to a tokenizer.json
@@ -205,7 +208,7 @@ class DataConfig:
         """Hash of everything that changes batch contents (checked when an iterator state is restored)."""
         d = to_dict(self)
         for key in ("description", "workers", "read_threads", "read_buffer", "worker_buffer", "cache_dir",
-                    "probe_samples", "max_consecutive_skips"):
+                    "probe_samples", "max_consecutive_skips", "batch_size", "num_shards"):  # the loader's own keys
             d.pop(key, None)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -242,6 +245,8 @@ def validate(cfg: DataConfig) -> None:
     if cfg.workers < 0 or cfg.read_threads < 0 or cfg.read_buffer < 1 or cfg.worker_buffer < 1:
         raise ValueError(f"data.workers ({cfg.workers}) / read_threads ({cfg.read_threads}) must be >= 0 and read_buffer / "
                          f"worker_buffer >= 1")
+    if cfg.num_shards is not None and cfg.num_shards < 1:
+        raise ValueError(f"data.num_shards must be >= 1 or null, got {cfg.num_shards}")
     if cfg.pack_lookahead < 1:
         raise ValueError("data.pack_lookahead must be >= 1")
     if cfg.num_epochs is not None and cfg.num_epochs < 1:

@@ -2,18 +2,21 @@
 
 Pipeline (grain)::
 
-    MapDataset.range(len(source)) -> shuffle(seed) -> repeat(epochs) -> [shard_index::shard_count]
+    MapDataset.range(len(source)) -> shuffle(seed) -> repeat(epochs) -> [shard::num_shards]
     -> map(read + SampleProcessor)        # per sample: decode, resize, patches, chat template, MRoPE
     -> to_iter_dataset(read_threads)      # threads per worker
     -> PackedBatchDataset                 # first-fit packing into [B, S] rows + patch bucket
     -> mp_prefetch(workers)               # worker processes, shared-memory batches
 
-Each grain worker packs whole batches from its slice of the host's samples, so everything costly
-runs in the workers; the main process only sums statistics. Skip counts travel with the batches:
+The data is split into a fixed number of logical shards (by default one per process of the run's
+first start); each shard is its own pipeline (a stream) and a process reads its contiguous share of
+them, so a run's global batches do not depend on how many processes read them (``Loader``). Each
+grain worker packs whole batches from its slice of a shard's samples, so everything costly runs in
+the workers; the main process only sums statistics. Skip counts travel with the batches:
 a worker puts the skips it met while building a batch into that batch's ``stats["skipped"]`` (an
 empty marker batch carries them when no sample is left), and the ``Loader`` adds them into run
 totals (``stats["skipped_total"]``, ``summary()``) that are part of its saved state, so a resumed run
-continues the counts. Order is deterministic for a (seed, shard layout, workers) triple; a
+continues the counts. Order is deterministic for a (seed, number of shards, workers) triple; a
 restored state must come from the same triple.
 """
 
@@ -35,7 +38,7 @@ from data.sample import SKIP_REASONS, SampleProcessor, is_skip
 from data.sources import build_source
 
 log = logging.getLogger(__name__)
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: logical data shards (streams)
 HOST_KEYS = ("stats", "sample_index", *EVAL_KEYS)
 _TOTAL_KEYS = ("samples", "images", "tokens", "useful_tokens", "trained_tokens", "patch_slots", "useful_patches")
 
@@ -69,96 +72,180 @@ def throughput_line(summary: Mapping[str, Any], seconds: float) -> str:
             f"{sum(summary.get('skipped', {}).values())}")
 
 
-class Loader:
-    """Iterator of packed batches; ``get_state``/``set_state`` for checkpoints, ``summary`` for the run log."""
+class _Stream:
+    """One grain pipeline: logical data shard ``shard`` of ``num_shards``, its iterator and run totals."""
 
-    def __init__(self, cfg: DataConfig, dataset: grain.IterDataset, *, label: str, split: str, eval_mode: bool,
-                 shard_index: int, shard_count: int, source_len: int):
-        self.config, self.label, self.split, self.eval_mode = cfg, label, split, eval_mode
-        self.shard_index, self.shard_count, self.source_len = shard_index, shard_count, source_len
-        self.is_mock = cfg.is_mock
-        self._dataset = dataset
-        self._it: grain.DatasetIterator | None = None
-        self._totals: dict[str, int] = dict.fromkeys(_TOTAL_KEYS, 0)
-        self._skipped: collections.Counter = collections.Counter()
-        self._batches = 0
+    def __init__(self, shard: int, dataset: grain.IterDataset):
+        self.shard, self.dataset = shard, dataset
+        self.it: grain.DatasetIterator | None = None
+        self.totals: dict[str, int] = dict.fromkeys(_TOTAL_KEYS, 0)
+        self.skipped: collections.Counter = collections.Counter()
+        self.batches = 0
 
-    def _iterator(self) -> grain.DatasetIterator:
-        if self._it is None:
-            self._it = iter(self._dataset)
-        return self._it
+    def iterator(self) -> grain.DatasetIterator:
+        if self.it is None:
+            self.it = iter(self.dataset)
+        return self.it
 
-    def __iter__(self) -> Loader:
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        it = self._iterator()
+    def next(self, label: str, workers: int) -> dict[str, Any]:
+        """The stream's next real batch (skip-only marker batches absorbed into its counts)."""
+        it = self.iterator()
         while True:
             try:
                 batch = next(it)
             except StopIteration:
                 raise
             except Exception as e:  # a worker that crashed or raised: stop the run with its error, not a hang
-                raise DataError(f"the data pipeline ({self.label}, {self.config.workers} workers) failed: "
-                                f"{type(e).__name__}: {str(e).strip().splitlines()[0][:500] if str(e).strip() else ''}"
-                                ) from e
+                detail = str(e).strip().splitlines()[0][:500] if str(e).strip() else ""
+                raise DataError(f"the data pipeline ({label}, shard {self.shard}, {workers} workers) failed: "
+                                f"{type(e).__name__}: {detail}") from e
             stats = batch["stats"]
-            self._skipped.update(stats.get("skipped", {}))
+            self.skipped.update(stats.get("skipped", {}))
             if stats.get("empty"):
                 continue
-            self._batches += 1
+            self.batches += 1
             for k in _TOTAL_KEYS:
-                self._totals[k] += int(stats[k])
-            stats["skipped_total"] = dict(self._skipped)
-            stats["source"] = self.label
-            stats["mock"] = self.is_mock
-            stats["batch"] = self._batches
+                self.totals[k] += int(stats[k])
             return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {"grain": self.iterator().get_state(), "batches": self.batches, "totals": dict(self.totals),
+                "skipped": dict(self.skipped)}
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        self.iterator().set_state(state["grain"])
+        self.batches = int(state["batches"])
+        self.totals = {k: int(state["totals"][k]) for k in _TOTAL_KEYS}
+        self.skipped = collections.Counter(state["skipped"])
+
+    def close(self) -> None:
+        if self.it is not None and hasattr(self.it, "close"):
+            self.it.close()
+        self.it = None
+
+
+def merge_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Batches of several streams -> one batch of all their rows, in order (patch arrays padded to the
+    largest patch bucket, ``sample_index`` to the most samples a row; the statistics summed)."""
+    if len(parts) == 1:
+        return parts[0]
+    out: dict[str, Any] = {}
+    for key in parts[0]:
+        if key == "stats":
+            continue
+        arrays = [np.asarray(b[key]) for b in parts]
+        axis = 1 if key == "positions" else 0
+        if arrays[0].ndim >= 2 and len({a.shape[axis + 1] for a in arrays}) > 1:  # patch slots / samples a row
+            width = max(a.shape[axis + 1] for a in arrays)
+            fill = -1 if key == "sample_index" else 0
+            arrays = [np.pad(a, [(0, 0)] * (axis + 1) + [(0, width - a.shape[axis + 1])] + [(0, 0)] * (a.ndim - axis - 2),
+                             constant_values=fill) for a in arrays]
+        out[key] = np.concatenate(arrays, axis=axis)
+    summed = ("rows", "samples", "images", "tokens", "useful_tokens", "trained_tokens", "useful_patches")
+    stats = {k: sum(b["stats"][k] for b in parts) for k in summed}
+    stats["patch_bucket"] = max(b["stats"].get("patch_bucket", 0) for b in parts)
+    stats["patch_slots"] = stats["rows"] * stats["patch_bucket"]
+    stats["token_fill"] = stats["useful_tokens"] / stats["tokens"] if stats["tokens"] else 0.0
+    stats["patch_fill"] = stats["useful_patches"] / stats["patch_slots"] if stats["patch_slots"] else 0.0
+    skipped: collections.Counter = collections.Counter()
+    for b in parts:
+        skipped.update(b["stats"].get("skipped", {}))
+    stats["skipped"] = dict(skipped)
+    out["stats"] = stats
+    return out
+
+
+class Loader:
+    """Iterator of packed batches; ``get_state``/``set_state`` for checkpoints, ``summary`` for the run log.
+
+    The data is split into ``num_shards`` logical shards (streams), fixed for a run: a process reads
+    its contiguous share of them and its rows are their batches in shard order, so the global batch
+    (processes' rows in process order) is the same however many processes read it -- a run checkpointed
+    by N processes resumes in M (M dividing the shards) on the same batches."""
+
+    def __init__(self, cfg: DataConfig, streams: list[_Stream], *, label: str, split: str, eval_mode: bool,
+                 num_shards: int, source_len: int):
+        self.config, self.label, self.split, self.eval_mode = cfg, label, split, eval_mode
+        self.num_shards, self.source_len = num_shards, source_len
+        self.is_mock = cfg.is_mock
+        self._streams = streams
+        self._skipped: collections.Counter = collections.Counter()
+
+    @property
+    def shards(self) -> list[int]:
+        """The logical data shards this loader reads."""
+        return [s.shard for s in self._streams]
+
+    def __iter__(self) -> Loader:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        batch = merge_batches([s.next(self.label, self.config.workers) for s in self._streams])
+        stats = batch["stats"]
+        stats["skipped_total"] = dict(self._total_skipped())
+        stats["source"] = self.label
+        stats["mock"] = self.is_mock
+        stats["batch"] = self._streams[0].batches
+        return batch
+
+    def _total_skipped(self) -> collections.Counter:
+        out: collections.Counter = collections.Counter()
+        for s in self._streams:
+            out.update(s.skipped)
+        return out
 
     def summary(self) -> dict[str, Any]:
         """Run totals so far: samples, tokens, useful/trained tokens, patches, fill fractions, skips by reason."""
-        t = self._totals
+        t = {k: sum(s.totals[k] for s in self._streams) for k in _TOTAL_KEYS}
         return {
-            "source": self.label, "mock": self.is_mock, "batches": self._batches, **t,
+            "source": self.label, "mock": self.is_mock, "batches": self._streams[0].batches, **t,
             "token_fill": t["useful_tokens"] / t["tokens"] if t["tokens"] else 0.0,
             "token_padding": 1 - t["useful_tokens"] / t["tokens"] if t["tokens"] else 0.0,
             "patch_fill": t["useful_patches"] / t["patch_slots"] if t["patch_slots"] else 0.0,
             "patch_padding": 1 - t["useful_patches"] / t["patch_slots"] if t["patch_slots"] else 0.0,
-            "skipped": dict(self._skipped),
+            "skipped": dict(self._total_skipped()),
         }
+
+    def _header(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "fingerprint": self.config.fingerprint(), "split": self.split,
+                "num_shards": self.num_shards, "shard_rows": self.config.batch_size // len(self._streams),
+                "workers": self.config.workers}
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-serialisable state: the grain iterator's plus the run totals."""
-        return {
-            "version": STATE_VERSION, "fingerprint": self.config.fingerprint(), "split": self.split,
-            "shard": [self.shard_index, self.shard_count], "workers": self.config.workers,
-            "grain": self._iterator().get_state(), "batches": self._batches, "totals": dict(self._totals),
-            "skipped": dict(self._skipped),
-        }
+        """JSON-serialisable state of this loader's shards (``merge_states`` joins the processes')."""
+        return {**self._header(), "streams": {str(s.shard): s.get_state() for s in self._streams},
+                "batches": self._streams[0].batches}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
-        """Restore a state from ``get_state`` (same config, shard layout and workers)."""
-        expect = {"version": STATE_VERSION, "fingerprint": self.config.fingerprint(), "split": self.split,
-                  "shard": [self.shard_index, self.shard_count], "workers": self.config.workers}
-        diff = {k: (state.get(k), v) for k, v in expect.items() if state.get(k) != v}
+        """Restore a state from ``get_state`` / ``merge_states`` (same config, shards and workers; any
+        process count that divides the shards)."""
+        diff = {k: (state.get(k), v) for k, v in self._header().items() if state.get(k) != v}
         if diff:
             raise DataError(f"data iterator state does not match this loader (saved, now): {diff}")
-        self._iterator().set_state(state["grain"])
-        self._batches = int(state["batches"])
-        self._totals = {k: int(state["totals"][k]) for k in _TOTAL_KEYS}
-        self._skipped = collections.Counter(state["skipped"])
+        missing = [s.shard for s in self._streams if str(s.shard) not in state["streams"]]
+        if missing:
+            raise DataError(f"data iterator state has no entry for shards {missing} (it holds "
+                            f"{sorted(state['streams'], key=int)})")
+        for s in self._streams:
+            s.set_state(state["streams"][str(s.shard)])
 
     def close(self) -> None:
         """Stop worker processes."""
-        if self._it is not None and hasattr(self._it, "close"):
-            self._it.close()
-        self._it = None
+        for s in self._streams:
+            s.close()
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def merge_states(states: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The processes' ``get_state()`` results -> one state holding every shard (what a checkpoint keeps)."""
+    out = {k: v for k, v in states[0].items() if k != "streams"}
+    out["streams"] = {sid: st for s in states for sid, st in s["streams"].items()}
+    return out
 
 
 def _probe(source: Any, indices: grain.MapDataset, processor: SampleProcessor, limit: int) -> None:
@@ -186,6 +273,7 @@ def build_loader(
     seq_len: int | None = None,
     shard_index: int = 0,
     shard_count: int = 1,
+    num_shards: int | None = None,
     seed: int | None = None,
     split: str = "train",
     eval_mode: bool | None = None,
@@ -193,12 +281,15 @@ def build_loader(
     workers: int | None = None,
     overrides: tuple[str, ...] | list[str] = (),
 ) -> Loader:
-    """Packed-batch loader for one host: ``batch_size`` rows [B, S] per step from shard ``shard_index``.
+    """Packed-batch loader for one process (``shard_index`` of ``shard_count``): ``batch_size`` rows [B, S]
+    per step. The data is split into ``num_shards`` logical shards (default: one per process); the
+    process reads shards ``shard_index * k .. + k - 1`` (k = num_shards / shard_count), each giving
+    ``batch_size / k`` rows, in that order.
 
     ``config``: a ``DataConfig``, a preset name (``vqa``, ``photos``, ``mock``, ``proxy``...), a YAML
     path or a mapping. Keyword arguments override the config. ``split="heldout"`` defaults to eval
     mode (loss mask on answer tokens only, ``answer_group``/``answer_type`` keys, one epoch, no
-    shuffle). Raises ``DataError`` at once when the shard has no usable sample.
+    shuffle). Raises ``DataError`` at once when a shard has no usable sample.
     """
     cfg = load_data_config(config, list(overrides))
     eval_mode = (split != "train") if eval_mode is None else eval_mode
@@ -215,31 +306,40 @@ def build_loader(
     cfg = dataclasses.replace(cfg, **changes)
     if not 0 <= shard_index < shard_count:
         raise DataError(f"shard_index {shard_index} must be in [0, {shard_count})")
+    num_shards = num_shards or cfg.num_shards or shard_count
+    if num_shards % shard_count or cfg.batch_size % (num_shards // shard_count):
+        raise DataError(f"{num_shards} data shards do not divide over {shard_count} processes with {cfg.batch_size} "
+                        f"rows each (the shard count is the process count the run started with; resume with a "
+                        f"process count that divides it)")
+    per = num_shards // shard_count
     source, label = build_source(cfg, cfg.eval_split if split == "heldout" else split)
     n = len(source)
     if n == 0:
         raise DataError(f"data source {label} ({split}) is empty")
-    indices = grain.MapDataset.range(n)
-    if cfg.shuffle:
-        indices = indices.shuffle(seed=cfg.seed)
-    indices = indices.repeat(cfg.num_epochs)[shard_index::shard_count]
-    processor = SampleProcessor(cfg, eval_mode=eval_mode)
-    _probe(source, indices, processor, cfg.probe_samples)
-    samples = indices.map(_Read(source, processor)).to_iter_dataset(
-        grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.read_buffer))
-    dataset: grain.IterDataset = PackedBatchDataset(samples, cfg, pad_id=processor.tokenizer.pad_id,
-                                                    eval_mode=eval_mode)
-    if cfg.workers > 0:
-        _absl_flags_parsed()
-        dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.workers,
-                                                                   per_worker_buffer_size=cfg.worker_buffer))
-    log.info("data: %s, split %s, %d source samples, shard %d/%d, %d rows x %d tokens, buckets %s, %d workers",
-             label, split, n, shard_index, shard_count, cfg.batch_size, cfg.seq_len, list(cfg.patch_buckets),
-             cfg.workers)
+    stream_cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // per)
+    processor = SampleProcessor(stream_cfg, eval_mode=eval_mode)
+    streams = []
+    for shard in range(shard_index * per, (shard_index + 1) * per):
+        indices = grain.MapDataset.range(n)
+        if cfg.shuffle:
+            indices = indices.shuffle(seed=cfg.seed)
+        indices = indices.repeat(cfg.num_epochs)[shard::num_shards]
+        _probe(source, indices, processor, cfg.probe_samples)
+        samples = indices.map(_Read(source, processor)).to_iter_dataset(
+            grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.read_buffer))
+        dataset: grain.IterDataset = PackedBatchDataset(samples, stream_cfg, pad_id=processor.tokenizer.pad_id,
+                                                        eval_mode=eval_mode)
+        if cfg.workers > 0:
+            _absl_flags_parsed()
+            dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.workers,
+                                                                       per_worker_buffer_size=cfg.worker_buffer))
+        streams.append(_Stream(shard, dataset))
+    log.info("data: %s, split %s, %d source samples, shards %s of %d, %d rows x %d tokens, buckets %s, %d workers",
+             label, split, n, [s.shard for s in streams], num_shards, cfg.batch_size, cfg.seq_len,
+             list(cfg.patch_buckets), cfg.workers)
     if cfg.is_mock:
         log.warning("%s", label)
-    return Loader(cfg, dataset, label=label, split=split, eval_mode=eval_mode, shard_index=shard_index,
-                  shard_count=shard_count, source_len=n)
+    return Loader(cfg, streams, label=label, split=split, eval_mode=eval_mode, num_shards=num_shards, source_len=n)
 
 
 def _absl_flags_parsed() -> None:

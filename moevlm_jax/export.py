@@ -27,7 +27,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     directory; ``dtype`` casts the parameters (default: as saved). Returns ``out``."""
     from moevlm_jax.hf import save_pretrained
     from moevlm_jax.inference.loading import checkpoint_steps, restore_params, run_sections
-    from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+    from moevlm_jax.model.registry import build_model
     from moevlm_jax.model.router import ExpertBias
 
     run_dir = Path(run_dir)
@@ -38,7 +38,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     step = steps[-1] if step is None else int(step)
     if step not in steps:
         raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir / 'checkpoints'}; have {steps}")
-    abstract = nnx.eval_shape(lambda: Qwen3VLMoe(model_cfg, compute, nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: build_model(model_cfg, compute, nnx.Rngs(0)))
     abstract_params = nnx.to_pure_dict(nnx.state(abstract, (nnx.Param, ExpertBias)))
     params = restore_params(run_dir / "checkpoints" / str(step) / "state", abstract_params)
     if dtype is not None:

@@ -25,7 +25,9 @@ Each child ``i`` gets, explicitly in its environment:
   GPU: ``CUDA_VISIBLE_DEVICES`` = the i-th slice of K of this host's GPUs and
   ``JAX_LOCAL_DEVICE_IDS=0,..,K-1`` (with all four arguments of ``initialize`` known, jax skips its
   cluster auto-detection, which inside e.g. a SLURM allocation would otherwise pin every child to
-  the GPU of the launcher's SLURM_LOCALID).
+  the GPU of the launcher's SLURM_LOCALID), and ``MOEVLM_HOST_ID=0``: the processes share one host, so
+  the mesh may put tensor / expert axes across them (``parallelism.multihost.host_ids``). CPU
+  processes get no host id: each stands in for a host, as on a cluster.
 
 GPUs are found without importing jax: ``CUDA_VISIBLE_DEVICES`` when set (its entries, indices or
 UUIDs), else ``nvidia-smi -L``; none when ``JAX_PLATFORMS`` is set and names neither ``cuda`` nor
@@ -207,7 +209,8 @@ def child_env(
     if plan.platform == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpus[process_id])
         env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(d) for d in range(plan.per_process))
-    else:
+        env.setdefault("MOEVLM_HOST_ID", "0")  # one host: its GPUs share NVLink whatever process holds them
+    else:  # CPU processes stand in for hosts (no MOEVLM_HOST_ID): the cross-host mesh logic runs as on a cluster
         env["XLA_FLAGS"] = merge_xla_flags(base.get("XLA_FLAGS"), plan.per_process)
         if "JAX_NUM_CPU_DEVICES" in base:
             env["JAX_NUM_CPU_DEVICES"] = str(plan.per_process)

@@ -43,6 +43,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="trained / all token slots the LM head sees (default 0.437, the proxy data's; 1: whole rows)")
     p.add_argument("--layouts", default=None, help="presets to consider, comma separated (default all)")
     p.add_argument("--mesh", default=None, help="pin axis sizes, e.g. stage=2,expert=8")
+    p.add_argument("--pipeline", default=None, metavar="SCHEDULE[:REPEATS]",
+                   help="the pipeline presets' schedule, e.g. circular:12 (Megatron's virtual pipeline 12) or gpipe")
     p.add_argument("--freeze-vision", choices=("off", "on", "both"), default="off")
     p.add_argument("--experts", choices=("dropless", "capacity", "both"), default="both",
                    help="dropless experts, drop-and-pad at capacity 1.25, or both")
@@ -116,8 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     freeze = {"off": (False,), "on": (True,), "both": (False, True)}[args.freeze_vision]
     capacity = {"dropless": (None,), "capacity": (1.25,), "both": (None, 1.25)}[args.experts]
     dtypes = tuple(tuple(pair.split("/")) for pair in args.dtypes.split(","))
-    cands = planner.enumerate_candidates(w, presets=presets, pin=pin, dtypes=dtypes, freeze=freeze, capacity=capacity,
-                                         max_mbs=args.max_mbs)
+    pipeline = None
+    if args.pipeline:
+        schedule, _, repeats = args.pipeline.partition(":")
+        pipeline = (schedule, int(repeats or 2))
+    cands = planner.enumerate_candidates(w, presets=presets, pin=pin, pipeline=pipeline, dtypes=dtypes, freeze=freeze,
+                                         capacity=capacity, max_mbs=args.max_mbs)
     if not cands:
         print(f"no candidate layout fits {model.name} on {devices} devices ({args.hosts} hosts) with global batch "
               f"{w.global_batch}", file=sys.stderr)
@@ -139,6 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print("Per host (best of each layout):")
     print(plan_report.format_per_host(estimates, w.devices_per_host))
+    from moevlm_jax.tools.plan_time import sources
+
+    print()
+    print(sources(hw))
     if args.compile:
         for e in estimates[: args.top]:
             if e.compiled and "total_bytes" in e.compiled:

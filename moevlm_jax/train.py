@@ -20,7 +20,7 @@ from typing import Any
 from moevlm_jax.config.run import add_arguments, from_args, help_config
 from data.config import DataError
 from moevlm_jax.config.schema import ConfigError
-from moevlm_jax.training import capture
+from moevlm_jax.training import capture, distributed
 from moevlm_jax.training.faults import TrainingStopped
 
 log = logging.getLogger("moevlm_jax.train")
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
     parser = argparse.ArgumentParser(prog="python -m moevlm_jax.train", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
+    distributed.add_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="warnings only")
     parser.add_argument("--help-config", action="store_true",
                         help="list every setting (key, type, default, meaning) and exit")
@@ -98,9 +99,11 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
         print(help_config())
         return 0
     setup_logging(logging.WARNING if args.quiet else logging.INFO)
-    try:  # the capture's XLA flags, before anything starts the jax backend (from_args asks for devices)
+    try:  # the capture's XLA flags, then the processes connected, before anything starts the jax backend
         capture.apply_capture(*capture.recipe_capture(args.recipe, args.overrides, run_dir=args.run_dir,
                                                       resume=args.resume))
+        if distributed.initialize(args) > 1 and distributed.process_index() > 0:
+            setup_logging(logging.WARNING)  # one process logs the run; the others only their warnings
     except (ValueError, capture.CaptureError) as e:
         print_error(e)
         return 2
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
     except (TrainingStopped, DataError) as e:  # the run cannot go on: why, and what was saved
         print_error(e)
         return 1
+    if distributed.process_index() > 0:
+        return 0
     print(format_summary(summary))
     stopped = summary.get("stopped")
     if stopped:

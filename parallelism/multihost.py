@@ -7,6 +7,9 @@ trainer agrees on them here. One process: the values as they are, no communicati
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import jax
 import numpy as np
 
@@ -19,3 +22,29 @@ def agreed_max(value: int) -> int:
     from jax.experimental import multihost_utils
 
     return int(np.max(multihost_utils.process_allgather(np.asarray(value))))
+
+
+def gather_json(obj: Any) -> list[Any]:
+    """Every process's JSON-serialisable ``obj``, in process order (one process: ``[obj]``); e.g. the
+    data iterator states a checkpoint keeps for all processes."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    width = agreed_max(int(data.size))
+    padded = np.zeros(width, np.uint8)
+    padded[: data.size] = data
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray(data.size, np.int64))).reshape(-1)
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), width)
+    return [json.loads(bytes(row[:n]).decode()) for row, n in zip(rows, sizes)]
+
+
+def host_ids() -> list[int]:
+    """The host of every process, by process index: ``MOEVLM_HOST_ID`` where each process sets it (processes
+    sharing a host's fast links share an id; the SLURM example sets it from ``SLURM_NODEID``), else every
+    process its own host (run one process per host, with all its devices)."""
+    import os
+
+    mine = os.environ.get("MOEVLM_HOST_ID")
+    return [int(h) for h in gather_json(int(mine) if mine is not None else jax.process_index())]

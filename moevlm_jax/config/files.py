@@ -9,6 +9,7 @@ builds it with the one loader (``moevlm_jax.config.schema.build``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,10 @@ def load_section(section: str, ref: Any, overrides: Iterable[str] = ()) -> Any:
     returned as it is when there are no overrides), with ``key=value`` overrides relative to the
     section (a leading ``SECTION.`` is accepted)."""
     cls = section_type(section)
+    if section == "model" and not isinstance(ref, (str, Path)):  # any model family (moevlm_jax.model.registry)
+        from moevlm_jax.model.registry import model_config_type
+
+        cls = type(ref) if dataclasses.is_dataclass(ref) else model_config_type(ref)
     overrides = list(overrides)
     if isinstance(ref, cls) and not overrides:
         return ref
@@ -89,6 +94,10 @@ def load_section(section: str, ref: Any, overrides: Iterable[str] = ()) -> Any:
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key.removeprefix(f"{section}."), value)
+    if section == "model":  # the family the resolved mapping's model_type names
+        from moevlm_jax.model.registry import model_config_type
+
+        cls = model_config_type(raw)
     return build(cls, raw, section)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,6 +50,7 @@ from moevlm_jax.config.schema import (
 )
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
+from moevlm_jax.model.registry import model_config_type
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
 from parallelism.layout import Layout
 
@@ -247,7 +249,8 @@ def _derive_data(raw: dict[str, Any], tr: TrainConfig, gbs: int, num_processes: 
     return {**raw, **derived}
 
 
-def _layout_parts(raw: Mapping[str, Any], num_devices: int, errors: list[str]) -> tuple[Layout | None, int]:
+def _layout_parts(raw: Mapping[str, Any], num_devices: int, num_processes: int,
+                  errors: list[str]) -> tuple[Layout | None, int]:
     """The layout and its data-parallel size over ``num_devices`` (errors appended)."""
     from parallelism.logical import data_parallel_size
 
@@ -255,7 +258,10 @@ def _layout_parts(raw: Mapping[str, Any], num_devices: int, errors: list[str]) -
     if layout is None:
         return None, 1
     try:
-        return layout, data_parallel_size(layout.rules, layout.resolved_mesh_shape(num_devices))
+        shape = layout.resolved_mesh_shape(num_devices)
+        if num_processes > 1 and "MOEVLM_HOST_ID" not in os.environ:  # a host per process: the mesh must spread
+            layout.host_split(shape, num_processes)
+        return layout, data_parallel_size(layout.rules, shape)
     except ValueError as e:
         errors.append(str(e))
         return None, 1
@@ -273,7 +279,7 @@ def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes
     raw = {k: v for k, v in raw.items() if k in SECTIONS}
     opt = build(OptimizerConfig, raw.get("optimizer"), "optimizer", errors)
     tr = build(TrainConfig, raw.get("train"), "train", errors)
-    layout, dp = _layout_parts(raw, num_devices, errors)
+    layout, dp = _layout_parts(raw, num_devices, num_processes, errors)
     data_raw = dict(raw.get("data") or {})
     given = tr
     if opt is not None and tr is not None:
@@ -281,7 +287,7 @@ def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes
         tr = resolve_batch(tr, dp, errors)
         if tr.global_batch_size is not None and tr.micro_batch_size is not None:
             data_raw = _derive_data(data_raw, tr, tr.global_batch_size, num_processes, errors)
-    model = build(ModelConfig, raw.get("model"), "model", errors)
+    model = build(model_config_type(raw.get("model")), raw.get("model"), "model", errors)  # the model family
     data = build(DataConfig, data_raw, "data", errors)
     compute = build(ComputeConfig, raw.get("compute"), "compute", errors)
     if model is not None and data is not None:

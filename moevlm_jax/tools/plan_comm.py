@@ -147,13 +147,14 @@ def step_communication(model: Any, g: Geometry, knobs: Any, devices_per_host: in
     rules, shape = g.rules, g.shape
     c, pb = DTYPE_BYTES[knobs.dtype], DTYPE_BYTES[knobs.param_dtype]
     acc = _Acc(shape, devices_per_host)
-    iters = g.microbatches * g.repeats + g.stages - 1 if g.stages > 1 else 1  # a pipeline stage's iterations
+    # a stage's decoder weights (its R chunks) are gathered chunk by chunk, once per pipeline iteration
+    weight_passes = g.iterations / g.repeats
     gathers = 1 if knobs.recompute == "none" else 2
     token_axes_of: dict[str, tuple[str, ...]] = {}
     for sh in shards:
         p = sh.param
         # decoder layers inside a pipeline run once per pipeline iteration, the rest once per microbatch
-        micro = knobs.grad_accum * (iters if p.path.startswith("language_model/stacks/") else 1)
+        micro = knobs.grad_accum * (weight_passes if p.path.startswith("language_model/stacks/") else 1)
         if p.path.startswith("visual/") and not g.patches:
             continue
         local, fsdp = sh.local, sh.fsdp
@@ -180,8 +181,7 @@ def step_communication(model: Any, g: Geometry, knobs: Any, devices_per_host: in
 
     # activations
     h = t.hidden_size
-    layers = t.num_hidden_layers / g.stages
-    per_layer_calls = layers * (g.microbatches * g.repeats + g.stages - 1 if g.stages > 1 else 1) * knobs.grad_accum
+    per_layer_calls = g.layer_runs(t.num_hidden_layers) * knobs.grad_accum
     tp_axes = axes_of(rules, shape, ("act_batch", "act_seq", "act_heads", "act_head_dim"), 2)
     seq_axes = axes_of(rules, shape, ("act_batch", "act_norm_seq", "act_embed"), 1)
     sp_tp = tuple(a for a in seq_axes if a in tp_axes)
@@ -224,6 +224,6 @@ def step_communication(model: Any, g: Geometry, knobs: Any, devices_per_host: in
     if g.stages > 1:
         carry = g.rows * g.seq / g.sp * h * c  # one microbatch's hidden state on this device
         # a collective-permute a pipeline iteration: each device passes its carry on, forward and backward
-        acc.by_kind["pp"]["stage"] = acc.by_kind["pp"].get("stage", 0.0) + 2 * iters * knobs.grad_accum * carry
-        acc._cross("pp", ("stage",), 2 * iters * knobs.grad_accum * carry)
+        acc.by_kind["pp"]["stage"] = acc.by_kind["pp"].get("stage", 0.0) + 2 * g.iterations * knobs.grad_accum * carry
+        acc._cross("pp", ("stage",), 2 * g.iterations * knobs.grad_accum * carry)
     return CommEstimate(by_kind=acc.by_kind, cross=acc.cross)

@@ -162,6 +162,16 @@ class Geometry:
         return self.mbs * self.seq / self.cp
 
     @property
+    def iterations(self) -> int:
+        """A pipeline's loop iterations per microbatch of the step (M x R + S - 1; 1 without a pipeline)."""
+        return self.microbatches * self.repeats + self.stages - 1 if self.stages > 1 else 1
+
+    def layer_runs(self, layers: int) -> float:
+        """Decoder layer executions on one device per microbatch of the step: each pipeline iteration runs one
+        chunk of ``layers / (S x R)`` layers (bubbles included); without a pipeline every layer once."""
+        return layers * self.iterations / (self.stages * self.repeats) if self.stages > 1 else float(layers)
+
+    @property
     def stage_layers_factor(self) -> float:
         """Residual sets a pipeline stage keeps per layer it holds, relative to unpipelined rows: the
         GPipe loop saves every iteration (M x R + S - 1 of them, bubbles included)."""

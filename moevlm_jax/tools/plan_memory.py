@@ -9,36 +9,46 @@ Parts (bytes per device):
 
 - ``params``: the parameter shards (``param_dtype``; the router's expert bias float32).
 - ``optimizer``: AdamW's two moments of the trainable shards (``optimizer.state_dtype``).
-- ``gradients``: float32 gradient shards of the trainable parameters (accumulated in float32,
-  ``training.optimizer.accumulate_gradients``; with grad_accum > 1 also the microbatch's own).
+- ``gradients``: the gradient shards of the trainable parameters live at the peak: the layer scan's
+  backward writes them in the parameter dtype (float32 after it, ``training.optimizer.
+  accumulate_gradients``, once the residuals are freed); with grad_accum > 1 also the float32 sum.
 - ``batch``: this device's rows of the step's batch (every microbatch), as the step's argument.
 - ``activations``: the residuals the backward reads, per recompute policy (``model.compute``
-  checkpoint names; :func:`decoder_residuals`, :func:`vision_residuals`), for every layer of every
-  stack, plus those outside the scanned stacks (rotary tables, mergers, final norm, the fused
-  LM head's d(hidden) and float32 d(kernel), the scattered visual / DeepStack tokens).
+  checkpoint names; :func:`decoder_residuals`, :func:`vision_residuals`: equal to jax's own list of
+  saved residuals for tiny and small, tests/tools/test_plan.py), for every layer of every stack
+  (a pipeline stage: its layers x every iteration, bubbles included), plus those outside the
+  scanned stacks (rotary tables, mergers, final norm, the fused LM head's d(hidden), the scattered
+  visual / DeepStack tokens). XLA:CPU stores the scanned stacks' compute-dtype residuals as float32
+  (``residual_upcast``).
 - ``saved_weights``: under recompute ``none`` the scan also saves each layer's weights as the
   layer used them (gathered over the FSDP axes, cast to the compute dtype): a whole extra
   compute-dtype copy of the decoder per device under FSDP; the mergers' always (no remat there).
-- ``lm_head``: the fused cross-entropy's working set for one sequence chunk
-  (``compute.loss_chunk_size`` positions of each row, all rows): float32 logits and softmax,
-  compute-dtype d(logits), float32 d(kernel) (chunk + carry) and the gathered kernel.
-- ``embedding``: the lookup's gathered table (parameter dtype) and, in the backward, the
-  float32 scatter-add of its gradient into a whole (gathered) table before the reduce-scatter.
-- ``gathered_weights``: one layer's weights gathered over the FSDP axes in the compute dtype,
-  forward and (recomputed) backward, with their parameter-dtype gradients before the reduce-scatter.
+- ``lm_head``: the fused cross-entropy's working set for one chunk of ``compute.loss_chunk_size``
+  positions (of each row, or of the trained positions gathered per data-parallel rank:
+  ``loss_capacity``): float32 logits and softmax (d(logits) reuses them), or after them the chunk's
+  whole float32 d(kernel) before its reduce-scatter (on XLA:CPU an all-reduce: two copies), the
+  gathered kernel in the compute dtype, the float32 d(kernel) carry (the kernel's shard).
+- ``embedding``: the float32 scatter-add target of the table's gradient, a whole gathered table
+  (XLA allocates it before the forward), less the table's own gradient shard; with grad_accum > 1
+  also the gathered table itself (loop-invariant: XLA hoists it out of the microbatch loop).
+- ``gathered_weights``: one layer's weights gathered over the FSDP axes in the compute dtype, with
+  their parameter-dtype gradients before the reduce-scatter (inside a layer's backward).
 - ``moe_dispatch``: one MoE layer's transient expert buffers (SwiGLU's float32 halves, the
-  dropless exchange's worst-case receive buffer of EP x T x K rows, its backward).
+  dropless exchange's worst-case receive buffer of EP x T x K rows).
 - ``attention``: one attention call's transient (XLA path: the float32 scores and probabilities
-  of every head pair, forward and backward; cuDNN: its workspace, a few MiB).
-- ``xla_temporaries``: headroom for what XLA adds on top (fusion temporaries, buffer packing):
-  ``XLA_HEADROOM`` of the step's live temporaries (an assumption; see bench/plans.md for the
-  measured gap on CPU).
+  of every head pair; cuDNN: its workspace, ``CUDNN_WORKSPACE`` assumed).
+- ``xla_temporaries``: ``XLA_HEADROOM`` of the live temporaries: what XLA's buffer packing adds
+  over the peak of the live buffers. Measured on XLA:CPU from its buffer-assignment dumps: 0-2% for
+  most points, 9-17% for a few whose peak holds several vocabulary-sized buffers of different
+  lifetimes (bench/plans.md); the analytic parts match XLA's peak of live buffers to ~1% there.
 
-Peak: parameters, optimizer state and batch live through the step; the residuals and the float32
-gradients are taken to be live together (the backward of the stacked layers writes every layer's
-gradient while the stacked residuals are still held), plus the largest transient of the phases
-(``lm_head`` + ``embedding`` at the end of the forward; ``gathered_weights`` + ``moe_dispatch``
-+ ``attention`` inside a layer's backward).
+Peak: parameters, optimizer state and batch live through the step (the state is donated: the new
+state reuses it); then the largest of three phases: the end of the forward (the LM head's chunk and
+the embedding's gradient buffer), a layer's backward (gathered weights, expert buffers, attention,
+the d(kernel) residual), both with every residual and (under the layer scan, whose backward writes
+the stacked gradients) the parameter-dtype gradients live; or the optimizer (the float32 gradients,
+the residuals gone). Unrolled layers (``compute.scan_layers: false``) free a layer's residuals as its
+gradients appear, so the gradients are not added to the residuals there.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from typing import Any
 from moevlm_jax.tools.plan_geometry import DTYPE_BYTES, Geometry, ParamInfo, ShardInfo, shard_table
 
 GIB = 2**30
-XLA_HEADROOM = 0.0  # of the live temporaries (assumed; XLA:GPU's own rematerialisation is not modelled)
+XLA_HEADROOM = 0.06  # of the live temporaries: XLA:CPU's heap packing (0-17% over the live peak; bench/plans.md)
 CUDNN_WORKSPACE = 64 * 2**20  # per attention call (assumed)
 PARTS = ("params", "optimizer", "gradients", "batch", "activations", "saved_weights", "lm_head", "embedding",
          "gathered_weights", "moe_dispatch", "attention", "xla_temporaries")
@@ -290,7 +300,10 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
     param_bytes = sum(local[p.path] * DTYPE_BYTES[p.dtype] for p in params)
     trainable = sum(local[p.path] for p in params if _trainable(p, knobs.frozen))
     ga = knobs.grad_accum
-    grads = trainable * 4 + (trainable * pb if ga > 1 else 0)
+    # the layer scan's backward writes its stacked gradients in the parameter dtype (float32 after the scan,
+    # when the residuals are gone); with accumulation the float32 sum over the microbatches is live too
+    grads = trainable * pb + (trainable * 4 if ga > 1 else 0)
+    grads_f32 = trainable * 4
     optimizer = 2 * trainable * sb
     vision_trained = "vision_model" not in knobs.frozen
     projection_trained = "vision_projection" not in knobs.frozen
@@ -358,8 +371,9 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
     # dtype (tied: the gathered table and its transpose), the d(kernel) carry; after the softmax a chunk's whole
     # float32 d(kernel) contribution before its reduce-scatter (XLA:CPU: an all-reduce, a second whole copy)
     contribution = head_gathered * 4 * (2 if knobs.all_reduce_scatter else 1) if language_trained else 0.0
-    # tied: the gathered table and its transpose (XLA:CPU; float32 compute reads the gather's own output)
-    copies = 2 if model.tie_word_embeddings and knobs.dtype != "float32" else 1
+    # tied, over several chunks: the gathered table and a transposed copy for the chunk loop (XLA:CPU; float32
+    # compute reads the gather's own output)
+    copies = 2 if model.tie_word_embeddings and knobs.dtype != "float32" and chunks > 1 else 1
     lm_head = max(logits * 2 * 4, contribution) + head_gathered * DTYPE_BYTES[knobs.dtype] * copies \
         + (dk if chunks > 1 else 0)
     embed = next(p for p in params if p.path == "language_model/embed_tokens")
@@ -393,7 +407,7 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
                            "attention": attention, "lm_head": dk, "embedding": embedding},
     }
     totals = {name: held + sum(ph.values()) + (grads if knobs.scan_layers else 0.0) for name, ph in phases.items()}
-    totals["optimizer"] = grads + (trainable * 2 * sb if knobs.state_dtype != knobs.param_dtype else 0.0)
+    totals["optimizer"] = grads_f32 + (trainable * 2 * sb if knobs.state_dtype != knobs.param_dtype else 0.0)
     peak = max(totals, key=totals.get)
     transients = dict.fromkeys(("lm_head", "embedding", "gathered_weights", "moe_dispatch", "attention"), 0.0)
     live = {"activations": 0.0, "saved_weights": 0.0, "gradients": grads}
@@ -402,7 +416,8 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
         live.update(activations=activations, saved_weights=saved_weights,
                     gradients=grads if knobs.scan_layers else 0.0)
     else:  # after the backward: the float32 gradients and the optimizer's casts
-        transients["gathered_weights"] = totals["optimizer"] - grads
+        live["gradients"] = grads_f32
+        transients["gathered_weights"] = totals["optimizer"] - grads_f32
     live_temps = sum(live.values()) + sum(transients.values())
     parts = {"params": param_bytes, "optimizer": optimizer, "batch": batch, **live, **transients,
              "xla_temporaries": XLA_HEADROOM * live_temps}

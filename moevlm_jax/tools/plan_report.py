@@ -87,11 +87,12 @@ def per_host(e: Any, devices_per_host: int) -> dict[str, Any]:
     for groups in e.comm.cross.values():
         for grp, b in groups.items():
             cross[grp] = cross.get(grp, 0.0) + b
+    keep = 0.05 * GB / devices_per_host  # groups moving less than 50 MB a host a step are left out
     return {"memory_gib": e.memory.total / GIB * devices_per_host,
             "memory_by_part_gib": {k: v / GIB * devices_per_host for k, v in e.memory.parts.items() if v},
-            "comm_gb": {g: b / GB * devices_per_host for g, b in by_axis.items()},
-            "cross_host_gb": {g: b / GB * devices_per_host for g, b in cross.items()},
-            "crossing_axes": sorted(g for g, b in cross.items() if b > 0)}
+            "comm_gb": {g: b / GB * devices_per_host for g, b in by_axis.items() if b >= keep},
+            "cross_host_gb": {g: b / GB * devices_per_host for g, b in cross.items() if b >= keep},
+            "crossing_axes": sorted(g for g, b in cross.items() if b >= keep)}
 
 
 def format_per_host(estimates: Sequence[Any], devices_per_host: int, *, one_per_preset: bool = True) -> str:
@@ -163,14 +164,25 @@ def recommendation(estimates: Sequence[Any], w: Any) -> str:
                 f"{least.memory.total / GIB:.1f} GiB a device against {w.limit_bytes / GIB:.1f} usable." if least else "")
         return ("Nothing fits: more devices (FSDP, EP and PP divide the parameters, gradients and optimizer state), "
                 "a shorter sequence, or a smaller model." + tail)
-    best = fitting[0]
+    # the headline keeps the training the same: dropless experts, the vision tower trained (the table ranks all)
+    exact = [e for e in fitting if e.candidate.capacity_factor is None and not e.candidate.freeze_vision]
+    best = exact[0] if exact else fitting[0]
     c = best.candidate
     lines = [f"Fastest fitting: {c.preset} [{c.mesh_label()}], MBS {c.mbs} x grad_accum {c.grad_accum}, recompute "
              f"{c.recompute_label()}, {_dtypes(c)} parameters / AdamW state, {_experts(c)} experts: "
              f"~{best.time.step_s * 1e3:.0f} ms a step, {best.tokens_per_s:,.0f} useful tokens/s, "
              f"{best.memory.total / GIB:.1f} of {w.limit_bytes / GIB:.0f} GiB usable a device (estimates).",
              f"  overrides: {' '.join(c.overrides())}"]
-    fsdp = next((e for e in fitting if e.candidate.preset == "fsdp" and not e.candidate.freeze_vision), None)
+    if best.memory.total > 0.95 * w.limit_bytes:
+        lines.append("  (within 5% of the usable memory: confirm with --compile, or on the machine: XLA's compiled "
+                     "memory analysis decides)")
+    capped = next((e for e in fitting if e.candidate.capacity_factor is not None and not e.candidate.freeze_vision), None)
+    if capped is not None and capped.tokens_per_s > best.tokens_per_s:
+        lines.append(f"- Drop-and-pad experts (capacity {capped.candidate.capacity_factor:g}; they drop assignments, "
+                     f"~10% on the proxy data: bench/sweep_h200.md) would be {_pct(capped.tokens_per_s, best.tokens_per_s)}"
+                     f": {capped.candidate.preset} [{capped.candidate.mesh_label()}] MBS {capped.candidate.mbs} "
+                     f"{capped.candidate.recompute_label()}, {capped.memory.total / GIB:.1f} GiB.")
+    fsdp = next((e for e in exact or fitting if e.candidate.preset == "fsdp"), None)
     if fsdp is not None:
         f = fsdp.candidate
         lines.append(f"- FSDP first (bring-up, memory-first tuning): {f.mesh_label()}, MBS {f.mbs}, "
@@ -217,11 +229,14 @@ def recommendation(estimates: Sequence[Any], w: Any) -> str:
                      f"nearest here {pts}. Measure: python -m moevlm_jax.tools.sweep --model "
                      f"{getattr(w.model, 'name', 'MODEL')} --layout {c.preset} --mbs {mbs} --recompute {rc} "
                      "--capture none,step,scopes")
-    frozen = next((e for e in fitting if e.candidate.freeze_vision and e.candidate.layout.name == c.layout.name), None)
+    frozen = next((e for e in fitting if e.candidate.freeze_vision and e.candidate.capacity_factor == c.capacity_factor),
+                  None)
     if frozen is not None:
-        lines.append(f"- Freeze the vision stack for decoder-focused work (train.freeze_vision_model=true): "
-                     f"{frozen.tokens_per_s:,.0f} tokens/s at {frozen.memory.total / GIB:.1f} GiB "
-                     f"(trained: {best.tokens_per_s:,.0f} at {best.memory.total / GIB:.1f}).")
+        f = frozen.candidate
+        lines.append(f"- Freeze the vision stack for decoder-focused work (train.freeze_vision_model=true): no gradients, "
+                     f"optimizer state or residuals for the tower; best frozen {f.preset} [{f.mesh_label()}] MBS {f.mbs} "
+                     f"{f.recompute_label()}: {frozen.tokens_per_s:,.0f} tokens/s at {frozen.memory.total / GIB:.1f} GiB "
+                     f"({_pct(frozen.tokens_per_s, best.tokens_per_s)}; trained: {best.memory.total / GIB:.1f} GiB).")
     elif w.patches:
         lines.append("- Freeze the vision stack for decoder-focused work (train.freeze_vision_model=true): no gradients, "
                      "optimizer state or residuals for the tower (plan with --freeze-vision both to see the gain).")
@@ -238,7 +253,10 @@ def write(estimates: Sequence[Any], w: Any, out: Path, *, title: str, top: int) 
         wr.writeheader()
         wr.writerows(rows)
     plot(estimates, w.limit_bytes / GIB, out / "plan.png", title)
+    from moevlm_jax.tools.plan_time import sources
+
     text = "\n\n".join([title, format_table(estimates, top), recommendation(estimates, w),
-                        "Per host (best of each layout):\n" + format_per_host(estimates, w.devices_per_host)])
+                        "Per host (best of each layout):\n" + format_per_host(estimates, w.devices_per_host),
+                        sources(w.hw)])
     (out / "plan.txt").write_text(text + "\n")
     return {"json": out / "results.json", "csv": out / "results.csv", "plot": out / "plan.png", "text": out / "plan.txt"}

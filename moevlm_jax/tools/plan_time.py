@@ -152,8 +152,7 @@ def _memory_bound_bytes(model: Any, g: Geometry, knobs: Any, devices: int) -> di
     c = DTYPE_BYTES[knobs.dtype]
     micro = knobs.grad_accum
     layer = g.tokens_res * t.hidden_size * c + g.moe_tokens * t.num_experts_per_tok * t.hidden_size * c * 2
-    dec = MEMORY_PASSES * layer * t.num_hidden_layers / g.stages * micro * (
-        (g.microbatches * g.repeats + g.stages - 1) if g.stages > 1 else 1)
+    dec = MEMORY_PASSES * layer * g.layer_runs(t.num_hidden_layers) * micro
     vis = MEMORY_PASSES * g.vis_rows * g.patches * (v.hidden_size + v.intermediate_size / g.tp_vis_mlp) * c \
         * v.depth * micro if g.patches else 0.0
     shards = shard_table(model, knobs.param_dtype, knobs.expert_bias, g.rules, g.shape)
@@ -179,8 +178,7 @@ def _raw_time(model: Any, g: Geometry, knobs: Any, comm: Any, hw: Hardware, imag
     mem = _memory_bound_bytes(model, g, knobs, devices)
     compute["memory_bound"] = mem["activations"] / hw.hbm_bytes
     compute["optimizer"] = mem["optimizer"] / hw.hbm_bytes
-    layers = model.text_config.num_hidden_layers / g.stages * (g.microbatches * g.repeats + g.stages - 1 if g.stages > 1
-                                                               else 1) + (model.vision_config.depth if g.patches else 0)
+    layers = g.layer_runs(model.text_config.num_hidden_layers) + (model.vision_config.depth if g.patches else 0)
     compute["launch"] = LAUNCH_S_PER_LAYER * layers * knobs.grad_accum
     # communication: intra-host at the link rate, the part crossing hosts at the network's
     times = {}
@@ -234,3 +232,26 @@ def step_time(model: Any, g: Geometry, knobs: Any, comm: Any, *, hw: Hardware = 
         else:
             exposed[kind] = t_c
     return TimeEstimate(compute=compute, comm=exposed, step_s=busy + sum(exposed.values()), scale=scale)
+
+
+def sources(hw: Hardware = H200) -> str:
+    """Which of the plan's numbers are measured (and where) and which are assumed."""
+    return "\n".join([
+        "Measured (bench/): dense GEMM {:.0f} TFLOP/s (README); experts dropless {:.0f}, capacity 1.25 {:.0f} "
+        "(moe_layer.md run 7); decoder attention {:.0f}, vision attention {:.0f} fwd+bwd at 3.5x forward "
+        "(attention.md, second probe); all-to-all {:.0f} GB/s fixed-size, {:.0f} ragged (moe_layer.md run 1, EP 2); "
+        "the whole step: recipe h200 716.5 ms (step_h200.md run 17; the scale factor {:.3f}); useful / all tokens "
+        "{:.3f} and trained / all {:.3f} (the proxy data, same run).".format(
+            hw.dense_flops / 1e12, hw.experts_dropless_flops / 1e12, hw.experts_capacity_flops / 1e12,
+            hw.attention_flops / 1e12, hw.vision_attention_flops / 1e12, hw.a2a_bytes / 1e9, hw.ragged_a2a_bytes / 1e9,
+            reference_scale(), FILL, 0.437),
+        "Datasheet: {:.0f} GiB HBM ({:.0%} usable, assumed), {:.1f} TB/s HBM, 989 TFLOP/s bf16, NVLink 900 GB/s "
+        "per GPU.".format(hw.memory_gib, hw.usable_fraction, hw.hbm_bytes / 1e12),
+        "Assumed: NVLink collectives at 0.8 of 450 GB/s each way; across hosts {:.0f} Gb/s per {}-GPU host at {:.0%}; "
+        "FSDP / gradient collectives hidden behind up to {:.0%} of the compute, TP / EP / PP exposed, CP half; {} "
+        "memory-bound passes over each layer's activations; {:.2f} ms launch / idle a layer; balanced experts; one "
+        "packed document a row. Memory: the analytic model of plan_memory (checked against XLA's compiled analysis "
+        "on CPU: bench/plans.md) + {:.0%} of the temporaries for XLA's buffer packing; the cuDNN path's residuals "
+        "are read from the code, not measured.".format(
+            hw.inter_host_gbps, hw.gpus_per_host, hw.inter_host_efficiency, OVERLAP, MEMORY_PASSES,
+            LAUNCH_S_PER_LAYER * 1e3, __import__("moevlm_jax.tools.plan_memory", fromlist=["x"]).XLA_HEADROOM)])

@@ -28,6 +28,7 @@ from moevlm_jax.training.checkpoint import Checkpointer, resume_step
 from moevlm_jax.training.faults import NonFiniteGuard, StopSignals, TrainingStopped, check_run_dir
 from moevlm_jax.training.metrics import MetricsWriter, ProfileWindow, Progress, StepTracker, progress_postfix, read_metrics
 from moevlm_jax.training.trainer import Trainer
+from parallelism.multihost import gather_json
 
 log = logging.getLogger("moevlm_jax.train")
 
@@ -107,20 +108,27 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
              cfg.global_batch_size, tr.seq_len, tr.micro_batch_size, tr.grad_accum, cfg.data_parallel_size)
     abstract = trainer.abstract_state()
     _check_run_dir(run_dir, (tr.keep_checkpoints + 1) * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
-    loader = data_lib.build_loader(cfg.data, shard_index=jax.process_index(), shard_count=jax.process_count())
     ckpt = Checkpointer(ckpt_dir, save_every=tr.checkpoint_every, keep=tr.keep_checkpoints,
                         async_save=tr.async_checkpointing)
+    data_state = None
     if start:
         state, data_state = ckpt.restore(abstract, step=start)
-        loader.set_state(data_state)
         log.info("resumed from step %d (%s)", start, ckpt_dir)
     else:
         state = trainer.init_state(tr.seed, params=_pretrained(tr.init_from, cfg, trainer))
-    writer = MetricsWriter(run_dir, tensorboard=tr.tensorboard, resume_step=start if start else None)
+    # the data's logical shards (data.num_shards, else one per process of the run's first start), kept by
+    # the checkpoint: a run resumed with another process count reads the same batches
+    num_shards = int(data_state["num_shards"]) if data_state else (cfg.data.num_shards or jax.process_count())
+    loader = data_lib.build_loader(cfg.data, shard_index=jax.process_index(), shard_count=jax.process_count(),
+                                   num_shards=num_shards)
+    if data_state:
+        loader.set_state(data_state)
+    primary = jax.process_index() == 0
+    writer = MetricsWriter(run_dir, tensorboard=tr.tensorboard, resume_step=start if start else None, primary=primary)
     tracker = StepTracker(num_devices=trainer.mesh.devices.size, peak_flops=flops.peak_flops())
     shape = flops.ModelShape.from_config(cfg.model)
     profile = ProfileWindow(tr.profile_dir or run_dir / "profile", tr.profile_start_step, tr.profile_steps)
-    bar = Progress(tr.steps, initial=start, enabled=progress)
+    bar = Progress(tr.steps, initial=start, enabled=progress if primary else False)
     eval_rows = tr.micro_batch_size * cfg.data_parallel_size // jax.process_count()
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "steps": tr.steps, "evals": []}
     t0 = time.perf_counter()
@@ -235,8 +243,8 @@ def _check_run_dir(run_dir: Path, need_bytes: int = 0) -> None:
 def _save(ckpt: Checkpointer, step: int, state: Any, loader: Any, force: bool = False) -> bool:
     """Start a checkpoint (periodic, or ``force``); a failed write is reported and training goes on with
     the previous checkpoints kept."""
-    try:
-        return ckpt.save(step, state, loader.get_state(), force=force)
+    try:  # every process's data shards in one state (the primary writes it), so any process count resumes
+        return ckpt.save(step, state, data_lib.merge_states(gather_json(loader.get_state())), force=force)
     except Exception as e:  # noqa: BLE001 - a disk / storage fault must not lose the run
         log.error("checkpoint at step %d failed (%s: %s); the previous checkpoints %s are kept", step,
                   type(e).__name__, str(e).splitlines()[0][:300], ckpt.all_steps())

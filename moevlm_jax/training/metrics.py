@@ -38,16 +38,20 @@ def _scalar(x: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to ``metrics.jsonl`` and scalars to TensorBoard."""
+    """Appends one JSON object per logged step to ``metrics.jsonl`` and scalars to TensorBoard (only in
+    the ``primary`` process: the others compute the same records and write nothing)."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None) -> None:
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None,
+                 primary: bool = True) -> None:
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
+        self._file, self._tb = None, None
+        if not primary:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
             self._truncate_after(resume_step)
         self._file = self.path.open("a", buffering=1)
-        self._tb = None
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
@@ -67,6 +71,8 @@ class MetricsWriter:
         """Record ``metrics`` (scalars; jax/numpy values are fetched) for ``step``; returns the record."""
         record = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items() if k != "step"}}
         record["time"] = time.time()
+        if self._file is None:
+            return record
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for k, v in record.items():
@@ -76,13 +82,15 @@ class MetricsWriter:
 
     def flush(self) -> None:
         """Push buffered TensorBoard events and the jsonl file to disk."""
-        self._file.flush()
+        if self._file is not None:
+            self._file.flush()
         if self._tb is not None:
             self._tb.flush()
 
     def close(self) -> None:
         """Flush and close the files."""
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -50,7 +50,7 @@ from moevlm_jax.training.objective import ce_and_argmax, gather_trained, loss_ca
 from parallelism import grouped_matmul, sharding
 from parallelism.layout import Layout, LayoutOptions
 from parallelism.logical import Rules, data_parallel_size, normalize_rules, sharding_context
-from parallelism.multihost import agreed_max
+from parallelism.multihost import agreed_max, host_ids
 
 log = logging.getLogger(__name__)
 
@@ -394,8 +394,13 @@ class Trainer:
 
 
 def build_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The layout's mesh over ``devices`` (default: all devices)."""
-    mesh = layout.make_mesh(devices)
+    """The layout's mesh over ``devices`` (default: all devices), hybrid over the hosts of a multi-process run."""
+    devices = list(devices if devices is not None else jax.devices())
+    hosts = None
+    if jax.process_count() > 1:
+        by_process = host_ids()
+        hosts = [by_process[d.process_index] for d in devices]
+    mesh = layout.make_mesh(devices, hosts)
     log.info("mesh %s over %d %s devices", {a: n for a, n in mesh.shape.items() if n > 1} or "{1 device}",
              mesh.devices.size, mesh.devices.flat[0].platform)
     return mesh

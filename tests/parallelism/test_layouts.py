@@ -37,19 +37,23 @@ METRICS = ("loss", "ce_loss", "grad_norm", "router_aux_loss", "trained_tokens")
 COLLECTIVE = re.compile(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(")
 
 
-@pytest.fixture(scope="module")
-def setup():
-    config = load_model_config("tiny-v512")
+def random_params(config):
+    """Parameters drawn in numpy (norm scales ~1, the rest ~N(0, 0.02)): no init compile."""
     abstract = Trainer.create(config, COMPUTE, load_layout("fsdp"), OPTIMIZER, steps=STEPS,
                               devices=jax.devices()[:1]).abstract_params
     rng = np.random.default_rng(0)
 
-    def draw(path, leaf):  # norm scales ~1, the rest ~N(0, 0.02): no init compile
+    def draw(path, leaf):
         noise = rng.standard_normal(leaf.shape).astype(np.float32)
         return 1.0 + 0.1 * noise if "norm" in jax.tree_util.keystr(path) else 0.02 * noise
 
-    params = jax.tree_util.tree_map_with_path(draw, abstract)
-    return config, params, packed_batch(config, ROWS, SEQ)
+    return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = load_model_config("tiny-v512")
+    return config, random_params(config), packed_batch(config, ROWS, SEQ)
 
 
 def train(setup, layout, devices=None):
@@ -57,7 +61,7 @@ def train(setup, layout, devices=None):
     parameters (host) and the compiled step's HLO."""
     config, params, batch = setup
     trainer = Trainer.create(config, COMPUTE, layout, OPTIMIZER, steps=STEPS, devices=devices)
-    validate_layout(config, layout, trainer.mesh, ROWS, SEQ)
+    validate_layout(config, layout, trainer.mesh, *batch["input_ids"].shape)
     state = trainer.init_state(seed=0, params=params)
     placed = trainer.prepare(batch)
     compiled = trainer.lower_step(state, placed.arrays, placed.capacity, bounded=placed.bounded).compile(FAST)

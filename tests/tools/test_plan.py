@@ -88,7 +88,6 @@ def test_residual_formulas_equal_what_jax_saves(name):
 ACCURACY = [  # (model, layout, recompute, modules, mbs, patches); every one <= 10% of XLA's total
     ("tiny", "fsdp", "none", (), 2, 0),
     ("tiny", "tp_ep", "selective", ("core_attn",), 2, 0),
-    ("tiny", "ep", "full", (), 1, 0),
     ("tiny", "pp", "selective", ("core_attn",), 2, 0),
     ("small", "fsdp", "selective", ("core_attn", "experts"), 2, 0),
     ("small", "tp_ep", "none", (), 1, 0),

@@ -1,0 +1,158 @@
+"""Several processes (jax.distributed over gloo on localhost), started by ``python -m moevlm_jax.launch``:
+
+- 2 processes x 4 CPU devices train like 1 process x 8 devices under fsdp, ep and pp (the trainer's
+  step: per-step losses and gradient norms to the layout tests' tolerance);
+- the train CLI as 2 processes: per-step losses of 1 process; its checkpoint (every process writes its
+  shards, one commit; each process's data shards in the data item) resumes in 1 process with the
+  uninterrupted 1-process run's next losses; the HF export of the 2-process checkpoint matches the
+  1-process run's;
+- one process killed mid-run: the launcher and the other process exit non-zero within 60 s, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from tests.parallelism.packed_batch import packed_batch
+
+ROWS, SEQ = 16, 32  # 16 rows: pp's 4 microbatches over 4 fsdp devices per stage
+FAST_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+LAUNCH = [sys.executable, "-m", "moevlm_jax.launch", "--processes", "2", "--devices-per-process", "4", "--timeout", "900"]
+
+
+def global_batch(config):
+    """The global batch both runs train on."""
+    return packed_batch(config, ROWS, SEQ)
+
+
+def _env(devices: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEVLM_")}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {FAST_FLAGS}"
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_two_processes_train_like_one_under_fsdp_ep_pp():
+    from tests.parallelism.test_layouts import METRICS, train
+
+    child = Path(__file__).with_name("multiprocess_child.py")
+    done = subprocess.run([*LAUNCH, "--", str(child), "fsdp", "ep", "pp"], env=_env(4), capture_output=True,
+                          text=True, timeout=900, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results = [json.loads(ln.split("RESULT ", 1)[1]) for ln in done.stdout.splitlines() if "RESULT " in ln]
+    assert sorted((r["layout"], r["process"]) for r in results) == sorted(
+        (lay, p) for lay in ("fsdp", "ep", "pp") for p in (0, 1))
+    from moevlm_jax.config import load_layout
+    from moevlm_jax.model.config import load_model_config
+    from tests.parallelism.test_layouts import random_params
+
+    config = load_model_config("tiny-v512")
+    setup = (config, random_params(config), global_batch(config))
+    for layout in ("fsdp", "ep", "pp"):
+        want, _, _ = train(setup, load_layout(layout))  # 1 process x 8 devices
+        for r in results:
+            if r["layout"] != layout:
+                continue
+            for step, (got, ref) in enumerate(zip(r["records"], want)):
+                for k in METRICS:
+                    assert got[k] == pytest.approx(ref[k], rel=2e-6, abs=1e-7), (layout, r["process"], step, k)
+
+
+def _recipe(tmp: Path) -> Path:
+    from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
+
+    recipe = tmp / "recipe.yaml"
+    data = {**data_config(tmp / "cache"), "num_shards": 2}
+    recipe.write_text(yaml.safe_dump({
+        "name": "mp", "model": "tiny", "layout": "fsdp", "data": data, "compute": COMPUTE,
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.01, "decay_steps": 6},  # runs of 4 and 6 steps
+        "train": {"steps": 6, "global_batch_size": 8, "seq_len": SEQ_LEN, "log_every": 1, "checkpoint_every": 2,
+                  "keep_checkpoints": 3, "freeze_vision_model": True},
+    }))
+    return recipe
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def test_cli_as_two_processes_checkpoints_resume_in_one(tmp_path):
+    recipe = _recipe(tmp_path)
+    two, one = tmp_path / "two", tmp_path / "one"
+    train = ["-m", "moevlm_jax.train", "--quiet", "--recipe", str(recipe)]
+    done = subprocess.run([*LAUNCH, "--", *train, "--run-dir", str(two), "train.steps=4"], env=_env(4),
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert (two / "metrics.jsonl").exists() and (two / "config.yaml").exists()  # written by process 0
+    straight = subprocess.run([sys.executable, *train, "--run-dir", str(one)], env=_env(8), capture_output=True,
+                              text=True, timeout=900, check=False)
+    assert straight.returncode == 0, straight.stderr[-4000:]
+    a, b = _losses(two), _losses(one)
+    assert sorted(a) == [1, 2, 3, 4]
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=2e-6), step
+    # resume the 2-process run in 1 process (its config.yaml, checkpoint 4, both data shards)
+    resumed = subprocess.run([sys.executable, "-m", "moevlm_jax.train", "--quiet", "--run-dir", str(two), "--resume",
+                              "train.steps=6"], env=_env(8), capture_output=True, text=True, timeout=900, check=False)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    c = _losses(two)
+    for step in (5, 6):
+        assert c[step] == pytest.approx(b[step], rel=2e-6), step
+    # the HF export of the 2-process run's checkpoint (written by both processes) and the 1-process run's
+    outs = {}
+    for name, run in (("two", two), ("one", one)):
+        outs[name] = tmp_path / f"hf_{name}"
+        exported = subprocess.run([sys.executable, "-m", "moevlm_jax.export", "--run-dir", str(run), "--step", "4",
+                                   "--out", str(outs[name])], env=_env(1), capture_output=True, text=True,
+                                  timeout=600, check=False)
+        assert exported.returncode == 0, exported.stderr[-3000:]
+    files = sorted(p.name for p in outs["one"].glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in outs["two"].glob("*.safetensors"))
+    for f in files:
+        x, y = load_file(outs["one"] / f), load_file(outs["two"] / f)
+        assert x.keys() == y.keys()
+        for k in x:  # the same training up to the order of gloo's sums
+            np.testing.assert_allclose(y[k], x[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _processes():
+    """(pid, command line, environment) of this machine's processes."""
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                yield int(d.name), (d / "cmdline").read_bytes(), (d / "environ").read_bytes()
+            except OSError:
+                continue
+
+
+def test_a_killed_process_ends_every_process_within_60_s(tmp_path):
+    recipe = _recipe(tmp_path)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*LAUNCH, "--", "-m", "moevlm_jax.train", "--quiet", "--recipe", str(recipe),
+                             "--run-dir", str(run), "train.steps=200", "train.checkpoint_every=0"], env=_env(4),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    t0 = time.perf_counter()
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.perf_counter() - t0 < 600, "training did not start"
+        time.sleep(0.5)
+    victim = next(pid for pid, cmd, env in _processes() if str(run).encode() in cmd and b"MOEVLM_PROCESS_ID=1\x00" in env)
+    os.kill(victim, signal.SIGKILL)
+    t_kill = time.perf_counter()
+    out, err = proc.communicate(timeout=120)
+    assert time.perf_counter() - t_kill < 60
+    assert proc.returncode != 0
+    assert "process 1" in err and "SIGKILL" in err, err[-3000:]
+    assert not [pid for pid, cmd, _ in _processes() if str(run).encode() in cmd]  # none left running
