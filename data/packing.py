@@ -24,7 +24,7 @@ import numpy as np
 from data.config import DataConfig, DataError
 from data.image import expand_patches, normalize_lut
 from data.sample import is_skip
-from data.batch import MODEL_KEYS, patch_layout
+from data.batch import patch_layout
 
 EVAL_KEYS = ("answer_group", "answer_type")
 

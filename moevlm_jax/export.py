@@ -26,25 +26,14 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     """Write checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``out`` as an HF
     directory; ``dtype`` casts the parameters (default: as saved). Returns ``out``."""
     from moevlm_jax.hf import save_pretrained
-    from moevlm_jax.inference.loading import checkpoint_steps, restore_params, run_sections
+    from moevlm_jax.inference.loading import restore_run
     from moevlm_jax.model.registry import build_model
-    from moevlm_jax.model.router import ExpertBias
 
-    run_dir = Path(run_dir)
-    model_cfg, compute, _ = run_sections(run_dir)
-    steps = checkpoint_steps(run_dir)
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
-    step = steps[-1] if step is None else int(step)
-    if step not in steps:
-        raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir / 'checkpoints'}; have {steps}")
-    abstract = nnx.eval_shape(lambda: build_model(model_cfg, compute, nnx.Rngs(0)))
-    abstract_params = nnx.to_pure_dict(nnx.state(abstract, (nnx.Param, ExpertBias)))
-    params = restore_params(run_dir / "checkpoints" / str(step) / "state", abstract_params)
+    model_cfg, compute, _, step, params = restore_run(run_dir, step)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                               params)
-    graphdef = nnx.graphdef(abstract)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model_cfg, compute, nnx.Rngs(0))))
     save_pretrained(nnx.merge(graphdef, params), model_cfg, out, max_shard_bytes=max_shard_bytes)
     log.info("exported %s step %d to %s", run_dir, step, out)
     return Path(out)

@@ -23,6 +23,7 @@ from parallelism.cpu_threads import check_collective_threads
 
 
 MESH_AXES: tuple[str, ...] = ("stage", "data", "fsdp", "context", "expert", "tensor")
+HOST_AXES: tuple[str, ...] = ("stage", "data", "fsdp")  # may cross hosts; the others stay within one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,9 @@ class Layout:
     # whose mesh axes the tensor does not use yet wins (parallelism.logical)
     rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
     options: LayoutOptions = LayoutOptions()  # pipeline schedule, context-parallel variant
+    # hosts each mesh axis spans when the run has several (MaxText's dcn_*), e.g. {fsdp: 2}; null: the
+    # outermost of stage, data, fsdp that divide (tensor, expert and context stay within a host)
+    hosts: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         from parallelism.logical import normalize_rules
@@ -87,19 +91,70 @@ class Layout:
         """Mesh axis sizes with ``-1`` filled so that the product equals ``num_devices``."""
         return resolve_mesh_shape(self.mesh, num_devices, self.name)
 
-    def make_mesh(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """A ``jax.sharding.Mesh`` over ``devices`` (default: all) with every axis in MESH_AXES."""
+    def host_split(self, shape: Mapping[str, int], hosts: int) -> dict[str, int]:
+        """How many hosts each mesh axis spans (MaxText's ``dcn_*``): ``hosts`` per axis as the layout
+        gives them, else the outermost of stage, data, fsdp that divide (the axes that talk most --
+        context, expert, tensor -- stay within a host). Raises ValueError naming what does not fit."""
+        if hosts <= 1:
+            return dict.fromkeys(MESH_AXES, 1)
+        if self.hosts is not None:
+            split = {a: int(self.hosts.get(a, 1)) for a in MESH_AXES}
+            bad = [a for a, n in split.items() if n < 1 or shape[a] % n]
+            if bad or math.prod(split.values()) != hosts:
+                raise ValueError(f"layout.hosts {dict(self.hosts)} must divide the mesh axes {dict(shape)} and "
+                                 f"multiply to the {hosts} hosts")
+            return split
+        split, left = dict.fromkeys(MESH_AXES, 1), hosts
+        for axis in HOST_AXES:
+            split[axis] = math.gcd(shape[axis], left)
+            left //= split[axis]
+        if left != 1:
+            inner = {a: shape[a] for a in MESH_AXES if a not in HOST_AXES and shape[a] > 1}
+            raise ValueError(
+                f"layout '{self.name}': the mesh {{{', '.join(f'{a}: {n}' for a, n in shape.items() if n > 1)}}} "
+                f"cannot spread over {hosts} hosts: the axes that may cross hosts ({', '.join(HOST_AXES)}) do not "
+                f"hold {hosts} host groups, and the within-host axes {inner or '(none)'} would exceed a host's "
+                f"devices; give stage / data / fsdp a multiple of {hosts}, or set layout.hosts")
+        return split
+
+    def make_mesh(self, devices: Sequence[jax.Device] | None = None, hosts: Sequence[int] | None = None) -> Mesh:
+        """A ``jax.sharding.Mesh`` over ``devices`` (default: all) with every axis in MESH_AXES. With
+        several hosts (``hosts``: each device's host; default each device's process) the mesh is
+        hybrid: the axes :meth:`host_split` spreads over hosts are outermost, every host holds a whole
+        block of the within-host axes."""
         devices = list(devices if devices is not None else jax.devices())
         shape = self.resolved_mesh_shape(len(devices))
         sizes = tuple(shape[a] for a in MESH_AXES)
-        try:
-            from jax.experimental import mesh_utils
+        host_of = list(hosts) if hosts is not None else [d.process_index for d in devices]
+        groups: dict[int, list] = {}
+        for d, h in zip(devices, host_of):
+            groups.setdefault(h, []).append(d)
+        if len(groups) > 1:
+            arr = _hybrid(shape, self.host_split(shape, len(groups)), [groups[h] for h in sorted(groups)])
+        else:
+            try:
+                from jax.experimental import mesh_utils
 
-            arr = mesh_utils.create_device_mesh(sizes, devices=devices)
-        except Exception:  # noqa: BLE001 - CPU host devices or odd topologies: plain order
-            arr = np.asarray(devices, dtype=object).reshape(sizes)
+                arr = mesh_utils.create_device_mesh(sizes, devices=devices)
+            except Exception:  # noqa: BLE001 - CPU host devices or odd topologies: plain order
+                arr = np.asarray(devices, dtype=object).reshape(sizes)
         check_collective_threads(len(devices), devices[0].platform)  # warns if XLA:CPU may deadlock
         return Mesh(arr, MESH_AXES)
+
+
+def _hybrid(shape: Mapping[str, int], split: Mapping[str, int], groups: list[list]) -> np.ndarray:
+    """Device array ``[axis sizes]``: host h holds the block ``split``-index h of every axis (host axes
+    outermost), its own devices in order inside the block."""
+    inner = [shape[a] // split[a] for a in MESH_AXES]
+    outer = [split[a] for a in MESH_AXES]
+    per_host = math.prod(inner)
+    if any(len(g) != per_host for g in groups):
+        raise ValueError(f"every host needs {per_host} devices for this mesh, got {[len(g) for g in groups]}")
+    blocks = np.empty(outer + inner, dtype=object)
+    for h, idx in enumerate(np.ndindex(*outer)):
+        blocks[idx] = np.asarray(groups[h], dtype=object).reshape(inner)
+    order = [k for i in range(len(MESH_AXES)) for k in (i, len(MESH_AXES) + i)]  # (outer_0, inner_0, ...)
+    return blocks.transpose(order).reshape([shape[a] for a in MESH_AXES])
 
 
 def resolve_mesh_shape(mesh: dict[str, int], num_devices: int, name: str = "layout") -> dict[str, int]:

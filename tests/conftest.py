@@ -1,4 +1,4 @@
-"""Test setup: 8 CPU host devices, set before jax is imported anywhere."""
+"""Test setup: 8 CPU host devices and threads for their collectives, set before jax is imported anywhere."""
 
 import os
 
@@ -7,6 +7,12 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from parallelism.cpu_threads import ensure_collective_threads  # noqa: E402
+
+# PJRT_NPROC: XLA:CPU's default pool of one thread per device (on machines with fewer cores than the 8
+# devices) deadlocks the collectives of the 3D layouts' steps (parallelism/cpu_threads.py)
+ensure_collective_threads()
 
 import jax  # noqa: E402
 

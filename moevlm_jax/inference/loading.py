@@ -151,11 +151,12 @@ def restore_params(state_dir: str | Path, abstract_params: Any, device: jax.Devi
     return out["params"]
 
 
-def load_run(run_dir: str | Path, step: int | None = None, *, dtype: str | None = None,
-             tokenizer: str | None = None) -> Loaded:
-    """A training run directory -> Loaded: the model of its ``config.yaml`` with the ``params`` of
-    checkpoint ``step`` (default: the latest), on one device. ``dtype``: the compute dtype (default
-    the run's); parameters keep the dtype they were saved in."""
+def restore_run(run_dir: str | Path, step: int | None = None) -> tuple[Any, ComputeConfig, DataConfig | None, int, Any]:
+    """(model config, compute, data, step, params) of checkpoint ``step`` (default: the latest) of a
+    training run: the ``params`` of its train state on one device, in the dtype they were saved in,
+    whatever layout or process count wrote them."""
+    from moevlm_jax.model.registry import build_model
+
     run_dir = Path(run_dir)
     model_cfg, compute, data = run_sections(run_dir)
     steps = checkpoint_steps(run_dir)
@@ -164,9 +165,18 @@ def load_run(run_dir: str | Path, step: int | None = None, *, dtype: str | None 
     step = steps[-1] if step is None else int(step)
     if step not in steps:
         raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir / 'checkpoints'}; have {steps}")
-    abstract = nnx.eval_shape(lambda: Qwen3VLMoe(model_cfg, generation_compute(compute, dtype), nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: build_model(model_cfg, compute, nnx.Rngs(0)))
     abstract_params = nnx.to_pure_dict(nnx.state(abstract, (nnx.Param, ExpertBias)))  # the train state's params
-    params = restore_params(run_dir / "checkpoints" / str(step) / "state", abstract_params)
+    return model_cfg, compute, data, step, restore_params(run_dir / "checkpoints" / str(step) / "state", abstract_params)
+
+
+def load_run(run_dir: str | Path, step: int | None = None, *, dtype: str | None = None,
+             tokenizer: str | None = None) -> Loaded:
+    """A training run directory -> Loaded: the model of its ``config.yaml`` with the ``params`` of
+    checkpoint ``step`` (default: the latest), on one device. ``dtype``: the compute dtype (default
+    the run's); parameters keep the dtype they were saved in."""
+    run_dir = Path(run_dir)
+    model_cfg, compute, data, step, params = restore_run(run_dir, step)
     model = model_for_generation(model_cfg, compute, params, dtype=dtype)
     tok = load_tokenizer(tokenizer or (data.tokenizer if data is not None else "qwen3"))
     image_cfg = data.image if data is not None else ImageConfig()

@@ -13,7 +13,6 @@ first. All configs are frozen and hashable: they live inside Flax modules that g
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 from flax.core import FrozenDict
 
-from moevlm_jax.config.schema import ConfigError, build, coerce_fields, read_yaml
+from moevlm_jax.config.schema import build, coerce_fields
 
 
 def freeze(value: Any) -> Any:
@@ -324,24 +323,9 @@ class ModelConfig:
         return dataclasses.replace(self, text_config=dataclasses.replace(self.text_config, **changes))
 
 
-def load_model_config(name_or_path: str | Path) -> ModelConfig:
-    """A ModelConfig from ``configs/models/NAME.yaml``, a YAML/JSON file, or an HF model directory
-    (YAML files are strict: unknown keys are an error; an HF ``config.json`` keeps them as extras)."""
-    from moevlm_jax.config.files import find_config
+def load_model_config(name_or_path: str | Path) -> Any:
+    """A model config from ``configs/models/NAME.yaml``, a YAML/JSON file, or an HF model directory, of
+    whichever family its ``model_type`` names (``moevlm_jax.model.registry.load_model_config``)."""
+    from moevlm_jax.model.registry import load_model_config as load
 
-    p = Path(name_or_path)
-    if p.is_dir():
-        p = p / "config.json"
-    elif not p.exists():
-        p = find_config("models", name_or_path)
-    if p.suffix == ".json":
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot read model config {p}: {e}") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{p}: expected a mapping of config fields, got {type(d).__name__}")
-    else:
-        d = read_yaml(p)
-    is_yaml = p.suffix in (".yaml", ".yml")
-    return ModelConfig.from_hf_dict(d, name=d.get("name") or (p.stem if is_yaml else p.parent.name), strict=is_yaml)
+    return load(name_or_path)

@@ -15,14 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from data.batch import hf_inputs_to_batch
+from moevlm_jax.model.eager import hf_call, jit_forward  # noqa: F401 - jit_forward re-exported
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.layers import Linear, dtype_of
 from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
@@ -89,26 +87,4 @@ class Qwen35Moe(nnx.Module):
                  attention_mask: Any = None) -> jax.Array:
         """HF-style eager call: input_ids ``[B, S]``, pixel_values ``[N, patch_dim]``, image_grid_thw
         ``[n, 3]``, attention_mask ``[B, S]`` -> logits ``[B, S, vocab]`` float32."""
-        batch = hf_inputs_to_batch(self.config, _np(input_ids), _np(pixel_values), _np(image_grid_thw),
-                                   _np(attention_mask))
-        graphdef, state = nnx.split(self)
-        return _jit_forward(graphdef, state, batch)[0]
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _jit_forward(graphdef: nnx.GraphDef, state: nnx.State, batch: dict) -> tuple[jax.Array, dict]:
-    return nnx.merge(graphdef, state).forward(batch)
-
-
-def jit_forward(model: Qwen35Moe, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:
-    """``model.forward(batch)`` compiled (once per graph and batch shapes)."""
-    graphdef, state = nnx.split(model)
-    return _jit_forward(graphdef, state, dict(batch))
-
-
-def _np(x: Any) -> np.ndarray | None:
-    if x is None:
-        return None
-    if hasattr(x, "detach"):  # torch tensor
-        x = x.detach().cpu().numpy()
-    return np.asarray(x)
+        return hf_call(self, input_ids, pixel_values, image_grid_thw, attention_mask)

@@ -71,7 +71,11 @@ class Candidate:
         return {a: int(self.layout.mesh[a]) for a in MESH_AXES if int(self.layout.mesh.get(a, 1)) > 1}
 
     def mesh_label(self) -> str:
-        return " ".join(f"{a}{n}" for a, n in self.mesh.items()) or "1 device"
+        label = " ".join(f"{a}{n}" for a, n in self.mesh.items()) or "1 device"
+        pipe = self.layout.options.pipeline
+        if pipe is not None and self.mesh.get("stage", 1) > 1:
+            label += f" m{pipe.microbatches}" + (f" vp{pipe.repeats or 2}" if pipe.schedule == "circular" else "")
+        return label
 
     def recompute_label(self) -> str:
         if self.recompute != "selective":
@@ -89,8 +93,12 @@ class Candidate:
             from parallelism.layout import MESH_AXES
 
             out += [f"layout.mesh.{a}={layout_mesh[a]}" for a in MESH_AXES if a in layout_mesh]
-            if self.layout.options.pipeline is not None and self.layout.options.pipeline.microbatches:
-                out.append(f"layout.options.pipeline.microbatches={self.layout.options.pipeline.microbatches}")
+            pipe = self.layout.options.pipeline
+            if pipe is not None and pipe.microbatches:
+                out.append(f"layout.options.pipeline.microbatches={pipe.microbatches}")
+                out.append(f"layout.options.pipeline.schedule={pipe.schedule}")
+                if pipe.schedule == "circular":
+                    out.append(f"layout.options.pipeline.repeats={pipe.repeats or 2}")
         pairs = [("compute.recompute", self.recompute, None if base is None else base.compute.recompute),
                  ("compute.recompute_modules", list(self.recompute_modules),
                   None if base is None else list(base.compute.recompute_modules)),
@@ -425,5 +433,6 @@ from moevlm_jax.tools.plan_fit import (  # noqa: E402
     workload_of,
 )
 
-__all__ = ["Candidate", "Estimate", "Plan", "Workload", "check_compiled", "compiled_memory", "enumerate_candidates",
-           "estimate", "fit", "fitted_layouts", "plan", "rank", "settings"]
+__all__ = ["Candidate", "Estimate", "Plan", "Workload", "candidate_of", "check_compiled", "compiled_memory",
+           "device_memory_bytes", "enumerate_candidates", "estimate", "fit", "fitted_layouts", "plan", "rank", "settings",
+           "workload_of"]

@@ -85,6 +85,15 @@ class Plan:
     compiled_bytes: float | None = None  # XLA's total for the run as configured
     limit_bytes: float = 0.0
 
+    def summary(self, top: int = 8) -> str:
+        """The reason, and the ranked alternatives when nothing fits (what the train command prints)."""
+        from moevlm_jax.tools.plan_report import format_table
+
+        text = self.reason + (f"\noverrides: {' '.join(self.change)}" if self.change else "")
+        if not self.fits and not self.change and self.table:
+            text += "\n" + format_table(self.table, top)
+        return text
+
 
 def device_memory_bytes(devices: Sequence[Any]) -> float | None:
     """The allocator's limit of the first device (``memory_stats()['bytes_limit']``), None where unknown."""

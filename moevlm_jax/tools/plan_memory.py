@@ -34,7 +34,8 @@ Parts (bytes per device):
 - ``gathered_weights``: one layer's weights gathered over the FSDP axes in the compute dtype, with
   their parameter-dtype gradients before the reduce-scatter (inside a layer's backward).
 - ``moe_dispatch``: one MoE layer's transient expert buffers (SwiGLU's float32 halves, the
-  dropless exchange's worst-case receive buffer of EP x T x K rows).
+  dropless exchange's worst-case receive buffer of EP x T x K rows; on CPU the grouped matmul's
+  dense expansion over every local expert, ``dense_grouped_matmul``).
 - ``attention``: one attention call's transient (XLA path: the float32 scores and probabilities
   of every head pair; cuDNN: its workspace, ``CUDNN_WORKSPACE`` assumed).
 - ``xla_temporaries``: ``XLA_HEADROOM`` of the live temporaries: what XLA's buffer packing adds
@@ -55,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import Any
 
 from moevlm_jax.tools.plan_geometry import DTYPE_BYTES, Geometry, ParamInfo, ShardInfo, shard_table
@@ -92,6 +92,9 @@ class MemoryKnobs:
     residual_upcast: bool = False
     # XLA:CPU runs a reduce-scatter as an all-reduce and a slice: a whole-size result buffer
     all_reduce_scatter: bool = False
+    # the CPU's grouped matmul (jax.lax.ragged_dot) runs as a dense masked product over every local expert: its
+    # backward holds [E_local, rows, H] float32 / bf16 buffers (bench/plans.md: 250 GiB of 30B-A3B's CPU step)
+    dense_grouped_matmul: bool = False
 
     @classmethod
     def from_compute(cls, compute: Any, *, state_dtype: str = "float32", frozen: Any = (), grad_accum: int = 1,
@@ -110,7 +113,8 @@ class MemoryKnobs:
                    capacity_factor=cf, loss_chunk=compute.loss_chunk_size, attention=attention,
                    expert_bias=compute.router.expert_bias, scan_layers=compute.scan_layers, loss_capacity=loss_capacity,
                    residual_upcast=platform == "cpu" and compute.scan_layers and compute.dtype != "float32",
-                   all_reduce_scatter=platform == "cpu")
+                   all_reduce_scatter=platform == "cpu",
+                   dense_grouped_matmul=platform == "cpu" and moe.backend in ("auto", "ragged_dot"))
 
     @property
     def residual_bytes(self) -> int:
@@ -390,6 +394,8 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
         rows = expert_rows(model, g, knobs.capacity_factor)
         inner = t.moe_intermediate_size / g.etp
         moe_dispatch = rows * (2 * inner * 4 + t.hidden_size * c) + (rows * t.hidden_size * c if g.ep > 1 else 0)
+        if knobs.dense_grouped_matmul and knobs.capacity_factor is None:  # XLA:CPU's ragged_dot backward
+            moe_dispatch += t.num_experts / g.ep * rows * (14 * t.hidden_size + 4 * inner)
     nq = t.num_attention_heads / g.tp_q
     if knobs.attention == "cudnn":
         attention = CUDNN_WORKSPACE

@@ -96,9 +96,13 @@ def per_host(e: Any, devices_per_host: int) -> dict[str, Any]:
 
 
 def format_per_host(estimates: Sequence[Any], devices_per_host: int, *, one_per_preset: bool = True) -> str:
-    """Per-host memory and communication for the best candidate of each preset."""
+    """Per-host memory and communication for the best candidate of each preset (dropless experts and the
+    vision tower trained where such a candidate fits)."""
     seen, lines = set(), []
-    for e in estimates:
+    exact = [e for e in estimates if e.candidate.capacity_factor is None and not e.candidate.freeze_vision]
+    fitting_presets = {e.candidate.preset for e in exact if e.fits}
+    ordered = [e for e in exact if e.fits] + [e for e in estimates if e.candidate.preset not in fitting_presets]
+    for e in ordered:
         key = e.candidate.preset if one_per_preset else id(e)
         if key in seen:
             continue
@@ -106,7 +110,9 @@ def format_per_host(estimates: Sequence[Any], devices_per_host: int, *, one_per_
         h = per_host(e, devices_per_host)
         c = e.candidate
         lines.append(f"- {c.preset} [{c.mesh_label()}], MBS {c.mbs} x {c.grad_accum}, {c.recompute_label()}, "
-                     f"{_dtypes(c)}: {h['memory_gib']:.0f} GiB a host ({e.memory.total / GIB:.1f} a device); "
+                     f"{_dtypes(c)}, {_experts(c)}{', vision frozen' if c.freeze_vision else ''}"
+                     f"{'' if e.fits else ' (does not fit)'}: {h['memory_gib']:.0f} GiB a host "
+                     f"({e.memory.total / GIB:.1f} a device), {e.tokens_per_s:,.0f} tokens/s; "
                      f"per step a host moves " + ", ".join(f"{g} {b:.1f} GB" for g, b in
                                                             sorted(h["comm_gb"].items(), key=lambda kv: -kv[1]))
                      + "; across hosts: " + (", ".join(f"{g} {b:.1f} GB" for g, b in
@@ -115,36 +121,60 @@ def format_per_host(estimates: Sequence[Any], devices_per_host: int, *, one_per_
     return "\n".join(lines)
 
 
+def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (memory, tokens/s) points no other point beats on both (less memory and more tokens/s)."""
+    out, best = [], -1.0
+    for m, t in sorted(points):
+        if t > best:
+            out.append((m, t))
+            best = t
+    return out
+
+
+def headline(estimates: Sequence[Any]) -> Any | None:
+    """The recommendation's candidate: the fastest fitting one with dropless experts and the vision tower
+    trained (the training unchanged), else the fastest fitting one."""
+    fitting = [e for e in estimates if e.fits]
+    exact = [e for e in fitting if e.candidate.capacity_factor is None and not e.candidate.freeze_vision]
+    return (exact or fitting or [None])[0]
+
+
 def plot(estimates: Sequence[Any], limit_gib: float, path: Path, title: str) -> None:
-    """Estimated useful tokens/s against per-device memory, one marker per layout preset, the memory limit
-    as a vertical line; compiled totals (where made) as crosses."""
+    """Estimated useful tokens/s against per-device memory: every candidate as a faint dot, each layout
+    preset's Pareto front as a line, the memory limit as a vertical line, compiled totals (where made)
+    as crosses, the recommended candidate circled."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(10, 6))
     presets = sorted({e.candidate.preset for e in estimates})
     markers = "osD^v<>pPX*h"
     for i, preset in enumerate(presets):
-        pts = [e for e in estimates if e.candidate.preset == preset]
-        ax.scatter([e.memory.total / GIB for e in pts], [e.tokens_per_s for e in pts], s=14, alpha=0.6,
-                   marker=markers[i % len(markers)], label=preset)
+        pts = [(e.memory.total / GIB, e.tokens_per_s) for e in estimates if e.candidate.preset == preset]
+        line = ax.plot(*zip(*_pareto(pts)), marker=markers[i % len(markers)], ms=4, lw=1.2, label=preset)[0]
+        ax.scatter(*zip(*pts), s=4, alpha=0.15, color=line.get_color())
     comp = [e for e in estimates if e.compiled and e.compiled.get("total_bytes")]
     if comp:
         ax.scatter([e.compiled["total_bytes"] / GIB for e in comp], [e.tokens_per_s for e in comp], marker="x",
-                   color="black", s=40, label="XLA compiled (same rows)")
+                   color="black", s=40, label="XLA compiled memory")
     ax.axvline(limit_gib, color="red", linestyle="--", label=f"usable memory {limit_gib:.0f} GiB")
-    best = next((e for e in estimates if e.fits), None)
+    best = headline(estimates)
     if best is not None:
-        ax.annotate(f"best: {best.candidate.preset} {best.candidate.mesh_label()} MBS {best.candidate.mbs}",
-                    (best.memory.total / GIB, best.tokens_per_s), textcoords="offset points", xytext=(8, 8), fontsize=8)
+        c = best.candidate
+        ax.scatter([best.memory.total / GIB], [best.tokens_per_s], s=160, facecolors="none", edgecolors="black")
+        ax.annotate(f"recommended: {c.preset} [{c.mesh_label()}] MBS {c.mbs} {c.recompute_label()}",
+                    (best.memory.total / GIB, best.tokens_per_s), textcoords="offset points", xytext=(12, -16),
+                    fontsize=8, ha="left")
     ax.set_xscale("log")
     ax.set_xlabel("per-device memory, GiB (analytic estimate; log scale)")
     ax.set_ylabel("estimated useful tokens/s (whole job)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="best")
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -166,7 +196,7 @@ def recommendation(estimates: Sequence[Any], w: Any) -> str:
                 "a shorter sequence, or a smaller model." + tail)
     # the headline keeps the training the same: dropless experts, the vision tower trained (the table ranks all)
     exact = [e for e in fitting if e.candidate.capacity_factor is None and not e.candidate.freeze_vision]
-    best = exact[0] if exact else fitting[0]
+    best = headline(estimates)
     c = best.candidate
     lines = [f"Fastest fitting: {c.preset} [{c.mesh_label()}], MBS {c.mbs} x grad_accum {c.grad_accum}, recompute "
              f"{c.recompute_label()}, {_dtypes(c)} parameters / AdamW state, {_experts(c)} experts: "

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 from moevlm_jax.tools.plan_geometry import DTYPE_BYTES, Geometry, shard_table

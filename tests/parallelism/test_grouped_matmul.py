@@ -1,6 +1,5 @@
 """Grouped matmul backends against a per-group einsum, forward and gradients."""
 
-import logging
 import sys
 
 import jax

@@ -20,7 +20,7 @@ def main(layouts: list[str]) -> int:
     from moevlm_jax.model.config import load_model_config
     from moevlm_jax.training.trainer import Trainer
     from tests.parallelism.test_layouts import COMPUTE, FAST, METRICS, OPTIMIZER, STEPS, random_params
-    from tests.training.test_multiprocess import ROWS, SEQ, global_batch
+    from tests.training.test_multiprocess import ROWS, global_batch
 
     config = load_model_config("tiny-v512")
     batch = global_batch(config)
