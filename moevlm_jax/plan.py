@@ -65,6 +65,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point (``moevlm-plan``)."""
     args = parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # what the train command lets a step use
     if args.compile and os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
         from moevlm_jax.tools.memory import set_host_devices
 

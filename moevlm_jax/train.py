@@ -1,7 +1,8 @@
 """The main job: ``python -m moevlm_jax.train [--recipe R] [--model M] [--layout L] [--data D]
 [--steps N] [--run-dir DIR] [--resume] [key=value ...]`` (``--help-config``: every key).
 
-config (moevlm_jax.config, validated once) -> mesh over all devices (the layout) -> sharded train
+config (moevlm_jax.config, validated once) -> auto-fit (moevlm_jax.training.autofit: a run that
+does not fit the devices gets the planner's fastest fitting settings, said in words) -> mesh over all devices (the layout) -> sharded train
 state + compiled step (moevlm_jax.training.trainer) -> grain loader (this host's shard) -> loop:
 step, metrics (metrics.jsonl, TensorBoard, progress bar), held-out evaluation, async orbax
 checkpoints, profile window -> summary table (moevlm_jax.training.loop). ``--resume`` continues the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from typing import Any
 
@@ -37,7 +39,8 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"  loss            {fmt(summary['loss_first'])} (step {summary['first_step']}) -> "
              f"{fmt(summary['loss_last'])} (step {summary['last_step']})",
              f"  throughput      {fmt(summary['tokens_per_s'], ',.0f')} useful tokens/s, "
-             f"{fmt(summary['tflops_per_device'], '.3f')} model TFLOP/s per device",
+             f"{fmt(summary['tflops_per_device'], '.3f')} model TFLOP/s per device"
+             + (f", peak memory {summary['peak_memory_gib']:.1f} GiB a device" if summary.get("peak_memory_gib") else ""),
              f"  data            {d.get('source', '?')}: {d.get('samples', 0)} samples, token fill "
              f"{d.get('token_fill', 0):.1%}, patch fill {d.get('patch_fill', 0):.1%}",
              f"  skipped         samples {d.get('skipped') or 'none'}; optimizer updates {summary['skipped_updates']}"]
@@ -83,6 +86,8 @@ def print_error(e: BaseException) -> None:
         lines = [f"{head}: {ln}" if head else ln for ln in lines[1:]]
     for line in lines:
         print(f"error: {line}", file=sys.stderr)
+    if getattr(e, "table", None):  # auto-fit found nothing that fits: the planner's table as it prints it
+        print(e.table, file=sys.stderr)
 
 
 def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int:
@@ -91,6 +96,12 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     distributed.add_arguments(parser)
+    parser.add_argument("--no-auto-fit", dest="auto_fit", action="store_false",
+                        help="run the recipe as written even where it does not fit the devices (by default a run "
+                             "that does not fit gets the planner's fastest fitting MBS / recompute / dtypes / layout)")
+    parser.add_argument("--device-memory", type=float, metavar="GIB",
+                        help="GiB a device has, for auto-fit (default: the allocator's limit on GPU, the "
+                             "machine's memory over the devices on CPU)")
     parser.add_argument("--quiet", action="store_true", help="warnings only")
     parser.add_argument("--help-config", action="store_true",
                         help="list every setting (key, type, default, meaning) and exit")
@@ -99,6 +110,9 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
         print(help_config())
         return 0
     setup_logging(logging.WARNING if args.quiet else logging.INFO)
+    # JAX preallocates 75% of a GPU by default; a training step may use 95% (the rest: NCCL, cuDNN, the
+    # command buffers). An explicit setting wins.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     try:  # the capture's XLA flags, then the processes connected, before anything starts the jax backend
         capture.apply_capture(*capture.recipe_capture(args.recipe, args.overrides, run_dir=args.run_dir,
                                                       resume=args.resume))
@@ -108,9 +122,15 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
         print_error(e)
         return 2
     try:
-        from moevlm_jax.training.loop import run
+        from moevlm_jax.training.autofit import auto_fit
+        from moevlm_jax.training.loop import apply_compilation_cache, run
 
         cfg = from_args(args)
+        if args.auto_fit:  # the persistent cache first: a rerun loads the fit check's compiles too
+            apply_compilation_cache(cfg.train.compilation_cache_dir)
+            cfg = auto_fit(cfg, lambda change: from_args(argparse.Namespace(
+                **{**vars(args), "overrides": [*args.overrides, *change]})), device_memory_gib=args.device_memory,
+                report=print if distributed.process_index() == 0 else (lambda _: None))
         summary = run(cfg, stop_after=stop_after)
     except (ConfigError, FileExistsError) as e:
         print_error(e)

@@ -284,8 +284,9 @@ def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes
     given = tr
     if opt is not None and tr is not None:
         _cross_checks(opt, tr, errors)
-        tr = resolve_batch(tr, dp, errors)
-        if tr.global_batch_size is not None and tr.micro_batch_size is not None:
+        if layout is not None:  # the batch follows the layout's data-parallel size (unknown if it failed)
+            tr = resolve_batch(tr, dp, errors)
+        if layout is not None and tr.global_batch_size is not None and tr.micro_batch_size is not None:
             data_raw = _derive_data(data_raw, tr, tr.global_batch_size, num_processes, errors)
     model = build(model_config_type(raw.get("model")), raw.get("model"), "model", errors)  # the model family
     data = build(DataConfig, data_raw, "data", errors)

@@ -324,7 +324,9 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     runs, cfgs = [], []
     for mbs in mbs_list:
         for i, variant in enumerate(variants(args, recipe)):
-            overrides = [*variant.overrides, *([f"train.micro_batch_size={mbs}"] if mbs else [])]
+            # an MBS point: MBS x accumulation x data-parallel rows, whatever global batch the recipe fixes
+            overrides = [*variant.overrides, *([f"train.micro_batch_size={mbs}", "train.global_batch_size=null"]
+                                               if mbs else [])]
             cfg = load_config(recipe, model=model, layout=args.layout, data=variant.data, overrides=overrides,
                               num_devices=len(devices))
             log.info("bench run: %s, mbs %d", variant.label, cfg.train.micro_batch_size)

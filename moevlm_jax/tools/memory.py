@@ -136,13 +136,16 @@ def memory_fields(compiled: Any) -> dict[str, int]:
 def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: int, patches: int | None = None,
                   grad_accum: int = 1, devices: Sequence[Any] | None = None, optimizer: Any = None,
                   capacity: int | None = None, compiler_options: Mapping[str, Any] | None = None,
-                  frozen: Sequence[str] = (), param_groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
+                  frozen: Sequence[str] = (), param_groups: Mapping[str, Sequence[str]] | None = None,
+                  bounded: bool = True) -> dict[str, Any]:
     """Compile (never run) the train step for this setting and return the memory fields per device
     plus ``compile_s`` and the setting. ``model``/``layout``: configs or names; ``compute`` a
     ComputeConfig or a mapping of its fields; ``compiler_options`` go to ``Lowered.compile`` (e.g.
     ``xla_backend_optimization_level=0`` compiles faster on CPU; buffer assignment comes before it);
     ``frozen`` / ``param_groups``: frozen parameter groups as ``Trainer.create`` takes them (no gradients
-    or optimizer state for them: ``train.freeze_*``)."""
+    or optimizer state for them: ``train.freeze_*``); ``bounded``: the batch within cuDNN's ragged bound
+    (``compute.attention_options``: the step the trainer runs for such batches; False: the dense-mask
+    fallback's step, ~16 GiB more at MBS 8 on the H200's proxy, bench/step_h200.md run 7)."""
     import jax
 
     from moevlm_jax.model.compute import ComputeConfig
@@ -162,7 +165,8 @@ def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: i
                              grad_accum=grad_accum, devices=devices, frozen=frozen, param_groups=param_groups)
     validate_layout(model, layout, trainer.mesh, batch_size=mbs * trainer.data_parallel_size, seq_len=seq_len)
     t0 = time.perf_counter()
-    lowered = lower_step(trainer, trainer.abstract_state(), abstract_batch(trainer, mbs, seq_len, patches), capacity)
+    lowered = lower_step(trainer, trainer.abstract_state(), abstract_batch(trainer, mbs, seq_len, patches), capacity,
+                         bounded)
     fields = memory_fields(lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile())
     return {"model": model.name, "layout": layout.name, "devices": len(devices), "mbs": mbs, "grad_accum": grad_accum,
             "seq_len": seq_len, "patches": patches, "recompute": compute.recompute,

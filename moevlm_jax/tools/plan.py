@@ -422,17 +422,18 @@ def plan(w: Workload, **kw: Any) -> list[Estimate]:
     return rank(estimate(c, w) for c in enumerate_candidates(w, **kw))
 
 
-# the compiled checks and the train command's API (plan_fit imports the names above)
-from moevlm_jax.tools.plan_fit import (  # noqa: E402
-    Plan,
-    candidate_of,
-    check_compiled,
-    compiled_memory,
-    device_memory_bytes,
-    fit,
-    workload_of,
-)
+# the compiled checks and the train command's API live in plan_fit (which imports the names above):
+# re-exported lazily, so that either module may be imported first
+_FROM_FIT = ("Plan", "candidate_of", "check_compiled", "compiled_memory", "device_memory_bytes", "fit", "workload_of")
 
-__all__ = ["Candidate", "Estimate", "Plan", "Workload", "candidate_of", "check_compiled", "compiled_memory",
-           "device_memory_bytes", "enumerate_candidates", "estimate", "fit", "fitted_layouts", "plan", "rank", "settings",
-           "workload_of"]
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_FIT:
+        from moevlm_jax.tools import plan_fit
+
+        return getattr(plan_fit, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Candidate", "Estimate", "Workload", "enumerate_candidates", "estimate", "fitted_layouts", "plan", "rank",
+           "settings", *_FROM_FIT]  # noqa: PLE0604

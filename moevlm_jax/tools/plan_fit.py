@@ -134,7 +134,8 @@ def candidate_of(cfg: Any, devices: int) -> Candidate:
                      cfg.train.freeze_vision_model, cfg.compute.moe.capacity_factor)
 
 
-def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: float | None = None, compile: bool = True,
+def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: float | None = None,
+        compile: bool | tuple[float, float] = True,
         allow: Iterable[str] = ("mbs", "recompute", "layout"), top: int = 3, hosts: int = 1,
         compiler_options: Mapping[str, Any] | None = None) -> Plan:
     """Does the resolved recipe ``cfg`` (a RunConfig: ``moevlm_jax.config.load_config``) fit on ``devices``
@@ -144,7 +145,9 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     ``allow`` names (``mbs``: MBS with the gradient accumulation that keeps the global batch;
     ``recompute``; ``dtypes``: bf16 parameters / AdamW state; ``layout``: other presets on these devices;
     ``freeze``: frozen vision tower; ``capacity``: drop-and-pad experts), confirmed by a compile when
-    ``compile``, as ``key=value`` overrides with the reason; the ranked table when nothing fits."""
+    ``compile``, as ``key=value`` overrides with the reason; the ranked table when nothing fits.
+    ``compile=(lo, hi)``: compile only where the estimate leaves the answer in doubt, between ``lo`` and
+    ``hi`` times the usable memory (a candidate below ``lo`` is taken as fitting, one above ``hi`` as not)."""
     import jax
 
     devices = list(devices if devices is not None else jax.devices())
@@ -156,8 +159,13 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     allow = set(allow)
     compute = cfg.compute
     current = estimate(candidate_of(cfg, len(devices)), w, compute)
+    band = compile if isinstance(compile, tuple) else ((0.0, float("inf")) if compile else None)
+
+    def in_doubt(e: Estimate) -> bool:
+        return band is not None and band[0] <= e.memory.total / w.limit_bytes <= band[1]
+
     compiled_total = None
-    if compile:
+    if in_doubt(current):
         try:
             current.compiled = compiled_memory(current.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
                                                compiler_options=compiler_options)
@@ -179,7 +187,7 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
            f"> {w.limit_bytes / GIB:.1f} GiB usable; largest parts (estimate): "
            + ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(current.memory.parts.items(), key=lambda kv: -kv[1])[:3]))
     for e in fitting[: max(top, 1) * 4]:
-        if compile:
+        if in_doubt(e):
             try:
                 e.compiled = compiled_memory(e.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
                                              compiler_options=compiler_options)

@@ -308,6 +308,8 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
     # when the residuals are gone); with accumulation the float32 sum over the microbatches is live too
     grads = trainable * pb + (trainable * 4 if ga > 1 else 0)
     grads_f32 = trainable * 4
+    # unrolled layers: the float32 sum of the earlier microbatches is live through every later one
+    accumulator = trainable * 4 if ga > 1 else 0
     optimizer = 2 * trainable * sb
     vision_trained = "vision_model" not in knobs.frozen
     projection_trained = "vision_projection" not in knobs.frozen
@@ -412,7 +414,8 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
         "layer_backward": {"gathered_weights": gathered_weights, "moe_dispatch": moe_dispatch,
                            "attention": attention, "lm_head": dk, "embedding": embedding},
     }
-    totals = {name: held + sum(ph.values()) + (grads if knobs.scan_layers else 0.0) for name, ph in phases.items()}
+    totals = {name: held + sum(ph.values()) + (grads if knobs.scan_layers else accumulator)
+              for name, ph in phases.items()}
     totals["optimizer"] = grads_f32 + (trainable * 2 * sb if knobs.state_dtype != knobs.param_dtype else 0.0)
     peak = max(totals, key=totals.get)
     transients = dict.fromkeys(("lm_head", "embedding", "gathered_weights", "moe_dispatch", "attention"), 0.0)
@@ -420,7 +423,7 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
     if peak != "optimizer":
         transients.update(phases[peak])
         live.update(activations=activations, saved_weights=saved_weights,
-                    gradients=grads if knobs.scan_layers else 0.0)
+                    gradients=grads if knobs.scan_layers else accumulator)
     else:  # after the backward: the float32 gradients and the optimizer's casts
         live["gradients"] = grads_f32
         transients["gathered_weights"] = totals["optimizer"] - grads_f32

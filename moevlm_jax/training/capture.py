@@ -139,8 +139,8 @@ def recipe_capture(recipe: str | os.PathLike | None, overrides: Iterable[str] = 
                    resume: bool | None = None) -> tuple[str, tuple[str, ...]]:
     """``(compute.capture, compute.capture_scopes)`` of a train recipe and its ``key=value`` overrides,
     read without starting jax (the full config asks jax for devices): what the train CLI applies
-    before anything else. Without a recipe the platform default is unknown yet, so the defaults
-    (cpu-default, gpu-default) must agree (they do unless edited)."""
+    before anything else. Without a recipe the platform default (cpu-default, gpu-default) is the
+    one :func:`guess_platform` names; the config checks it against the backend once jax has started."""
     from pathlib import Path
 
     from moevlm_jax.config.files import find_config
@@ -148,17 +148,28 @@ def recipe_capture(recipe: str | os.PathLike | None, overrides: Iterable[str] = 
 
     if resume and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists():
         recipe = Path(run_dir) / "config.yaml"
+    from moevlm_jax.config.run import default_recipe
+
     found = set()
-    for name in [recipe] if recipe is not None else ["cpu-default", "gpu-default"]:
+    for name in [recipe if recipe is not None else default_recipe(guess_platform())]:
         tree = {"compute": dict(read_yaml(find_config("recipes", name)).get("compute") or {})}
         for key, value in map(parse_override, overrides):
             if key.startswith("compute."):
                 set_dotted(tree, key, value)
         config = build(ComputeConfig, tree["compute"], "compute")
         found.add((config.capture, config.capture_scopes))
-    if len(found) > 1:
-        raise ValueError(f"the default recipes set different compute.capture values {sorted(found)}: pass --recipe")
     return found.pop()
+
+
+def guess_platform() -> str:
+    """The backend jax will pick, without starting it: the first of ``JAX_PLATFORMS`` when set, else
+    'gpu' where an NVIDIA or AMD device node is visible to this process, else 'cpu'."""
+    platforms = [p.strip().lower() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return "gpu" if platforms[0] in ("cuda", "gpu", "rocm") else platforms[0]
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return "cpu"
+    return "gpu" if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd") else "cpu"
 
 
 def describe(capture: str, scopes: Iterable[str] = ()) -> str:

@@ -60,6 +60,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between held-out evaluations (0: only at the end, if eval_batches)
     eval_batches: int = 0  # held-out batches per evaluation (MBS x DP rows each)
     checkpoint_every: int = 500  # steps between checkpoints (0: only the final one)
+    checkpointing: bool = True  # false: no checkpoints at all (benchmarks, smoke runs; MaxText's enable_checkpointing)
     keep_checkpoints: int = 3  # checkpoints kept on disk (older ones deleted)
     async_checkpointing: bool = True  # write checkpoints in the background
     freeze_vision_model: bool = False  # no gradients / optimizer state for the vision tower

@@ -107,7 +107,10 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     log.info("batch: global %d rows x %d tokens = micro %d x accumulation %d x data-parallel %d",
              cfg.global_batch_size, tr.seq_len, tr.micro_batch_size, tr.grad_accum, cfg.data_parallel_size)
     abstract = trainer.abstract_state()
-    _check_run_dir(run_dir, (tr.keep_checkpoints + 1) * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
+    # room for the checkpoints kept at once (+1 while the next is written), as many as the run writes
+    saves = (tr.steps // tr.checkpoint_every if tr.checkpoint_every else 0) + 1 if tr.checkpointing else 0
+    _check_run_dir(run_dir, min(tr.keep_checkpoints + 1, saves)
+                   * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
     ckpt = Checkpointer(ckpt_dir, save_every=tr.checkpoint_every, keep=tr.keep_checkpoints,
                         async_save=tr.async_checkpointing)
     data_state = None
@@ -155,6 +158,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                 return
             log.info("step %d/%d: %s", step, tr.steps, progress_postfix(record))
 
+    save = _save if tr.checkpointing else (lambda *a, **k: False)  # train.checkpointing=false: none written
     step = start
     with StopSignals() as stop:
         try:
@@ -183,11 +187,11 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                     handle(tracker.flush())
                     _eval(trainer, state, cfg.data, eval_rows, tr.eval_batches, step, writer, summary)
                     tracker.discard_next_interval()
-                if _save(ckpt, step, state, loader):
+                if save(ckpt, step, state, loader):
                     tracker.discard_next_interval()
                 if diverged:  # the parameters are the last good ones: updates with non-finite gradients were skipped
                     handle(tracker.flush())
-                    _save(ckpt, step, state, loader, force=True)
+                    save(ckpt, step, state, loader, force=True)
                     _wait(ckpt)
                     raise TrainingStopped(
                         f"{guard.in_a_row} optimizer updates in a row had non-finite gradients (steps {guard.first}.."
@@ -196,7 +200,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                         f"check the data, or raise optimizer.max_consecutive_skips")
                 if stop.agreed():  # preemption / Ctrl-C: a checkpoint of this step, then a normal exit
                     handle(tracker.flush())
-                    _save(ckpt, step, state, loader, force=True)
+                    save(ckpt, step, state, loader, force=True)
                     _wait(ckpt)
                     summary["stopped"] = {"signal": stop.name or "another process's signal", "step": step,
                                           "checkpoint": ckpt.latest_step()}
@@ -207,7 +211,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             handle(tracker.flush())
             interrupted = (stop_after is not None and step >= stop_after and step < tr.steps) or "stopped" in summary
             if not interrupted and step > start:
-                _save(ckpt, step, state, loader, force=True)
+                save(ckpt, step, state, loader, force=True)
                 if tr.eval_every or tr.eval_batches:
                     _eval(trainer, state, cfg.data, eval_rows, max(tr.eval_batches, 1), step, writer, summary)
         finally:
@@ -228,9 +232,23 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
         "tokens_per_s": timed["useful_tokens"] / timed["time"] if timed["time"] else None,
         "tflops_per_device": timed["flops"] / timed["time"] / trainer.mesh.devices.size / 1e12 if timed["time"] else None,
         "skipped_updates": int(jax.device_get(optim.skipped_updates(state["opt_state"]))),
-        "data": loader_summary, "checkpoints": saved,
+        "data": loader_summary, "checkpoints": saved, "peak_memory_gib": peak_memory_gib(),
     })
     return summary
+
+
+def peak_memory_gib() -> float | None:
+    """The largest peak of this process's devices (``memory_stats()['peak_bytes_in_use']``) in GiB; None
+    where the backend keeps no statistics (CPU)."""
+    peaks = []
+    for d in jax.local_devices():
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - backends without statistics
+            stats = None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks.append(stats["peak_bytes_in_use"])
+    return max(peaks) / 2**30 if peaks else None
 
 
 def _check_run_dir(run_dir: Path, need_bytes: int = 0) -> None:

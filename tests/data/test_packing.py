@@ -6,7 +6,8 @@ import pytest
 from data.config import DataError
 from data.image import expand_patches
 from data.loader import build_loader
-from data.packing import MODEL_KEYS, choose_bucket
+from data.batch import MODEL_KEYS
+from data.packing import choose_bucket
 from data.sample import QUESTION_TYPES, SampleProcessor
 from data.sources import build_source
 from data.batch import patch_layout
