@@ -173,6 +173,10 @@ class DataConfig:
     shuffle: bool = True  # shuffle the training samples each epoch
     num_epochs: int | None = None  # null: repeat forever (train); eval uses 1
     eval_split: str = "heldout"  # the source split evaluation reads
+    # a source with no held-out split (a LLaVA file without heldout_path, one image folder, a list of shards)
+    # holds out this share of its samples for evaluation, the same ones every run (data.sources.heldout_slice);
+    # 0: none (evaluation is then skipped with a notice)
+    heldout_fraction: float = 0.02
     pack_lookahead: int = 16  # samples waiting for a row before a batch is closed
     probe_samples: int = 256  # samples tried at start to prove the source usable
     max_consecutive_skips: int = 10000  # a worker gives up after this many skips in a row

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from data.config import DataConfig, DataError, source_params
 
 log = logging.getLogger(__name__)
@@ -171,8 +173,101 @@ def _split_value(value: Any, split: str, what: str) -> Any:
     return value
 
 
+HELDOUT_SLICE_SEED = 20261201  # the permutation that picks a held-out slice: the same samples every run
+HELDOUT_SLICE_MAX = 1000  # at most this many samples held out
+
+
+class Subset:
+    """A random-access view of some indices of another source."""
+
+    def __init__(self, base: Any, indices: np.ndarray):
+        self.base, self.indices = base, np.asarray(indices, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.base[int(self.indices[index])]
+
+
+def heldout_slice(n: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, held-out indices) of a source of ``n`` samples without a held-out split: the first
+    ``max(1, round(fraction * n))`` (at most HELDOUT_SLICE_MAX, never all) of a fixed-seed permutation
+    are held out, both sides in source order. ``fraction`` 0: nothing held out."""
+    k = 0 if fraction <= 0 or n < 2 else min(max(1, round(fraction * n)), HELDOUT_SLICE_MAX, n - 1)
+    held = np.sort(np.random.default_rng(HELDOUT_SLICE_SEED).permutation(n)[:k])
+    mask = np.ones(n, bool)
+    mask[held] = False
+    return np.flatnonzero(mask), held
+
+
+def has_split(cfg: DataConfig, split: str) -> bool:
+    """Whether the source names ``split`` itself (the built-in sources always have both)."""
+    src, kind = source_params(cfg.source), cfg.kind
+    if split == "train" or kind in ("vqa", "photos", "mock"):
+        return True
+    if kind == "llava":
+        return src.get("heldout_path") is not None
+    value = src.get("paths" if kind == "arrayrecord" else "path")
+    return isinstance(value, Mapping) and split in value
+
+
+def has_heldout(cfg: DataConfig) -> bool:
+    """Whether evaluation has samples: a held-out split of the source, or a held-out slice of it."""
+    return has_split(cfg, cfg.eval_split) or cfg.heldout_fraction > 0
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
+
+
+def dataset_source(path: str | Path) -> dict[str, Any] | None:
+    """The ``data.source`` mapping of a dataset given by its path (``--data PATH``): a LLaVA ``.json`` /
+    ``.jsonl`` file, a folder (or glob) of ArrayRecord shards, or a folder of images with captions;
+    None when ``path`` names no file or folder. Raises DataError when it exists but is none of those."""
+    text = str(path)
+    if any(c in text for c in "*?["):
+        shards = sorted(glob.glob(str(Path(text).expanduser())))
+        if shards and all(s.endswith(".array_record") or ".array_record-" in s for s in shards):
+            return {"kind": "arrayrecord", "paths": [text]}
+        raise DataError(f"--data {text}: the glob matches {len(shards)} file(s), not ArrayRecord shards")
+    p = Path(text).expanduser()
+    if not p.exists():
+        return None
+    if p.is_file():
+        if p.suffix in (".json", ".jsonl"):
+            return {"kind": "llava", "path": str(p)}
+        if p.name.endswith(".array_record") or ".array_record-" in p.name:
+            return {"kind": "arrayrecord", "paths": [str(p)]}
+        raise DataError(f"--data {p}: a dataset file is a LLaVA .json / .jsonl or an .array_record shard "
+                        f"(a data config is a .yaml file)")
+    files = [f for f in p.iterdir() if f.is_file()]
+    if any(f.name.endswith(".array_record") or ".array_record-" in f.name for f in files):
+        return {"kind": "arrayrecord", "paths": [str(p / "*.array_record*")]}
+    if any(f.suffix.lower() in IMAGE_SUFFIXES for f in files):
+        return {"kind": "image_folder", "path": str(p)}
+    raise DataError(f"--data {p}: cannot tell what dataset this folder is: expected ArrayRecord shards "
+                    f"(*.array_record, from python -m data.convert) or images ({', '.join(IMAGE_SUFFIXES)}) with "
+                    "captions; for a LLaVA file give the .json / .jsonl itself")
+
+
 def build_source(cfg: DataConfig, split: str = "train") -> tuple[Any, str]:
-    """(random-access source, human label) for a config and split (``train`` / ``heldout``)."""
+    """(random-access source, human label) for a config and split (``train`` / ``heldout``). A source
+    without its own held-out split gives a disjoint slice of its samples for evaluation
+    (``data.heldout_fraction``, :func:`heldout_slice`) and trains on the rest."""
+    if split != "train" and has_split(cfg, split) or split == "train" and has_split(cfg, cfg.eval_split):
+        return _build_source(cfg, split)
+    if cfg.heldout_fraction <= 0:
+        if split == "train":
+            return _build_source(cfg, split)
+        raise DataError(f"the {cfg.kind} source has no {split!r} split and data.heldout_fraction is 0")
+    base, label = _build_source(cfg, "train")
+    train, held = heldout_slice(len(base), cfg.heldout_fraction)
+    if split == "train":
+        return Subset(base, train), f"{label}, less a held-out slice of {len(held)}"
+    return Subset(base, held), f"{label}, held-out slice of {len(held)} ({cfg.heldout_fraction:g})"
+
+
+def _build_source(cfg: DataConfig, split: str) -> tuple[Any, str]:
     src = source_params(cfg.source)
     kind = cfg.kind
     if kind == "vqa":

@@ -50,6 +50,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"    {'question':<10} {'answers':>8} {'accuracy':>9} {'chance':>7}")
         for key, e in sorted(last["accuracy"].items(), key=lambda kv: (kv[0] == "all", kv[0])):
             lines.append(f"    {key:<10} {e['answers']:>8} {e['accuracy']:>9.1%} {fmt(e['chance'], '.1%'):>7}")
+    if summary.get("evals_skipped"):
+        lines.append(f"  held-out        skipped: {summary['evals_skipped']}")
+    if summary.get("curves"):
+        lines.append(f"  curves          {summary['curves']} (loss, held-out loss, tokens/s against step)")
     if summary.get("checkpoints"):
         lines.append(f"  checkpoints     {summary['checkpoints']} in {summary['run_dir']}/checkpoints")
     return "\n".join(lines)

@@ -317,6 +317,23 @@ def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes
 
 # ----------------------------------------------------------------------------- layering
 
+def _dataset_path(ref: Any) -> tuple[str, dict[str, Any]] | None:
+    """``(path, data.source)`` when ``--data`` names a dataset (a LLaVA file, ArrayRecord shards, an image
+    folder) rather than a data config (a name in configs/data or a .yaml path)."""
+    if not isinstance(ref, (str, Path)) or str(ref).endswith((".yaml", ".yml")):
+        return None
+    if "/" not in str(ref) and (CONFIG_DIR / "data" / f"{ref}.yaml").exists():
+        return None
+    from data.config import DataError
+    from data.sources import dataset_source
+
+    try:
+        source = dataset_source(ref)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    return None if source is None else (str(ref), source)
+
+
 def resolve_raw(recipe: str | Path | None = None, *, model: str | None = None, layout: str | None = None,
                 data: str | None = None, overrides: Sequence[str] = (), steps: int | None = None,
                 run_dir: str | None = None, resume: bool | None = None, platform: str | None = None
@@ -344,10 +361,17 @@ def resolve_raw(recipe: str | Path | None = None, *, model: str | None = None, l
         if key in REFERENCED and isinstance(value, str):
             refs[key] = value
     sources: dict[str, str] = {"recipe": str(path)}
+    dataset = _dataset_path(refs["data"])
+    if dataset is not None:  # --data PATH: the recipe's data settings with this dataset as the source
+        refs["data"] = None
     for section in REFERENCED:
         if refs[section] is not None:
             raw[section] = refs[section]
         raw[section] = resolve_reference(section, raw.get(section), sources)
+    if dataset is not None:
+        where, source = dataset
+        raw["data"] = {**raw["data"], "name": Path(where).name, "source": source}
+        sources["data"] = where
     for key, value in pairs:
         if key in REFERENCED and isinstance(value, str):
             continue

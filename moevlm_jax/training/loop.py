@@ -26,7 +26,15 @@ from moevlm_jax.training import capture
 from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.checkpoint import Checkpointer, resume_step
 from moevlm_jax.training.faults import NonFiniteGuard, StopSignals, TrainingStopped, check_run_dir
-from moevlm_jax.training.metrics import MetricsWriter, ProfileWindow, Progress, StepTracker, progress_postfix, read_metrics
+from moevlm_jax.training.metrics import (
+    MetricsWriter,
+    ProfileWindow,
+    Progress,
+    StepTracker,
+    plot_curves,
+    progress_postfix,
+    read_metrics,
+)
 from moevlm_jax.training.trainer import Trainer
 from parallelism.multihost import gather_json
 
@@ -159,6 +167,11 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             log.info("step %d/%d: %s", step, tr.steps, progress_postfix(record))
 
     save = _save if tr.checkpointing else (lambda *a, **k: False)  # train.checkpointing=false: none written
+    evals = data_lib.has_heldout(cfg.data)
+    if not evals and (tr.eval_every or tr.eval_batches):
+        log.warning("evaluation skipped: the %s source has no held-out split and data.heldout_fraction is 0 "
+                    "(give the source a held-out split, or a data.heldout_fraction > 0)", cfg.data.kind)
+        summary["evals_skipped"] = "no held-out split"
     step = start
     with StopSignals() as stop:
         try:
@@ -183,7 +196,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                         f"{cfg.optimizer.state_dtype}, recompute {cfg.compute.recompute}): "
                         f"{str(e).splitlines()[0][:300]}. "
                         + memory.oom_advice(name, cfg.layout.name, tr.micro_batch_size, tr.seq_len)) from None
-                if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:
+                if evals and tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:
                     handle(tracker.flush())
                     _eval(trainer, state, cfg.data, eval_rows, tr.eval_batches, step, writer, summary)
                     tracker.discard_next_interval()
@@ -212,7 +225,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             interrupted = (stop_after is not None and step >= stop_after and step < tr.steps) or "stopped" in summary
             if not interrupted and step > start:
                 save(ckpt, step, state, loader, force=True)
-                if tr.eval_every or tr.eval_batches:
+                if evals and (tr.eval_every or tr.eval_batches):
                     _eval(trainer, state, cfg.data, eval_rows, max(tr.eval_batches, 1), step, writer, summary)
         finally:
             profile.close()
@@ -224,7 +237,14 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             loader_summary = loader.summary()
             loader.close()
     wall = time.perf_counter() - t0
-    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    every = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    records = [r for r in every if "loss" in r]
+    if primary:  # the curves as a picture, named in the summary
+        try:
+            summary["curves"] = str(plot_curves(every, run_dir / "curves.png", f"{cfg.name}: {cfg.model.name}, "
+                                                f"layout {cfg.layout.name}") or "") or None
+        except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
+            log.warning("curves.png not written: %s", e)
     summary.update({
         "end_step": step, "wall_s": wall, "compiles": len(trainer.compiled),
         "loss_first": records[0]["loss"] if records else None, "loss_last": records[-1]["loss"] if records else None,

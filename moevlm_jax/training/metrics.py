@@ -101,6 +101,38 @@ class MetricsWriter:
         self.close()
 
 
+def plot_curves(records: list[dict[str, Any]], path: str | Path, title: str = "") -> Path | None:
+    """A PNG of a run's curves against step: train loss and held-out loss (left), useful tokens/s
+    (right); None when there is nothing to draw."""
+    losses = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    if not losses:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    speed = [(r["step"], r["tokens_per_s"]) for r in records if r.get("tokens_per_s")]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(*zip(*losses), lw=1.2, label="train loss")
+    if evals:
+        left.plot(*zip(*evals), "o-", lw=1.2, label="held-out loss (answers)")
+    left.set(xlabel="step", ylabel="loss", yscale="log")
+    left.legend()
+    left.grid(alpha=0.3)
+    if speed:
+        right.plot(*zip(*speed), lw=1.2, color="tab:green")
+    right.set(xlabel="step", ylabel="useful tokens/s")
+    right.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file (or of ``<run_dir>/metrics.jsonl``)."""
     path = Path(path)
