@@ -47,9 +47,10 @@ ENV_NAMES = ("PJRT_NPROC", "NPROC")  # the order XLA reads them in (xla/pjrt/uti
 # running). The tp step's deadlock (2 cores, 8 devices, 8 threads) had devices in two at once (an
 # all-gather in the vision tower's layer loop and all-gathers of the entry computation); the test program
 # of tests/parallelism/test_cpu_collectives.py needs 2 per device (12 threads deadlocked 5 of 5 runs, 16
-# passed 5 of 5). 4 leaves a margin; the threads cost nothing measurable (tp step on 2 cores: the same
-# step time with 16, 32 and 64 threads).
-THREADS_PER_DEVICE = 4
+# passed 5 of 5). 3 leaves a margin; the threads cost nothing measurable (tp step on 2 cores: the same
+# step time with 16, 32 and 64 threads). Not more: the suite under heavy load (other jax processes on the
+# same 2 cores) saw two segfaults inside XLA:CPU compiles with 4 a device (32 threads), cause not isolated.
+THREADS_PER_DEVICE = 3
 _DEVICE_COUNT = re.compile(r"(?:^|\s)--xla_force_host_platform_device_count=(\S*)(?=\s|$)")
 _warned: set[tuple[int, int]] = set()
 
