@@ -18,6 +18,7 @@ def llava_config(path, workers=0):
         "seq_len": 256, "batch_size": 2, "patch_buckets": [64, 128, 256],
         "image": {"min_pixels": 1024, "max_pixels": 16384},
         "workers": workers, "read_threads": 0, "shuffle": False, "num_epochs": 1,
+        "heldout_fraction": 0,  # every sample in the train split (no held-out slice: data/sources.py)
     }
 
 

@@ -25,7 +25,8 @@ def test_convert_llava_then_load(llava_dir, tmp_path, capsys):
     assert first["images"][0] == (path.parent / "images" / "good0.jpg").read_bytes()  # original bytes
     loader = build_loader({"source": {"kind": "arrayrecord", "paths": [str(out / "*.array_record")]},
                            "seq_len": 256, "batch_size": 2, "patch_buckets": [64, 128, 256],
-                           "image": {"min_pixels": 1024, "max_pixels": 16384}, "shuffle": False, "num_epochs": 1})
+                           "image": {"min_pixels": 1024, "max_pixels": 16384}, "shuffle": False, "num_epochs": 1,
+                           "heldout_fraction": 0})  # every shard's sample in the train split
     seen = sum(int((b["sample_index"] >= 0).sum()) for b in loader)
     assert seen == len(good) and loader.summary()["skipped"] == {"too_long": 1}
 
