@@ -24,8 +24,9 @@ keyed by op id, so any order completes given threads: the pool size is the cause
 :func:`ensure_collective_threads` sets ``PJRT_NPROC`` (read by XLA when the CPU client is created,
 before ``NPROC``) to at least ``THREADS_PER_DEVICE`` threads per host device, never fewer than the
 CPU count XLA would use anyway. It must run before the jax CPU backend starts: the ``parallelism``
-package calls it when imported (the train CLI, tools, benchmarks and tests import it before their
-first device use), and ``tests/conftest.py`` calls it after setting the test device count.
+package calls it when imported (the train CLI, tools and benchmarks import it before their first
+device use). ``MOEVLM_CPU_THREADS_PER_DEVICE`` overrides the threads a device (0: XLA's pool as it
+is, which the test suite keeps: ``tests/conftest.py`` says why).
 :func:`check_collective_threads` (called by ``Layout.make_mesh``) warns when a CPU mesh runs on a
 client that started with fewer threads.
 """
@@ -51,6 +52,8 @@ ENV_NAMES = ("PJRT_NPROC", "NPROC")  # the order XLA reads them in (xla/pjrt/uti
 # step time with 16, 32 and 64 threads). Not more: the suite under heavy load (other jax processes on the
 # same 2 cores) saw two segfaults inside XLA:CPU compiles with 4 a device (32 threads), cause not isolated.
 THREADS_PER_DEVICE = 3
+# threads a host device as an integer, 0: leave XLA's pool as it is (the test suite: tests/conftest.py)
+PER_DEVICE_ENV = "MOEVLM_CPU_THREADS_PER_DEVICE"
 _DEVICE_COUNT = re.compile(r"(?:^|\s)--xla_force_host_platform_device_count=(\S*)(?=\s|$)")
 _warned: set[tuple[int, int]] = set()
 
@@ -97,9 +100,17 @@ def pool_threads(devices: int, environ: Mapping[str, str] | None = None) -> int:
     return max(cpu_count() if configured is None else configured, devices)
 
 
-def required_threads(devices: int) -> int:
-    """Pool threads the collectives of ``devices`` host devices need (see the module docstring)."""
-    return THREADS_PER_DEVICE * devices if devices > 1 else 1
+def threads_per_device(environ: Mapping[str, str] | None = None) -> int:
+    """``MOEVLM_CPU_THREADS_PER_DEVICE`` when set to an integer, else THREADS_PER_DEVICE."""
+    value = (os.environ if environ is None else environ).get(PER_DEVICE_ENV, "").strip()
+    return int(value) if value.isdigit() else THREADS_PER_DEVICE
+
+
+def required_threads(devices: int, environ: Mapping[str, str] | None = None) -> int:
+    """Pool threads the collectives of ``devices`` host devices need (see the module docstring); 1 (no
+    requirement) for one device or with ``MOEVLM_CPU_THREADS_PER_DEVICE=0``."""
+    per = threads_per_device(environ)
+    return per * devices if devices > 1 and per > 0 else 1
 
 
 def _uses_cpu(environ: Mapping[str, str]) -> bool:
@@ -125,7 +136,7 @@ def ensure_collective_threads(environ: MutableMapping[str, str] | None = None) -
     env = os.environ if environ is None else environ
     if not _uses_cpu(env) or (devices := host_device_count(env)) <= 1:
         return None
-    need, have = required_threads(devices), pool_threads(devices, env)
+    need, have = required_threads(devices, env), pool_threads(devices, env)
     if have >= need:
         return have
     if environ is None and _backend_started():

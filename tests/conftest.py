@@ -1,4 +1,4 @@
-"""Test setup: 8 CPU host devices and threads for their collectives, set before jax is imported anywhere."""
+"""Test setup: 8 CPU host devices, set before jax is imported anywhere."""
 
 import os
 
@@ -8,11 +8,11 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from parallelism.cpu_threads import ensure_collective_threads  # noqa: E402
-
-# PJRT_NPROC: XLA:CPU's default pool of one thread per device (on machines with fewer cores than the 8
-# devices) deadlocks the collectives of the 3D layouts' steps (parallelism/cpu_threads.py)
-ensure_collective_threads()
+# XLA:CPU's own thread pool for the suite (MOEVLM_CPU_THREADS_PER_DEVICE=0), as CI ran it before the train CLI
+# got its collective threads (parallelism/cpu_threads.py): with 3-4 threads a host device, three of three
+# suite runs on 2 cores lost a worker to a crash inside an XLA:CPU compile (SIGSEGV / SIGABRT; cause not
+# isolated). The CLI's setting is tested in fresh processes (tests/parallelism/test_cpu_collectives.py).
+os.environ.setdefault("MOEVLM_CPU_THREADS_PER_DEVICE", "0")
 
 import jax  # noqa: E402
 

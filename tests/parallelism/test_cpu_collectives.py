@@ -69,7 +69,7 @@ def run_program(calls: int, *, import_parallelism: bool = True, cpus: int = 2, t
                 ) -> subprocess.CompletedProcess:
     """PROGRAM in a fresh process on 8 host devices, pinned to ``cpus`` CPUs, without PJRT_NPROC /
     NPROC from this process (the fresh process sets its own, as the CLI does)."""
-    env = {k: v for k, v in os.environ.items() if k not in cpu_threads.ENV_NAMES}
+    env = {k: v for k, v in os.environ.items() if k not in (*cpu_threads.ENV_NAMES, cpu_threads.PER_DEVICE_ENV)}
     env.update(JAX_PLATFORMS="cpu", IMPORT_PARALLELISM="1" if import_parallelism else "0",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES} {TIMEOUTS}",
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
@@ -79,12 +79,16 @@ def run_program(calls: int, *, import_parallelism: bool = True, cpus: int = 2, t
                           text=True, timeout=timeout)
 
 
-def test_the_test_session_has_threads_for_its_devices():
-    """conftest.py: 8 host devices and a pool they cannot exhaust with their collectives."""
+def test_the_suite_keeps_xlas_pool_and_the_opt_out_is_honoured():
+    """conftest.py: MOEVLM_CPU_THREADS_PER_DEVICE=0, so nothing is raised and nothing warns; without it
+    the same environment would get THREADS_PER_DEVICE a device."""
     n = len(jax.devices())
-    assert n == DEVICES
-    assert cpu_threads.pool_threads(n) >= cpu_threads.required_threads(n) == cpu_threads.THREADS_PER_DEVICE * n
-    assert cpu_threads.check_collective_threads(n)
+    assert n == DEVICES and os.environ.get(cpu_threads.PER_DEVICE_ENV) == "0"
+    assert cpu_threads.required_threads(n) == 1 and cpu_threads.check_collective_threads(n)
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", cpu_threads.PER_DEVICE_ENV: "0"}
+    assert cpu_threads.ensure_collective_threads(env) is not None and "PJRT_NPROC" not in env
+    assert cpu_threads.required_threads(n, {}) == cpu_threads.THREADS_PER_DEVICE * n
+    assert cpu_threads.required_threads(n, {cpu_threads.PER_DEVICE_ENV: "2"}) == 2 * n
 
 
 def test_pjrt_nproc_from_the_device_count(monkeypatch):
@@ -119,4 +123,4 @@ def test_collectives_of_concurrent_loops_do_not_deadlock_on_two_cores():
     after the termination timeout; 7 in 10 with 100 calls)."""
     result = run_program(300)
     assert result.returncode == 0 and " ok " in result.stdout, (result.returncode, result.stderr[-3000:])
-    assert result.stdout.startswith(f"threads {max(cpu_threads.required_threads(DEVICES), 2)} ")
+    assert result.stdout.startswith(f"threads {max(cpu_threads.required_threads(DEVICES, {}), 2)} ")  # its default
