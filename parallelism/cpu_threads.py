@@ -25,8 +25,8 @@ keyed by op id, so any order completes given threads: the pool size is the cause
 before ``NPROC``) to at least ``THREADS_PER_DEVICE`` threads per host device, never fewer than the
 CPU count XLA would use anyway. It must run before the jax CPU backend starts: the ``parallelism``
 package calls it when imported (the train CLI, tools and benchmarks import it before their first
-device use). ``MOEVLM_CPU_THREADS_PER_DEVICE`` overrides the threads a device (0: XLA's pool as it
-is, which the test suite keeps: ``tests/conftest.py`` says why).
+device use), and ``tests/conftest.py`` calls it after setting the test device count.
+``MOEVLM_CPU_THREADS_PER_DEVICE`` overrides the threads a device (0: XLA's pool as it is).
 :func:`check_collective_threads` (called by ``Layout.make_mesh``) warns when a CPU mesh runs on a
 client that started with fewer threads.
 """
@@ -49,10 +49,9 @@ ENV_NAMES = ("PJRT_NPROC", "NPROC")  # the order XLA reads them in (xla/pjrt/uti
 # all-gather in the vision tower's layer loop and all-gathers of the entry computation); the test program
 # of tests/parallelism/test_cpu_collectives.py needs 2 per device (12 threads deadlocked 5 of 5 runs, 16
 # passed 5 of 5). 3 leaves a margin; the threads cost nothing measurable (tp step on 2 cores: the same
-# step time with 16, 32 and 64 threads). Not more: the suite under heavy load (other jax processes on the
-# same 2 cores) saw two segfaults inside XLA:CPU compiles with 4 a device (32 threads), cause not isolated.
+# step time with 16, 32 and 64 threads).
 THREADS_PER_DEVICE = 3
-# threads a host device as an integer, 0: leave XLA's pool as it is (the test suite: tests/conftest.py)
+# threads a host device as an integer, 0: leave XLA's pool as it is
 PER_DEVICE_ENV = "MOEVLM_CPU_THREADS_PER_DEVICE"
 _DEVICE_COUNT = re.compile(r"(?:^|\s)--xla_force_host_platform_device_count=(\S*)(?=\s|$)")
 _warned: set[tuple[int, int]] = set()
