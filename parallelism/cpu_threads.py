@@ -25,8 +25,8 @@ keyed by op id, so any order completes given threads: the pool size is the cause
 before ``NPROC``) to at least ``THREADS_PER_DEVICE`` threads per host device, never fewer than the
 CPU count XLA would use anyway. It must run before the jax CPU backend starts: the ``parallelism``
 package calls it when imported (the train CLI, tools and benchmarks import it before their first
-device use), and ``tests/conftest.py`` calls it after setting the test device count.
-``MOEVLM_CPU_THREADS_PER_DEVICE`` overrides the threads a device (0: XLA's pool as it is).
+device use). ``MOEVLM_CPU_THREADS_PER_DEVICE`` overrides the threads a device (0: XLA's pool as it
+is, which the test suite keeps: ``tests/conftest.py`` says why).
 :func:`check_collective_threads` (called by ``Layout.make_mesh``) warns when a CPU mesh runs on a
 client that started with fewer threads.
 """

@@ -79,15 +79,15 @@ def run_program(calls: int, *, import_parallelism: bool = True, cpus: int = 2, t
                           text=True, timeout=timeout)
 
 
-def test_the_test_session_has_threads_for_its_devices_and_the_opt_out_is_honoured():
-    """conftest.py: 8 host devices and a pool they cannot exhaust with their collectives;
-    MOEVLM_CPU_THREADS_PER_DEVICE=0 asks for nothing, 2 for 2 a device."""
+def test_the_suite_keeps_xlas_pool_and_the_opt_out_is_honoured():
+    """conftest.py: MOEVLM_CPU_THREADS_PER_DEVICE=0, so nothing is raised and nothing warns; without it
+    the same environment would get THREADS_PER_DEVICE a device."""
     n = len(jax.devices())
-    assert n == DEVICES
-    assert cpu_threads.pool_threads(n) >= cpu_threads.required_threads(n) == cpu_threads.THREADS_PER_DEVICE * n
-    assert cpu_threads.check_collective_threads(n)
+    assert n == DEVICES and os.environ.get(cpu_threads.PER_DEVICE_ENV) == "0"
+    assert cpu_threads.required_threads(n) == 1 and cpu_threads.check_collective_threads(n)
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", cpu_threads.PER_DEVICE_ENV: "0"}
     assert cpu_threads.ensure_collective_threads(env) is not None and "PJRT_NPROC" not in env
+    assert cpu_threads.required_threads(n, {}) == cpu_threads.THREADS_PER_DEVICE * n
     assert cpu_threads.required_threads(n, {cpu_threads.PER_DEVICE_ENV: "2"}) == 2 * n
 
 
