@@ -241,8 +241,8 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     records = [r for r in every if "loss" in r]
     if primary:  # the curves as a picture, named in the summary
         try:
-            summary["curves"] = str(plot_curves(every, run_dir / "curves.png", f"{cfg.name}: {cfg.model.name}, "
-                                                f"layout {cfg.layout.name}") or "") or None
+            png = plot_curves(every, run_dir / "curves.png", f"{cfg.name}: {cfg.model.name}, layout {cfg.layout.name}")
+            summary["curves"] = str(png) if png else None
         except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
             log.warning("curves.png not written: %s", e)
     summary.update({
