@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -234,6 +235,19 @@ def model_data_checks(model: ModelConfig, data: DataConfig) -> list[str]:
     return errors
 
 
+def _with_image_bound(compute: ComputeConfig, data: DataConfig) -> ComputeConfig:
+    """``compute.attention_options.vision_max_image_patches`` from the data's image processing: the most
+    patches ``data.image.max_pixels`` allows an image, or an image scaled up to ``min_pixels`` and rounded
+    up to the resize grid (square; the trainer checks every batch and runs a batch holding a longer image
+    over whole rows), a multiple of the merge block."""
+    img = data.image
+    up = (math.isqrt(img.min_pixels) + img.factor) ** 2
+    block = img.merge_size**2
+    bound = -(-max(img.max_pixels, up) // img.patch_size**2 // block) * block
+    options = dataclasses.replace(compute.attention_options, vision_max_image_patches=max(1, bound))
+    return dataclasses.replace(compute, attention_options=options)
+
+
 def _derive_data(raw: dict[str, Any], tr: TrainConfig, gbs: int, num_processes: int,
                  errors: list[str]) -> dict[str, Any]:
     """The train section owns the batch shape: data.seq_len = train.seq_len and data.batch_size =
@@ -293,6 +307,8 @@ def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes
     compute = build(ComputeConfig, raw.get("compute"), "compute", errors)
     if model is not None and data is not None:
         errors += model_data_checks(model, data)
+    if compute is not None and data is not None and compute.attention_options.vision_max_image_patches is None:
+        compute = _with_image_bound(compute, data)
     if model is not None and layout is not None and tr is not None and not errors:
         try:  # the layout against the model and the batch shape, before anything compiles
             validate_layout(model, layout, batch_size=tr.micro_batch_size * dp, seq_len=tr.seq_len,

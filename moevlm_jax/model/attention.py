@@ -82,14 +82,18 @@ def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, causal: bo
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids: jax.Array,
                           kv_segment_ids: jax.Array, causal: bool, impl: str = "xla",
                           scale: float | None = None, logical_axes: tuple[Axes, Axes] | None = None,
-                          max_segments: int = MAX_PACKED_SEGMENTS, pad_head_dim: int | None = None) -> jax.Array:
+                          max_segments: int = MAX_PACKED_SEGMENTS, pad_head_dim: int | None = None,
+                          max_segment_len: int | None = None) -> jax.Array:
     """q ``[B, Sq, N, D]``, k/v ``[B, Sk, K, D]`` (N a multiple of K), segment ids ``[B, S]`` ->
     ``[B, Sq, N, D]``. Each query attends to keys with its segment id (and at or before it if causal).
     ``logical_axes`` (q's, k/v's): when the layout splits that sequence axis (context parallelism),
     ``parallelism.context`` runs this attention over the sequence shards. ``max_segments``,
-    ``pad_head_dim``: the cuDNN path's ragged bound and head-dim padding (module docstring)."""
+    ``pad_head_dim``: the cuDNN path's ragged bound and head-dim padding (module docstring).
+    ``max_segment_len``: the XLA path's bound on a segment's length (:func:`windowed_attention`), used
+    while tracing under :func:`rows_within_bound` (the caller checked the batch on the host)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    opts = dict(causal=causal, impl=impl, scale=scale, max_segments=max_segments, pad_head_dim=pad_head_dim)
+    opts = dict(causal=causal, impl=impl, scale=scale, max_segments=max_segments, pad_head_dim=pad_head_dim,
+                max_segment_len=max_segment_len)
     if logical_axes is not None and context.sequence_axes(logical_axes[0]):
         attend = functools.partial(_attention, **opts)
         return context.context_parallel_attention(attend, q, k, v, q_segment_ids, kv_segment_ids,
@@ -111,7 +115,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, q_segment_ids:
 
 
 def _attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, *, causal, impl, scale,
-               max_segments=MAX_PACKED_SEGMENTS, pad_head_dim=None):
+               max_segments=MAX_PACKED_SEGMENTS, pad_head_dim=None, max_segment_len=None):
     """The local attention; query i sits at sequence index ``q_offset + i`` of k/v."""
     b, sq, n, d = q.shape
     kh = k.shape[2]
@@ -126,15 +130,56 @@ def _attention(q, k, v, q_segment_ids, kv_segment_ids, q_offset, *, causal, impl
             return _cudnn_packed(q, k, v, q_segment_ids, causal, scale, max_segments)
         mask = segment_mask(q_segment_ids, kv_segment_ids, causal, q_offset)
         return _cudnn_dense(q, k, v, mask, causal and sq == k.shape[1], scale)
-    mask = segment_mask(q_segment_ids, kv_segment_ids, causal, q_offset)
     if impl != "xla":
         raise ValueError(f"unknown attention implementation {impl!r}")
+    windowed = (max_segment_len is not None and _WITHIN_BOUND.get() and q_segment_ids is kv_segment_ids
+                and sq == k.shape[1] and isinstance(q_offset, int) and q_offset == 0
+                and 3 * max_segment_len < sq)  # else the whole row is no dearer
+    if windowed:
+        return windowed_attention(q, k, v, q_segment_ids, max_segment_len, causal=causal, scale=scale)
+    mask = segment_mask(q_segment_ids, kv_segment_ids, causal, q_offset)
     qg = q.reshape(b, sq, kh, n // kh, d)
     scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     return out.reshape(b, sq, n, d)
+
+
+def windowed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, span: int, *,
+                       causal: bool, scale: float) -> jax.Array:
+    """Self-attention within segments no longer than ``span`` (each contiguous), exactly, computing
+    only a band: the row is cut into blocks of ``span`` queries, and each block attends to the keys of
+    itself and its two neighbours, which hold every key of any segment one of its queries belongs to.
+    Scores ``[B, S, 3 span]`` instead of ``[B, S, S]`` (the vision tower on CPU: rows of 512 patches,
+    images of <= 64, ~2.7x fewer scores). A longer segment would lose keys: callers pass ``span``
+    only for batches checked on the host (``training.trainer.segments_over_bound``). Padding (id 0)
+    attends to padding within the band: its outputs differ from the whole-row path's and are unused."""
+    b, s, n, d = q.shape
+    kh = k.shape[2]
+    nb = -(-s // span)
+    pad = nb * span - s
+    seg = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1) if pad else segment_ids
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    pos = jnp.arange(nb * span)
+
+    def band(x, fill):  # [B, nb * span, ...] -> [B, nb, 3 span, ...]: blocks i-1, i, i+1
+        widths = ((0, 0), (span, span)) + ((0, 0),) * (x.ndim - 2)
+        xb = jnp.pad(x, widths, constant_values=fill).reshape(x.shape[0], nb + 2, span, *x.shape[2:])
+        return jnp.concatenate([xb[:, :nb], xb[:, 1:nb + 1], xb[:, 2:]], axis=2)
+
+    kw, vw = band(k, 0), band(v, 0)
+    seg_w, pos_w = band(seg, -2), band(pos[None], -1)[0]  # -2: outside the row, matches no query
+    qb = q.reshape(b, nb, span, kh, n // kh, d)
+    mask = seg.reshape(b, nb, span)[..., :, None] == seg_w[:, :, None, :]  # [B, nb, span, 3 span]
+    if causal:
+        mask = mask & (pos.reshape(nb, span)[:, :, None] >= pos_w[:, None, :])[None]
+    scores = jnp.einsum("bnskgd,bntkd->bnkgst", qb, kw, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, :, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bnkgst,bntkd->bnskgd", probs, vw).reshape(b, nb * span, n, d)
+    return out[:, :s]
 
 
 def segment_offsets(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:

@@ -78,6 +78,10 @@ class AttentionOptions:
     pad_head_dim: int | None = None  # zero-pad the decoder's q/k/v head dim to this (a tuned kernel); null: as is
     vision_max_segments: int | None = None  # the vision tower's bound on images a row (null: max_segments)
     vision_pad_head_dim: int | None = None  # the vision tower's head-dim padding (null: pad_head_dim)
+    # the most patches one image holds (null: derived from data.image.max_pixels): the XLA attention
+    # (CPU) of the vision tower then computes only a band around each image (exact; the trainer checks
+    # each batch on the host and runs the whole-row attention for a batch with a longer image)
+    vision_max_image_patches: int | None = None
 
     def __post_init__(self) -> None:
         coerce_fields(self, "compute.attention_options")
@@ -92,11 +96,12 @@ class AttentionOptions:
 
     def for_tower(self, tower: str) -> dict[str, Any]:
         """``max_segments`` / ``pad_head_dim`` for the decoder ("text") or the vision tower ("vision":
-        its own values where set, else the decoder's)."""
+        its own values where set, else the decoder's; and ``max_segment_len``, the XLA path's bound)."""
         out = {"max_segments": self.max_segments, "pad_head_dim": self.pad_head_dim}
         if tower == "vision":
             own = {"max_segments": self.vision_max_segments, "pad_head_dim": self.vision_pad_head_dim}
             out.update({k: v for k, v in own.items() if v is not None})
+            out["max_segment_len"] = self.vision_max_image_patches
         return out
 
 

@@ -62,6 +62,7 @@ class Candidate:
     state_dtype: str = "float32"
     freeze_vision: bool = False
     capacity_factor: float | None = None
+    accum_dtype: str = "float32"  # the gradient sum over microbatches (optimizer.grad_accum_dtype)
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -106,6 +107,8 @@ class Candidate:
                  ("train.grad_accum", self.grad_accum, None if base is None else base.train.grad_accum),
                  ("compute.param_dtype", self.param_dtype, None if base is None else base.compute.param_dtype),
                  ("optimizer.state_dtype", self.state_dtype, None if base is None else base.optimizer.state_dtype),
+                 ("optimizer.grad_accum_dtype", self.accum_dtype,
+                  None if base is None else base.optimizer.grad_accum_dtype),
                  ("compute.moe.capacity_factor", self.capacity_factor,
                   None if base is None else base.compute.moe.capacity_factor),
                  ("train.freeze_vision_model", self.freeze_vision,
@@ -236,9 +239,12 @@ def fitted_layouts(model: Any, devices: int, hosts: int = 1, *, presets: Iterabl
 
 def settings(layout: Any, dp: int, global_batch: int, *, recompute: Sequence[tuple[str, tuple[str, ...]]] = RECOMPUTE,
              dtypes: Sequence[tuple[str, str]] = DTYPES, freeze: Sequence[bool] = (False,),
-             capacity: Sequence[float | None] = (None,), max_mbs: int = 16, preset: str = "") -> list[Candidate]:
+             capacity: Sequence[float | None] = (None,), max_mbs: int = 16, preset: str = "",
+             accum_dtypes: Sequence[str] = ("float32",)) -> list[Candidate]:
     """Every setting of a layout: MBS powers of two (with the gradient accumulation keeping the global batch
-    = MBS x grad_accum x data-parallel size) x recompute x dtypes x frozen vision x experts."""
+    = MBS x grad_accum x data-parallel size) x recompute x dtypes x frozen vision x experts; with
+    accumulation and bf16 parameters also each of ``accum_dtypes`` for the gradient sum (float32 first:
+    of equal estimates the ranking keeps the first)."""
     out = []
     for mbs in _pow2(max_mbs):
         if global_batch % (mbs * dp):
@@ -256,7 +262,8 @@ def settings(layout: Any, dp: int, global_batch: int, *, recompute: Sequence[tup
             lay = dataclasses.replace(layout, options=dataclasses.replace(
                 layout.options, pipeline=dataclasses.replace(pipe, microbatches=m)))
         for (rc, mods), (pd, sd), fz, cf in itertools.product(recompute, dtypes, freeze, capacity):
-            out.append(Candidate(lay, preset or layout.name, mbs, ga, rc, tuple(mods), pd, sd, fz, cf))
+            for ad in accum_dtypes if ga > 1 and pd == "bfloat16" else ("float32",):
+                out.append(Candidate(lay, preset or layout.name, mbs, ga, rc, tuple(mods), pd, sd, fz, cf, ad))
     return out
 
 
@@ -347,6 +354,7 @@ def knobs_of(c: Candidate, w: Workload, compute: Any = None) -> MemoryKnobs:
     comp = candidate_compute(c, w, compute)
     frozen = {"vision_model"} if c.freeze_vision else set()
     return MemoryKnobs.from_compute(comp, state_dtype=c.state_dtype, frozen=frozen, grad_accum=c.grad_accum,
+                                    accum_dtype=c.accum_dtype,
                                     platform=w.platform, loss_capacity=loss_capacity(w.trained_fraction, c.mbs, w.seq))
 
 
@@ -395,7 +403,8 @@ def enumerate_candidates(w: Workload, *, presets: Iterable[str] = PRESETS, pin: 
                          pipeline: tuple[str, int] | None = None,
                          recompute: Sequence[tuple[str, tuple[str, ...]]] = RECOMPUTE,
                          dtypes: Sequence[tuple[str, str]] = DTYPES, freeze: Sequence[bool] = (False,),
-                         capacity: Sequence[float | None] = (None,), max_mbs: int = 16) -> list[Candidate]:
+                         capacity: Sequence[float | None] = (None,), max_mbs: int = 16,
+                         accum_dtypes: Sequence[str] = ("float32", "bfloat16")) -> list[Candidate]:
     """Every (layout, setting) candidate for the workload that the layout validator accepts."""
     from parallelism.logical import data_parallel_size
 
@@ -403,16 +412,18 @@ def enumerate_candidates(w: Workload, *, presets: Iterable[str] = PRESETS, pin: 
     for preset, layout in fitted_layouts(w.model, w.devices, w.hosts, presets=presets, pin=pin, pipeline=pipeline):
         dp = data_parallel_size(layout.rules, layout.resolved_mesh_shape(w.devices))
         for c in settings(layout, dp, w.global_batch, recompute=recompute, dtypes=dtypes, freeze=freeze,
-                          capacity=capacity, max_mbs=max_mbs, preset=preset):
+                          capacity=capacity, max_mbs=max_mbs, preset=preset, accum_dtypes=accum_dtypes):
             if valid(c, w, cache) is None:
                 out.append(c)
     return out
 
 
 def rank(estimates: Iterable[Estimate]) -> list[Estimate]:
-    """Fitting candidates first, fastest first; then the rest by memory."""
+    """Fitting candidates first, fastest first (of equal speed: a float32 gradient sum first, then the
+    least memory); then the rest by memory."""
     est = list(estimates)
-    fit = sorted((e for e in est if e.fits), key=lambda e: (-e.tokens_per_s, e.memory.total))
+    fit = sorted((e for e in est if e.fits),
+                 key=lambda e: (-e.tokens_per_s, e.candidate.accum_dtype != "float32", e.memory.total))
     rest = sorted((e for e in est if not e.fits), key=lambda e: e.memory.total)
     return fit + rest
 

@@ -48,7 +48,7 @@ def compiled_memory(c: Candidate, w: Workload, devices: Sequence[Any] | None = N
     knobs = knobs_of(c, w, compute)
     platform = devices[0].platform
     comp = candidate_compute(c, w, compute)
-    opt = dataclasses.replace(optimizer or OptimizerConfig(), state_dtype=c.state_dtype)
+    opt = dataclasses.replace(optimizer or OptimizerConfig(), state_dtype=c.state_dtype, grad_accum_dtype=c.accum_dtype)
     report = memory_report(w.model, c.layout, comp, mbs=c.mbs, seq_len=w.seq, patches=w.patches if patches is None
                            else patches, grad_accum=c.grad_accum, devices=devices, optimizer=opt,
                            capacity=knobs.loss_capacity, frozen=("vision_model",) if c.freeze_vision else (),
@@ -131,7 +131,7 @@ def candidate_of(cfg: Any, devices: int) -> Candidate:
                                  or {"fsdp": 1})
     return Candidate(layout, cfg.layout.name, cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.compute.recompute,
                      tuple(cfg.compute.recompute_modules), cfg.compute.param_dtype, cfg.optimizer.state_dtype,
-                     cfg.train.freeze_vision_model, cfg.compute.moe.capacity_factor)
+                     cfg.train.freeze_vision_model, cfg.compute.moe.capacity_factor, cfg.optimizer.grad_accum_dtype)
 
 
 def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: float | None = None,
@@ -143,7 +143,7 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     (``compile``; else the analytic estimate) against the devices' memory (``bytes_limit``; on CPU or
     where unknown ``device_memory_gib``, default 141). If not: the fastest fitting change among those
     ``allow`` names (``mbs``: MBS with the gradient accumulation that keeps the global batch;
-    ``recompute``; ``dtypes``: bf16 parameters / AdamW state; ``layout``: other presets on these devices;
+    ``recompute``; ``dtypes``: bf16 parameters / AdamW state / gradient sum; ``layout``: other presets on these devices;
     ``freeze``: frozen vision tower; ``capacity``: drop-and-pad experts), confirmed by a compile when
     ``compile``, as ``key=value`` overrides with the reason; the ranked table when nothing fits.
     ``compile=(lo, hi)``: compile only where the estimate leaves the answer in doubt, between ``lo`` and
@@ -221,7 +221,8 @@ def _alternatives(base: Candidate, w: Workload, allow: set[str]) -> list[Candida
     for preset, layout in layouts:
         dp = data_parallel_size(layout.rules, layout.resolved_mesh_shape(w.devices))
         cands = settings(layout, dp, w.global_batch, recompute=recompute, dtypes=dtypes, freeze=freeze,
-                         capacity=capacity, preset=preset)
+                         capacity=capacity, preset=preset,
+                         accum_dtypes=("float32", "bfloat16") if "dtypes" in allow else (base.accum_dtype,))
         if "mbs" not in allow:
             cands = [c for c in cands if c.mbs == base.mbs]
         out += [c for c in cands if c != base and valid(c, w, cache) is None]

@@ -74,6 +74,7 @@ class MemoryKnobs:
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"
     state_dtype: str = "float32"
+    accum_dtype: str = "float32"  # the gradient sum over microbatches (grad_accum > 1)
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = ("core_attn",)
     vision_recompute: str | None = None
@@ -98,13 +99,13 @@ class MemoryKnobs:
 
     @classmethod
     def from_compute(cls, compute: Any, *, state_dtype: str = "float32", frozen: Any = (), grad_accum: int = 1,
-                     platform: str = "cpu", loss_capacity: int | None = None) -> MemoryKnobs:
+                     platform: str = "cpu", loss_capacity: int | None = None, accum_dtype: str = "float32") -> MemoryKnobs:
         """From a ComputeConfig (+ the optimizer's state dtype, frozen groups, accumulation, the platform
         whose attention path ``compute.attention: auto`` resolves to)."""
         attention = compute.attention if compute.attention != "auto" else ("cudnn" if platform == "gpu" else "xla")
         moe = compute.moe
         cf = moe.capacity_factor if moe.backend != "hybrid" else None
-        return cls(dtype=compute.dtype, param_dtype=compute.param_dtype, state_dtype=state_dtype,
+        return cls(dtype=compute.dtype, param_dtype=compute.param_dtype, state_dtype=state_dtype, accum_dtype=accum_dtype,
                    recompute=compute.recompute, recompute_modules=tuple(compute.recompute_modules),
                    vision_recompute=compute.vision_recompute,
                    vision_recompute_modules=None if compute.vision_recompute_modules is None
@@ -305,11 +306,13 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
     trainable = sum(local[p.path] for p in params if _trainable(p, knobs.frozen))
     ga = knobs.grad_accum
     # the layer scan's backward writes its stacked gradients in the parameter dtype (float32 after the scan,
-    # when the residuals are gone); with accumulation the float32 sum over the microbatches is live too
-    grads = trainable * pb + (trainable * 4 if ga > 1 else 0)
-    grads_f32 = trainable * 4
-    # unrolled layers: the float32 sum of the earlier microbatches is live through every later one
-    accumulator = trainable * 4 if ga > 1 else 0
+    # when the residuals are gone); with accumulation the sum over the microbatches (optimizer.grad_accum_dtype)
+    # is live too, and each microbatch's gradients are cast to its dtype
+    ab = DTYPE_BYTES[knobs.accum_dtype] if ga > 1 else 4
+    grads = trainable * pb + (trainable * ab if ga > 1 else 0)
+    grads_f32 = trainable * ab
+    # unrolled layers: the sum of the earlier microbatches is live through every later one
+    accumulator = trainable * ab if ga > 1 else 0
     optimizer = 2 * trainable * sb
     vision_trained = "vision_model" not in knobs.frozen
     projection_trained = "vision_projection" not in knobs.frozen

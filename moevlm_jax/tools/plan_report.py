@@ -24,7 +24,8 @@ def _experts(c: Any) -> str:
 
 def _dtypes(c: Any) -> str:
     short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-    return f"{short[c.param_dtype]}/{short[c.state_dtype]}"
+    accum = getattr(c, "accum_dtype", "float32")
+    return f"{short[c.param_dtype]}/{short[c.state_dtype]}" + ("" if accum == "float32" else f" acc {short[accum]}")
 
 
 def comm_summary(e: Any) -> str:

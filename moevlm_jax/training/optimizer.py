@@ -18,6 +18,7 @@ Parameter paths are the pytree key path joined with '/' (``visual/blocks/0/attn/
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -211,13 +212,15 @@ def split_microbatches(batch: Mapping[str, np.ndarray], grad_accum: int,
 
 def accumulate_gradients(loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]], params: PyTree,
                          microbatches: Mapping[str, jax.Array], *args: Any,
-                         grad_shardings: PyTree | None = None) -> tuple[jax.Array, PyTree, dict[str, jax.Array]]:
+                         grad_shardings: PyTree | None = None, accum_dtype: Any = jnp.float32
+                         ) -> tuple[jax.Array, PyTree, dict[str, jax.Array]]:
     """Sum over the leading axis G of ``microbatches`` of ``loss_fn(params, mb, *args) -> (objective,
     metrics)``: returns (sum objective, sum of d objective / d params, summed metrics).
 
     Make ``objective`` a sum (e.g. masked token-loss sum divided by the trained tokens of the WHOLE
     global batch, known up front) so the result equals one pass over the G*B rows; gradients are
-    accumulated in float32 (and constrained to ``grad_shardings`` when given)."""
+    accumulated in ``accum_dtype`` (float32 by default; one microbatch's are returned in float32) and
+    constrained to ``grad_shardings`` when given."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     leaves = jax.tree.leaves(microbatches)
     num = leaves[0].shape[0]
@@ -230,12 +233,13 @@ def accumulate_gradients(loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.A
     def f32(tree: PyTree) -> PyTree:
         return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
-    def one(mb: Any) -> tuple[jax.Array, PyTree, dict[str, jax.Array]]:
+    def one(mb: Any, dtype: Any = jnp.float32) -> tuple[jax.Array, PyTree, dict[str, jax.Array]]:
         (obj, metrics), grads = grad_fn(params, mb, *args)
-        return obj.astype(jnp.float32), constrain(f32(grads)), f32(metrics)
+        return obj.astype(jnp.float32), constrain(jax.tree.map(lambda x: x.astype(dtype), grads)), f32(metrics)
 
     if num == 1:
         return one(jax.tree.map(lambda x: x[0], microbatches))
+    one = functools.partial(one, dtype=accum_dtype)
 
     def body(carry: Any, mb: Any) -> tuple[Any, None]:
         return jax.tree.map(jnp.add, carry, one(mb)), None

@@ -40,7 +40,7 @@ from jax.sharding import Mesh
 
 from data.batch import MODEL_KEYS
 from moevlm_jax.model import router as moe_router
-from moevlm_jax.model.attention import rows_within_bound
+from moevlm_jax.model.attention import resolve_impl, rows_within_bound
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model import registry
@@ -117,18 +117,24 @@ def _state_shardings(spec: StepSpec) -> dict[str, Any]:
             "step": rep, "rng": rep}
 
 
-def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: set[str] | None) -> dict[str, int]:
-    """Rows of a host batch holding more segments (packed samples; images for the vision tower) than
-    the cuDNN ragged attention's bound (``compute.attention_options``): the step then runs that
-    attention on the dense-mask kernel for the whole batch (exact, but slower; bench/attention.md).
-    Returns ``{"text" | "vision": rows over}`` and logs a warning the first time per tower (``warned``;
-    None: no warning, e.g. where the attention is not cuDNN's)."""
+def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: set[str] | None,
+                        lengths: bool = True) -> dict[str, int]:
+    """Rows of a host batch over the attention's static bounds (``compute.attention_options``): more
+    segments (packed samples; images for the vision tower) than the cuDNN ragged kernel's, or an image
+    longer than the vision tower's XLA band (``vision_max_image_patches``). The step then runs that
+    attention on the dense-mask kernel / the whole row for the whole batch (exact, but slower;
+    bench/attention.md). Returns ``{"text" | "vision" | "vision_length": rows over}`` and logs a
+    warning the first time per kind (``warned``; None: no warning, e.g. where the attention is not
+    cuDNN's). ``lengths``: check image lengths (where the vision attention is XLA's; cuDNN's ragged
+    kernel has no such bound)."""
     over = {}
     for tower, key in (("text", "segment_ids"), ("vision", "patch_segment_ids")):
         if key not in arrays or not np.asarray(arrays[key]).size:
             continue
-        bound = options.for_tower(tower)["max_segments"]
-        most = np.asarray(arrays[key]).reshape(-1, np.shape(arrays[key])[-1]).max(axis=-1)
+        bounds = options.for_tower(tower)
+        bound = bounds["max_segments"]
+        ids = np.asarray(arrays[key]).reshape(-1, np.shape(arrays[key])[-1])
+        most = ids.max(axis=-1)
         n = int(np.count_nonzero(most > bound))
         if n:
             over[tower] = n
@@ -138,7 +144,29 @@ def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: 
                     "%d row(s) hold more %s segments than compute.attention_options.%smax_segments=%d (up to %d): "
                     "on the GPU these batches run the dense-mask attention kernel (exact, slower); raise the bound",
                     n, tower, "vision_" if tower == "vision" else "", bound, int(most.max()))
+        span = bounds.get("max_segment_len")
+        if span is not None and lengths:
+            longest = _longest_segments(ids)
+            n = int(np.count_nonzero(longest > span))
+            if n:
+                over["vision_length"] = n
+                if warned is not None and "vision_length" not in warned:
+                    warned.add("vision_length")
+                    log.warning("%d row(s) hold an image of more patches (up to %d) than compute.attention_options."
+                                "vision_max_image_patches=%d: these batches run the vision attention over whole rows "
+                                "(exact, slower); raise the bound", n, int(longest.max()), span)
     return over
+
+
+def _longest_segments(ids: np.ndarray) -> np.ndarray:
+    """``[R, S]`` segment ids (0 = padding) -> the longest run of one non-zero id in each row."""
+    out = np.zeros(ids.shape[0], np.int64)
+    for r, row in enumerate(ids):
+        edges = np.flatnonzero(np.diff(row)) + 1
+        starts, stops = np.r_[0, edges], np.r_[edges, row.size]
+        lengths = np.where(row[starts] > 0, stops - starts, 0)
+        out[r] = lengths.max(initial=0)
+    return out
 
 
 # ----------------------------------------------------------------------------- compiled steps
@@ -164,8 +192,8 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
             model = nnx.merge(graphdef, optim.combine(tr, frozen))
             return microbatch_objective(model, mb, total, spec.grad_accum, capacity, spec.dp_size)
 
-        objective, grads, sums = optim.accumulate_gradients(loss_fn, trainable, micro,
-                                                            grad_shardings=grad_shardings)
+        objective, grads, sums = optim.accumulate_gradients(loss_fn, trainable, micro, grad_shardings=grad_shardings,
+                                                            accum_dtype=jnp.dtype(spec.optimizer.grad_accum_dtype))
         if not spec.compute.scan_layers:  # the stacked gradients materialised once, not re-derived in each
             grads = jax.lax.optimization_barrier(grads)  # reduction over them (82 ms/step, step_h200.md run 7)
         with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
@@ -244,6 +272,8 @@ class Trainer:
         self.spec = spec
         self.compiled: set[tuple] = set()  # (kind, shapes, capacity, bounded) seen: one compile each
         self.bound_warned: set[str] | None = set() if jax.default_backend() == "gpu" and spec.compute.attention != "xla" else None
+        v = spec.model.vision_config
+        self.vision_attention = resolve_impl(spec.compute.attention, jnp.dtype(spec.compute.dtype), v.head_dim)
 
     @classmethod
     def create(cls, model: ModelConfig, compute: ComputeConfig, layout: Layout | None, optimizer: Any, *,
@@ -326,7 +356,8 @@ class Trainer:
         counts = _counts(arrays)
         # cuDNN's ragged bound, checked on the host (a warning on the GPU when rows hold more segments);
         # one process's rows over it: every process runs the step with the fallback
-        over = segments_over_bound(arrays, self.spec.compute.attention_options, self.bound_warned)
+        over = segments_over_bound(arrays, self.spec.compute.attention_options, self.bound_warned,
+                                   lengths=self.vision_attention == "xla")
         bounded = not agreed_max(int(bool(over)))
         local_groups = max(self.spec.dp_size // jax.process_count(), 1)
         most, positions = most_trained(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)

@@ -99,8 +99,9 @@ def test_attention_options_per_tower_and_bad_values():
 
     c = ComputeConfig(attention_options={"max_segments": 2, "vision_max_segments": 4, "vision_pad_head_dim": 128})
     assert c.attention_options.for_tower("text") == {"max_segments": 2, "pad_head_dim": None}
-    assert c.attention_options.for_tower("vision") == {"max_segments": 4, "pad_head_dim": 128}
-    assert ComputeConfig().attention_options.for_tower("vision") == {"max_segments": 16, "pad_head_dim": None}
+    assert c.attention_options.for_tower("vision") == {"max_segments": 4, "pad_head_dim": 128, "max_segment_len": None}
+    assert ComputeConfig().attention_options.for_tower("vision") == {"max_segments": 16, "pad_head_dim": None,
+                                                                     "max_segment_len": None}
     for bad, words in (({"max_segment": 2}, "unknown key"), ({"max_segments": 0}, "positive int"),
                        ({"max_segments": None}, "max_segments: expected int"), ({"vision_pad_head_dim": 100}, "multiple of 8")):
         with pytest.raises(ValueError, match=words):

@@ -111,6 +111,32 @@ def test_analytic_memory_within_10_percent_of_xla(name, layout, mode, modules, m
     assert state == pytest.approx(report["alias_bytes"], rel=0.01)
 
 
+def test_a_bfloat16_gradient_sum_saves_what_the_estimate_says():
+    """Unrolled layers, bf16 parameters, two microbatches: XLA's saving from a bf16 gradient sum
+    (optimizer.grad_accum_dtype) against the float32 one within a third of the analytic saving (2 bytes a
+    trainable parameter for the sum). Measured 2026-12-01: tiny, 2.4 MiB compiled vs 2.6 estimated. (The
+    totals of bf16 parameters on XLA:CPU are not among the 10% cases above: its LM head there.)"""
+    from moevlm_jax.training.config import OptimizerConfig
+
+    model, lay = load_model_config("tiny"), load_layout("fsdp")
+    compute = ComputeConfig(recompute="selective", recompute_modules=(), loss_chunk_size=CHUNK, scan_layers=False,
+                            dtype="bfloat16", param_dtype="bfloat16")
+    g = geometry(model, lay.rules, lay.resolved_mesh_shape(8), mbs=2, seq=SEQ, patches=0, options=lay.options)
+    totals = {}
+    for accum in ("float32", "bfloat16"):
+        opt = OptimizerConfig(state_dtype="bfloat16", grad_accum_dtype=accum)
+        report = memory.memory_report(model, lay, compute, mbs=2, seq_len=SEQ, patches=0, grad_accum=2, optimizer=opt,
+                                      compiler_options=COMPILE)
+        knobs = plan_memory.MemoryKnobs.from_compute(compute, state_dtype="bfloat16", grad_accum=2, accum_dtype=accum,
+                                                     platform="cpu")
+        est = plan_memory.estimate_memory(model, g, knobs)
+        totals[accum] = (est.total, report["total_bytes"], est.parts["gradients"])
+    saved_est = totals["float32"][0] - totals["bfloat16"][0]
+    saved_xla = totals["float32"][1] - totals["bfloat16"][1]
+    assert totals["bfloat16"][2] * 2 == totals["float32"][2]  # the sum's bytes halve
+    assert saved_est > 0 and saved_xla == pytest.approx(saved_est, rel=0.34), (saved_est / 2**20, saved_xla / 2**20)
+
+
 # ----------------------------------------------------------------------------- communication
 
 

@@ -70,7 +70,8 @@ def test_resume_drops_records_after_the_checkpoint(tmp_path):
 
 
 def test_step_tracker_async_pattern_and_throughput():
-    times = iter([100.0, 101.0, 101.5, 102.5, 110.0, 110.5])  # completion times seen by the tracker
+    # times the tracker reads: completions, except at a flush (see below)
+    times = iter([100.0, 101.0, 101.5, 102.5, 110.0, 110.5, 114.0, 115.0])
     tracker = StepTracker(num_devices=2, peak_flops=1e3, clock=lambda: next(times))
     host = {"tokens": 100.0, "useful_tokens": 80.0, "flops": 600.0}
     assert tracker.push(0, {"loss": jnp.asarray(3.0)}, host) is None  # step 0 still running
@@ -89,11 +90,16 @@ def test_step_tracker_async_pattern_and_throughput():
     assert r3["step_time_s"] == 1.0
     tracker.discard_next_interval()  # e.g. a checkpoint was written here
     tracker.push(5, {"loss": jnp.asarray(0.25)}, host)  # step 4 interval (7.5 s) is not counted
+    # a flush reads its step's end, while pushes read the previous step's end late by however long
+    # dispatching the next step blocked: the flushed interval (0.5 s here) and the next are not counted
     last = tracker.flush()
-    assert last["step"] == 5 and last["step_time_s"] == 0.5 and tracker.flush() is None
-    w = tracker.window()
-    assert w["step_time_s"] == pytest.approx(0.75) and w["tokens_per_s"] == pytest.approx(160 / 1.5)
+    assert last["step"] == 5 and "step_time_s" not in last and tracker.flush() is None
+    w = tracker.window()  # step 3 alone
+    assert w["step_time_s"] == pytest.approx(1.0) and w["tokens_per_s"] == pytest.approx(80 / 1.0)
     assert tracker.window() == {}
+    tracker.push(6, {"loss": jnp.asarray(0.2)}, host)
+    assert "step_time_s" not in tracker.push(7, {"loss": jnp.asarray(0.1)}, host)  # step 6: after the flush
+    assert tracker.push(8, {"loss": jnp.asarray(0.1)}, host)["step_time_s"] == pytest.approx(1.0)  # step 7
     assert "mfu" not in StepTracker(peak_flops=None).window()
 
 

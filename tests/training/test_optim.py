@@ -181,6 +181,13 @@ def test_accumulation_4x1_equals_one_batch_of_4():
     assert float(metrics["tokens"]) == total
     for k in w:
         np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-6, atol=1e-7)
+    # a bfloat16 sum (optimizer.grad_accum_dtype): bf16 gradients within bf16's rounding of four adds
+    obj16, grads16, _ = jax.jit(lambda p, m: optim.accumulate_gradients(loss_fn, p, m, accum_dtype=jnp.bfloat16))(w, micro)
+    np.testing.assert_allclose(obj16, ref_loss, rtol=1e-6)
+    for k in w:
+        assert grads16[k].dtype == jnp.bfloat16
+        scale = float(np.max(np.abs(ref_grads[k])))
+        np.testing.assert_allclose(np.asarray(grads16[k], np.float32), ref_grads[k], rtol=0, atol=4 * 2**-8 * scale)
     # the wrong way (mean of per-microbatch means) gives another gradient on this batch
     per_mb = [jax.grad(lambda p, i=i: _token_loss_sum(p, jax.tree.map(lambda x: x[i], micro))
                        / max(float(micro["loss_mask"][i].sum()), 1.0))(w) for i in range(4)]
