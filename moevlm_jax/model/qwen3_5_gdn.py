@@ -126,12 +126,13 @@ class GatedDeltaNet(nnx.Module):
         k = constrain(conv[..., dk:2 * dk], HEADS)
         v = constrain(conv[..., 2 * dk:].reshape(b, s, hv, dv), HEADS)  # group j: value heads j r .. j r + r - 1
         g, beta = gdn_gates(a, beta_in, self.A_log[...], self.dt_bias[...])
-        if split:
-            core = context.context_parallel_map(_rule_shard, (q, k, v, g, beta, segment_ids),
-                                                (HEADS, HEADS, HEADS, GATES, GATES, SEG), HEADS)
-        else:
-            core, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=GDN_CHUNK_SIZE, segment_ids=segment_ids,
-                                             use_qk_l2norm=True, precision=GDN_PRECISION)
+        with jax.named_scope("gated_delta_rule"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
+            if split:
+                core = context.context_parallel_map(_rule_shard, (q, k, v, g, beta, segment_ids),
+                                                    (HEADS, HEADS, HEADS, GATES, GATES, SEG), HEADS)
+            else:
+                core, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=GDN_CHUNK_SIZE, segment_ids=segment_ids,
+                                                 use_qk_l2norm=True, precision=GDN_PRECISION)
         core = checkpoint_name(constrain(core, HEADS), "gdn_core")
         y = checkpoint_name(constrain(self.norm(core, z), HEADS), "gated_norm")
         return checkpoint_name(constrain(self.out_proj(y), INNER), "attn_out")  # row-parallel partial sums

@@ -19,6 +19,12 @@ first device (collectives are not in them) and are multiplied by ``grad_accum``.
 compared with the timed loop's median step, and without the input wait with the whole step timed on
 the same batch by the same harness (what is not in any component: residual and DeepStack adds, router
 losses, gradient-norm metrics, fusion across component boundaries, collectives).
+
+Qwen3.5-MoE (:data:`QWEN35_COMPONENTS`): decoder attention is the gated full attention of the
+full-attention layers; ``gdn`` is each linear-attention layer's Gated DeltaNet (input norm,
+projections, causal conv, gates, chunked delta rule, gated norm, out-projection, residual); every
+layer is MoE (router, dispatch, experts as above) and adds ``shared_expert`` (the dense SwiGLU shared
+expert and its sigmoid gate, on every token); no DeepStack.
 """
 
 from __future__ import annotations
@@ -68,6 +74,26 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("optimizer", "optimizer update: clip + AdamW"),
     ("input_wait", "input wait: loader + host-to-device"),
 )
+_QWEN35_MIXERS = (
+    ("decoder_attention", "gated attention: norm, q (+ gate) / k / v, q/k norms, partial MRoPE, attention, o_proj"),
+    ("gdn", "Gated DeltaNet: norm, projections, conv, gates, chunked delta rule, gated norm, out_proj"),
+)
+QWEN35_COMPONENTS: tuple[tuple[str, str], ...] = (
+    *COMPONENTS[:3], *_QWEN35_MIXERS, *COMPONENTS[4:7],
+    ("shared_expert", "shared expert: SwiGLU + sigmoid gate, every token"), *COMPONENTS[7:],
+)
+
+
+def _qwen35(model: Any) -> bool:
+    """Whether ``model`` is a Qwen3.5-MoE (hybrid GDN / gated attention, shared experts, no DeepStack)."""
+    from moevlm_jax.model.registry import family_of
+
+    return family_of(model.config).name == "qwen3_5_moe"
+
+
+def components_of(model: Any) -> tuple[tuple[str, str], ...]:
+    """The breakdown's (name, description) rows for ``model``'s family."""
+    return QWEN35_COMPONENTS if _qwen35(model) else COMPONENTS
 
 
 def _params(*paths: str, exclude: bool = False) -> Any:
@@ -121,27 +147,38 @@ def slots(idx: jax.Array, w: jax.Array, experts: int, opts: Any) -> tuple[Any, j
 
 
 def _intermediates(model: Any, batch: Mapping[str, jax.Array], opts: Any) -> dict[str, Any]:
-    """One forward pass recording every component's inputs (mirrors ``Qwen3VLMoe.hidden_states``)."""
+    """One forward pass recording every component's inputs (mirrors ``Qwen3VLMoe.hidden_states`` /
+    ``Qwen35Moe.hidden_states``)."""
     lm, tc, dt = model.language_model, model.config.text_config, dtype_of(model.compute.dtype)
+    qwen35 = _qwen35(model)
     ids, seg = batch["input_ids"], batch["segment_ids"]
-    x = lm.embed(ids)
+    images = batch.get("pixel_values") is not None and batch["pixel_values"].shape[1] > 0
+    if qwen35 and images:  # as Qwen35Moe.hidden_states: placeholders read spread embedding rows
+        from moevlm_jax.model.qwen3_vl_moe import spread_placeholders
+
+        x = lm.embed(spread_placeholders(ids, ids == model.config.image_token_id, tc.vocab_size))
+    else:
+        x = lm.embed(ids)
     out: dict[str, Any] = {"vis_x": None, "vis_feats": None}
     deepstack = None
-    if batch.get("pixel_values") is not None and batch["pixel_values"].shape[1] > 0:
+    if images:
         out["vis_x"], out["vis_feats"] = vision_encode(model.visual, batch["pixel_values"], batch["patch_rc"],
                                                        batch["patch_hw"], batch["patch_segment_ids"])
         emb, deepstack = project(model, out["vis_x"], out["vis_feats"], ids, batch["patch_segment_ids"])
         x = jnp.where((ids == model.config.image_token_id)[..., None], emb, x)
-    cos, sin = mrope_cos_sin(batch["positions"], tc.head_dim, tc.rope_theta, tc.mrope_section)
+    cos, sin = mrope_cos_sin(batch["positions"], _rotary_dim(model), tc.rope_theta, tc.mrope_section)
     n_ds = 0 if deepstack is None else deepstack.shape[0]
     groups = []
     for (kind, first, n), stack in zip(lm.groups, lm.stacks):
         def body(layer, h, i, side, kind=kind, with_ds=first < n_ds):
             cos, sin, seg, ds = side
-            mid = h + layer.self_attn(layer.input_layernorm(h), cos, sin, seg)
+            if kind == "linear_attention":  # Qwen3.5's Gated DeltaNet layers
+                mid = h + layer.linear_attn(layer.input_layernorm(h), seg)
+            else:
+                mid = h + layer.self_attn(layer.input_layernorm(h), cos, sin, seg)
             hn = layer.post_attention_layernorm(mid)
             rec = {"x": h, "mid": mid}
-            if kind == "moe":
+            if kind == "moe" or qwen35:  # Qwen3.5: every layer is MoE
                 y, _ = layer.mlp(hn, seg > 0)
                 top_w, top_i, _ = router(layer.mlp, hn, seg > 0)
                 b, s, hd = hn.shape
@@ -165,6 +202,12 @@ def _intermediates(model: Any, batch: Mapping[str, jax.Array], opts: Any) -> dic
     return out
 
 
+def _rotary_dim(model: Any) -> int:
+    """The MRoPE width: the whole head (Qwen3-VL) or its rotary share (Qwen3.5's partial rotary)."""
+    tc = model.config.text_config
+    return tc.rotary_dim if _qwen35(model) else tc.head_dim
+
+
 # ----------------------------------------------------------------------------- components
 
 def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, Any], opts: Any
@@ -173,6 +216,9 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
     the last const argument of each (an argument, not a compile-time constant)."""
     lm, compute, tc = model.language_model, model.compute, model.config.text_config
     dt = dtype_of(compute.dtype)
+    qwen35, rot = _qwen35(model), _rotary_dim(model)
+    attn_kinds = ("full_attention",) if qwen35 else ("moe", "dense")
+    moe_kinds = ("full_attention", "linear_attention") if qwen35 else ("moe",)  # Qwen3.5: every layer is MoE
     comps = []
     if inter["vis_x"] is not None:
         v_gd, v_diff, v_rest = nnx.split(model.visual, _params("merger", "deepstack_merger_list", exclude=True), ...)
@@ -208,7 +254,7 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
         const = tuple((sp[2] if paths else sp[1], tuple(rec[k] for k in xs_keys[diff_xs:])) for sp, (_, rec) in zip(splits, sel))
 
         def fn(diff, const, b):
-            side = (b["segment_ids"], *mrope_cos_sin(b["positions"], tc.head_dim, tc.rope_theta, tc.mrope_section))
+            side = (b["segment_ids"], *mrope_cos_sin(b["positions"], rot, tc.rope_theta, tc.mrope_section))
             total = None
             for gd, (p, dxs), (rest, cxs) in zip(gds, diff, const):
                 stack = nnx.merge(gd, p, rest) if paths else nnx.merge(gd, rest)
@@ -222,9 +268,13 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
     def zeros(x):  # the accumulator of one layer's output
         return jnp.zeros(x.shape[1:], x.dtype)
 
-    per_stack("decoder_attention", ("moe", "dense"), ("self_attn", "input_layernorm"),
+    per_stack("decoder_attention", attn_kinds, ("self_attn", "input_layernorm"),
               lambda layer, x, seg, cos, sin: x + layer.self_attn(layer.input_layernorm(x), cos, sin, seg),
               zeros, ("x",), 1)
+    if qwen35:
+        per_stack("gdn", ("linear_attention",), ("linear_attn", "input_layernorm"),
+                  lambda layer, x, seg, cos, sin: x + layer.linear_attn(layer.input_layernorm(x), seg),
+                  zeros, ("x",), 1)
 
     def route_body(layer, mid, seg, cos, sin):
         top_w, _, stats = router(layer.mlp, layer.post_attention_layernorm(mid), seg > 0)
@@ -232,7 +282,7 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
 
     rows, seq = batch["input_ids"].shape
     k, e = tc.num_experts_per_tok, tc.num_experts
-    per_stack("router", ("moe",), ("post_attention_layernorm", "gate"), route_body,
+    per_stack("router", moe_kinds, ("post_attention_layernorm", "gate"), route_body,
               lambda x: (jnp.zeros((rows, seq, k), jnp.float32), jnp.zeros((rows, e), jnp.float32),
                          jnp.zeros((rows,), jnp.float32)),
               ("mid",), 1)
@@ -241,7 +291,7 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
         _, slot, src, _ = slots(idx, w, e, opts)
         return combine_rows(dispatch_rows(tokens, src, slot, k), w, slot, src)
 
-    per_stack("dispatch", ("moe",), (), dispatch_body, zeros, ("hn", "top_w", "top_i"), 2)
+    per_stack("dispatch", moe_kinds, (), dispatch_body, zeros, ("hn", "top_w", "top_i"), 2)
 
     def experts_body(layer, rows, counts, seg, cos, sin):
         w_gu = layer.mlp.gate_up_proj[...].astype(dt)
@@ -254,7 +304,15 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
             return hybrid_buffer_ffn(rows, counts, cap, w_gu, w_down, opts.overflow_backend)
         return expert_ffn(rows, counts, w_gu, w_down, opts.backend)
 
-    per_stack("experts", ("moe",), ("gate_up_proj", "down_proj"), experts_body, zeros, ("rows", "counts"), 1)
+    per_stack("experts", moe_kinds, ("gate_up_proj", "down_proj"), experts_body, zeros, ("rows", "counts"), 1)
+
+    if qwen35:
+        def shared_body(layer, tokens, seg, cos, sin):  # SharedExpertMoeBlock's dense part on [B, S, H]
+            hn = tokens.reshape(rows, seq, -1)
+            y = jax.nn.sigmoid(layer.mlp.shared_expert_gate(hn)) * layer.mlp.shared_expert(hn)
+            return y.reshape(tokens.shape)
+
+        per_stack("shared_expert", moe_kinds, ("shared_expert", "shared_expert_gate"), shared_body, zeros, ("hn",), 1)
 
     capacity = loss_capacity(*most_trained(np.asarray(batch["loss_mask"]), 1, 1))  # as Trainer.prepare: static
     tied = model.lm_head is None
@@ -342,6 +400,7 @@ def run_breakdown(trainer: Any, state: dict[str, Any], host: Mapping[str, np.nda
     params = state["params"] if trainer.mesh.devices.size == 1 else jax.device_put(state["params"], dev)
     model = trainer.model(params)
     opts = resolve_options(ExpertTopology(), **model.compute.moe_options)
+    components = components_of(model)
     graphdef, mstate = nnx.split(model)
 
     def record(st, b):  # the intermediates, and the model's own forward to check them against
@@ -370,7 +429,7 @@ def run_breakdown(trainer: Any, state: dict[str, Any], host: Mapping[str, np.nda
     results["input_wait"] = {"seconds": input_wait_s, "compile_s": 0.0}
     total = sum(r["seconds"] for r in results.values())
     comps = [{"name": n, "description": d, **results.get(n, {"seconds": 0.0, "compile_s": 0.0}),
-              "present": n in results} for n, d in COMPONENTS]
+              "present": n in results} for n, d in components]
     for c in comps:
         c["share"] = c["seconds"] / total if total else 0.0
     compute = total - input_wait_s

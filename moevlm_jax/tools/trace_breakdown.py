@@ -6,7 +6,8 @@ the kernels of the *actual* step: every device event of a ``jax.profiler`` Perfe
 it ran (``args.hlo_op``, ``args.hlo_module``); the compiled step's HLO text maps each instruction to
 its ``op_name`` metadata, i.e. the JAX name stack, which carries the model's named scopes
 (``vision_encoder``, ``projector``, ``embed``, ``decoder_attention``, ``router``, ``experts`` with
-``expert_ffn`` inside, ``lm_head``, ``optimizer``). Backward and recomputed ops keep the scope
+``expert_ffn`` inside, ``lm_head``, ``optimizer``; Qwen3.5: ``decoder_gdn`` around a Gated DeltaNet
+layer with ``gated_delta_rule`` around its chunked rule inside, ``shared_expert``). Backward and recomputed ops keep the scope
 names (``transpose(jvp(decoder_attention))``), so each component's row is forward + backward.
 Kernel time in no scope (residual adds, norms between blocks, casts, the loss gather) is "other";
 step time not covered by any kernel is "device idle" (launch gaps, host waits): the rows add up to
@@ -38,6 +39,9 @@ COMPONENTS: tuple[tuple[str, str], ...] = (
     ("permutation / dispatch", "experts"),
     ("router", "router"),
     ("decoder attention", "decoder_attention"),
+    ("GDN delta rule (chunked)", "gated_delta_rule"),  # Qwen3.5: inside decoder_gdn, so before it
+    ("GDN layer (projections, conv, gates, norm)", "decoder_gdn"),
+    ("shared expert", "shared_expert"),
     ("projector / mergers", "projector"),
     ("vision encoder", "vision_encoder"),
     ("LM head + loss", "lm_head"),
