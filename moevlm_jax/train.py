@@ -50,6 +50,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"    {'question':<10} {'answers':>8} {'accuracy':>9} {'chance':>7}")
         for key, e in sorted(last["accuracy"].items(), key=lambda kv: (kv[0] == "all", kv[0])):
             lines.append(f"    {key:<10} {e['answers']:>8} {e['accuracy']:>9.1%} {fmt(e['chance'], '.1%'):>7}")
+    if summary.get("answers"):
+        lines.append(f"  answers         held-out questions, generated (greedy) next to the truth "
+                     f"({summary['run_dir']}/answers.jsonl)")
+        for r in summary["answers"]:
+            mark = "" if r["match"] is None else ("  ok" if r["match"] else "  x")
+            lines.append(f"    {r['question'][:60]!r:<62} truth {str(r['answer'])!r:<10} model {r['generated'][:40]!r}{mark}")
     if summary.get("evals_skipped"):
         lines.append(f"  held-out        skipped: {summary['evals_skipped']}")
     if summary.get("curves"):

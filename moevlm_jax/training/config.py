@@ -62,6 +62,9 @@ class TrainConfig:
     log_every: int = 10  # steps between metrics.jsonl / TensorBoard records
     eval_every: int = 0  # steps between held-out evaluations (0: only at the end, if eval_batches)
     eval_batches: int = 0  # held-out batches per evaluation (MBS x DP rows each)
+    # held-out questions answered by generation (greedy) at the end of a run that evaluates, shown in the
+    # summary next to the truth (0: none; Qwen3-VL-MoE models)
+    show_answers: int = 4
     checkpoint_every: int = 500  # steps between checkpoints (0: only the final one)
     checkpointing: bool = True  # false: no checkpoints at all (benchmarks, smoke runs; MaxText's enable_checkpointing)
     keep_checkpoints: int = 3  # checkpoints kept on disk (older ones deleted)

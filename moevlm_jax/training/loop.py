@@ -8,6 +8,7 @@ parameters, optimizer state, step, RNG and the data iterator.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -235,6 +236,14 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                 save(ckpt, step, state, loader, force=True)
                 if evals and (tr.eval_every or tr.eval_batches):
                     _eval(trainer, state, cfg.data, eval_rows, max(tr.eval_batches, 1), step, writer, summary)
+                if evals and (tr.eval_every or tr.eval_batches) and tr.show_answers:
+                    try:
+                        summary["answers"] = _answers(cfg, state, tr.show_answers)
+                        if primary and summary["answers"]:
+                            path = run_dir / "answers.jsonl"
+                            path.write_text("".join(json.dumps({"step": step, **r}) + "\n" for r in summary["answers"]))
+                    except Exception as e:  # noqa: BLE001 - a demonstration must never fail a finished run
+                        log.warning("answers not generated: %s: %s", type(e).__name__, str(e).splitlines()[0][:300])
         finally:
             profile.close()
             bar.close()
@@ -316,6 +325,33 @@ def _eval(trainer: Trainer, state: Any, data_cfg: Any, rows: int, batches: int, 
     acc = result["accuracy"].get("all", {})
     log.info("eval at step %d: loss %.4f, accuracy %.1f%% over %d answers (%.1fs)", step, result["loss"],
              100 * acc.get("accuracy", float("nan")), acc.get("answers", 0), time.perf_counter() - t)
+
+
+def _answers(cfg: RunConfig, state: Any, count: int) -> list[dict[str, Any]] | None:
+    """The first ``count`` questions of the held-out split answered by greedy generation (every process
+    runs it: the parameters are global arrays) -> rows ``{"question", "answer", "generated", "match"}``;
+    None (with the reason logged) for a model family generation does not cover."""
+    from data.records import decode_record
+    from data.sources import build_source
+    from data.tokenizer import load_tokenizer
+    from moevlm_jax import inference
+    from moevlm_jax.model import registry
+
+    if registry.family_of(cfg.model).name != "qwen3_vl_moe":
+        log.info("answers: generation covers Qwen3-VL-MoE models (python -m moevlm_jax.generate); none shown")
+        return None
+    t = time.perf_counter()
+    source, _ = build_source(cfg.data, cfg.data.eval_split)
+    questions = []
+    for i in range(len(source)):
+        if len(questions) >= count:
+            break
+        questions += inference.record_questions(decode_record(source[i]))[: count - len(questions)]
+    model = inference.model_for_generation(cfg.model, cfg.compute, state["params"])
+    rows = inference.answer_questions(model, load_tokenizer(cfg.data.tokenizer), questions, image_config=cfg.data.image,
+                                      system_prompt=cfg.data.system_prompt, max_new_tokens=16)
+    log.info("answers: %d held-out questions generated (%.1fs)", len(rows), time.perf_counter() - t)
+    return rows
 
 
 def _pretrained(path: str | None, cfg: RunConfig, trainer: Trainer) -> Any:

@@ -58,7 +58,11 @@ def test_layering_defaults_recipe_files_cli(files):
     text = cfg.model.text_config  # file < recipe < CLI
     assert (text.moe_intermediate_size, text.num_hidden_layers, text.hidden_size) == (32, 2, 64)
     assert cfg.model.vision_config.depth == 2
-    assert cfg.compute == ComputeConfig(dtype="bfloat16")
+    # the default compute, but for the vision band derived from the data's images (test_attention_window.py)
+    from moevlm_jax.model.compute import AttentionOptions
+
+    assert cfg.compute.attention_options.vision_max_image_patches > 0
+    assert cfg.compute.replace(attention_options=AttentionOptions()) == ComputeConfig(dtype="bfloat16")
     assert cfg.layout.name == "fsdp" and cfg.data_parallel_size == 8
     # global batch = MBS 2 x accum 3 x DP 8; the data section is derived from the train section
     assert cfg.global_batch_size == 48 and cfg.train.global_batch_size == 48

@@ -97,6 +97,30 @@ def test_main_job_resume_freeze_and_outputs(tmp_path):
     assert not any("visual/blocks" in k or "visual/patch_embed" in k or "visual/pos_embed" in k for k in opt_paths)
     assert any("visual/merger" in k for k in opt_paths) and any("embed_tokens" in k for k in opt_paths)
     assert int(s3["step"]) == 3 and int(s6["step"]) == 6
+
+    # the summary's held-out answers: greedy generation from the final parameters, as the generate
+    # path gives from the checkpoint (restored on its own)
+    from data.records import decode_record
+    from data.sources import build_source
+    from moevlm_jax import inference
+
+    shown = [json.loads(line) for line in (straight / "answers.jsonl").read_text().splitlines()]
+    loaded = inference.load_run(straight)
+    from moevlm_jax.inference.loading import run_sections
+
+    data_cfg = run_sections(straight)[2]
+    source, _ = build_source(data_cfg, data_cfg.eval_split)
+    questions = []
+    for i in range(len(source)):
+        questions += inference.record_questions(decode_record(source[i]))
+        if len(questions) >= len(shown):
+            break
+    rows = inference.answer_questions(loaded.model, loaded.tokenizer, questions[:len(shown)],
+                                      image_config=loaded.image_config, system_prompt=loaded.system_prompt,
+                                      max_new_tokens=16)
+    assert len(shown) == 4 and all(r["step"] == STEPS for r in shown)
+    assert [(r["question"], r["answer"], r["generated"], r["match"]) for r in shown] == \
+        [(r["question"], r["answer"], r["generated"], r["match"]) for r in rows]
     assert json.loads(json.dumps(d3))["iterator"]["batches"] == 3  # the data iterator state
 
 
