@@ -1,10 +1,16 @@
-"""Test setup: 8 CPU host devices, set before jax is imported anywhere; JAX's persistent compilation
-cache off again after every test that turned it on."""
+"""Test setup: 8 CPU host devices and quick XLA:CPU compiles, set before jax is imported anywhere; JAX's
+persistent compilation cache off again after every test that turned it on; compiled executables freed
+after each module (Linux's memory-map limit); the slowest modules scheduled first over the xdist workers."""
 
+import gc
 import os
 
+from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS  # noqa: E402
+
+# Unoptimised LLVM code (tests/xla_options.py): the suite's compiles take ~40% less time, its small
+# programs run about as fast. The tests' subprocesses inherit it; those that set their own XLA_FLAGS add it.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + FAST_XLA_FLAGS
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -35,3 +41,113 @@ def _no_compilation_cache_left_on():
 
         cc.reset_cache()
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to keep under
+        return 0
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+MAX_MAP_COUNT = _max_map_count()
+
+
+def _free_executables():
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _executables_freed_after_each_module():
+    """Every XLA:CPU executable keeps its JIT-compiled code in memory maps of its own (~6 for a tiny jit,
+    thousands for a train step: one bound-check test left a worker at 6.3k maps, the FSDP test at 14.3k),
+    and JAX's caches keep the executables alive. An xdist worker that ran half the suite passed Linux's
+    ``vm.max_map_count`` (65530), the next mmap in LLVM's JIT failed and the compile aborted: "Fatal Python
+    error: Aborted" in ``backend_compile_and_load`` (CI, 2026-12-02; a local full-suite run the day
+    before; after a clear the same worker is back at ~930 maps). Dropped after each module (its module
+    fixtures are released first)."""
+    yield
+    _free_executables()
+
+
+@pytest.fixture(autouse=True)
+def _memory_maps_well_under_the_limit():
+    """Within a module too: caches dropped once a test leaves the process past half the limit."""
+    yield
+    if _memory_maps() > MAX_MAP_COUNT // 2:
+        _free_executables()
+
+
+@pytest.fixture(scope="module")
+def legacy_emitters():
+    """Every compile of the module's tests (their module fixtures too: ``pytestmark =
+    pytest.mark.usefixtures("legacy_emitters")``) with XLA:CPU's elemental fusion emitters
+    (tests/xla_options.py): a third of the compile time of a train step. Only for tests whose references
+    are compiled the same way. The in-memory executables are dropped before and after, so that none
+    compiled one way serves the other."""
+    from jax._src import compiler
+
+    real = compiler.get_compile_options
+
+    def get_compile_options(*args, env_options_overrides=None, **kwargs):
+        return real(*args, env_options_overrides={**LEGACY_EMITTERS, **(env_options_overrides or {})}, **kwargs)
+
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiler, "get_compile_options", get_compile_options)
+        yield
+    jax.clear_caches()
+
+
+# Modules by their time in full-suite runs on 2 cores (2026-12-02), slowest first: the xdist workers start
+# on them, each module on one worker (its module fixtures computed once), so that no long module is left
+# running alone at the end; the rest follow in collection order.
+SLOW_MODULES = (
+    "tests/training/test_multiprocess.py",
+    "tests/training/test_faults.py",
+    "tests/parallelism/test_layouts.py",
+    "tests/training/test_train_cli.py",
+    "tests/tools/test_plan.py",
+    "tests/tools/test_bench.py",
+    "tests/training/test_portable_checkpoints.py",
+    "tests/training/test_train_fsdp.py",
+    "tests/parallelism/test_pipeline.py",
+    "tests/training/test_bf16_params.py",
+    "tests/training/test_autofit.py",
+    "tests/parallelism/test_pipeline_cli.py",
+    "tests/training/test_qwen3_5_train.py",
+    "tests/tools/test_sweep.py",
+    "tests/parallelism/test_dispatch.py",
+    "tests/training/test_dataset_paths.py",
+    "tests/parallelism/test_permute.py",
+    "tests/tools/test_bench_hf_qwen3_5.py",
+    "tests/training/test_bound_check.py",
+    "tests/inference/test_generate.py",
+    "tests/model/test_recompute.py",
+    "tests/model/test_qwen3_5_parity.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n`` (xdist's default distribution, 'load'): whole modules, in the order above."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
+    return LoadScopeScheduling(config, log)

@@ -12,6 +12,9 @@ from parallelism.experts import experts_forward, experts_forward_with_stats
 from moevlm_jax.config import load_layout
 from tests.parallelism.moe_reference import assert_close, make_problem, value_and_grads
 
+# quick compiles (tests/xla_options.py): the single-device references compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 TOKENS_ALL = ["act_tokens", ["data", "fsdp", "expert"]]
 LAYOUTS = {
     "expert8": dict(mesh={"expert": 8}, rules=[TOKENS_ALL, ["exp", "expert"]]),

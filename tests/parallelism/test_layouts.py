@@ -26,6 +26,9 @@ from moevlm_jax.training.trainer import Trainer
 from parallelism.validate import validate_layout
 from tests.parallelism.packed_batch import packed_batch
 
+# quick compiles (tests/xla_options.py): the one-device reference compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 PRESETS = ("fsdp", "tp", "ep", "tp_ep", "ep_etp", "cp", "folded")
 ROWS, SEQ, STEPS = 8, 32, 3
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}

@@ -17,6 +17,9 @@ from tests.parallelism.moe_reference import (
     value_and_grads,
 )
 
+# quick compiles (tests/xla_options.py): the dense references compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 # Six tokens, top-2 of three experts, capacity 2 per expert (capacity_factor 0.5: ceil(12/3*0.5)).
 HAND_IDX = np.array([[0, 1], [0, 2], [1, 0], [0, 1], [2, 0], [1, 2]], np.int32)
 HAND_W = np.array([[0.6, 0.4], [0.7, 0.3], [0.55, 0.45], [0.9, 0.1], [0.8, 0.2], [0.5, 0.5]], np.float32)

@@ -31,6 +31,9 @@ from moevlm_jax.training.trainer import Trainer
 from parallelism import logical, pipeline
 from moevlm_jax.config import load_layout
 
+# quick compiles (tests/xla_options.py): the unpipelined references compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 # ----------------------------------------------------------------------------- toy stack
 
 L, B, H = 8, 16, 16

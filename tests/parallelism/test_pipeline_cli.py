@@ -12,6 +12,9 @@ from moevlm_jax.training.metrics import read_metrics
 from moevlm_jax.train import main
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
 
+# quick compiles (tests/xla_options.py): the FSDP reference run compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 STEPS = 3
 
 
@@ -24,7 +27,8 @@ def recipe(tmp_path_factory):
         "compute": COMPUTE, "optimizer": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.01},
         # MBS 2 x 8 data-parallel devices = 16 rows: 4 microbatches of 4 rows over fsdp 4 in each stage
         "train": {"steps": STEPS, "micro_batch_size": 2, "seq_len": SEQ_LEN, "log_every": 1, "eval_every": 0,
-                  "checkpoint_every": 0, "keep_checkpoints": 1, "freeze_vision_model": True},
+                  "checkpoint_every": 0, "keep_checkpoints": 1, "freeze_vision_model": True,
+                  "checkpointing": False},  # the metrics are compared (pp states' checkpoints: test_portable_checkpoints)
     }))
     return path
 

@@ -24,6 +24,9 @@ from moevlm_jax.train import main
 from moevlm_jax.training.metrics import read_metrics
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
 
+# quick compiles (tests/xla_options.py): no reference compiled elsewhere
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 STEPS = 2
 GLOBAL_BATCH = 16
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from moevlm_jax.model.compute import ComputeConfig
 
@@ -16,6 +17,9 @@ from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from moevlm_jax.config import load_layout
 from tests.training.train_setup import host_batches
+
+# quick compiles (tests/xla_options.py): the float32-parameter run compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 STEPS = 3
 

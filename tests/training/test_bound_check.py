@@ -17,6 +17,9 @@ from moevlm_jax.training.trainer import Trainer
 from moevlm_jax.config import load_layout
 from tests.training.train_setup import COMPUTE, host_batches
 
+# quick compiles (tests/xla_options.py): both steps compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 
 def _trainer(options):
     compute = ComputeConfig.from_dict({**COMPUTE, "attention_options": options})

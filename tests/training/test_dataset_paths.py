@@ -24,6 +24,9 @@ from moevlm_jax.training.metrics import read_metrics
 from tests.data.images import jpeg_bytes
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
 
+# quick compiles (tests/xla_options.py): no reference compiled elsewhere
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 
 def test_the_kind_follows_the_path(tmp_path):
     (tmp_path / "a.jsonl").write_text("{}\n")

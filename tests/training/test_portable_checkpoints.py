@@ -20,6 +20,9 @@ from moevlm_jax.training.trainer import Trainer
 from tests.parallelism.packed_batch import packed_batch
 from tests.parallelism.test_layouts import COMPUTE, FAST, OPTIMIZER
 
+# quick compiles (tests/xla_options.py): fsdp's step and export compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 PRESETS = ("ep", "tp", "tp_ep", "ep_etp", "cp", "folded", "pp", "pp_circular", "pp_ep")
 ROWS, SEQ = 16, 32  # 16 rows: 4 pipeline microbatches over 4 fsdp devices under pp
 

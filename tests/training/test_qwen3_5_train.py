@@ -13,6 +13,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from data.config import DataConfig
 from moevlm_jax.config import load_layout
@@ -24,6 +25,9 @@ from moevlm_jax.model.registry import load_model_config, model_config_type
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from tests.training.train_setup import data_config
+
+# quick compiles (tests/xla_options.py): its own first steps the reference
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 STEPS = 16
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # a third of the compile

@@ -23,6 +23,9 @@ from moevlm_jax.training.metrics import read_metrics
 from moevlm_jax.train import main
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config, leaves_by_path
 
+# quick compiles (tests/xla_options.py): the straight and the resumed run compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 STEPS = 6
 
 

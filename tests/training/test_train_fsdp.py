@@ -20,6 +20,9 @@ from moevlm_jax.training.trainer import Trainer
 from moevlm_jax.config import load_layout
 from tests.training.train_setup import COMPUTE, host_batches, leaves_by_path
 
+# quick compiles (tests/xla_options.py): the one-device reference compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 STEPS = 3
 METRICS = ("loss", "ce_loss", "grad_norm", "lr", "router_aux_loss", "router_z_loss", "trained_tokens")
 

@@ -1,0 +1,16 @@
+"""XLA:CPU settings that make the suite's compiles quick (no jax import here: conftest reads this before
+jax starts).
+
+- ``FAST_XLA_FLAGS`` (every process of the suite, tests/conftest.py): unoptimised LLVM code for the same
+  HLO; XLA's HLO passes, fusion and buffer assignment are unchanged.
+- ``LEGACY_EMITTERS``: XLA:CPU's elemental (pre-MLIR) fusion emitters, a third of the compile time of a
+  train step. The emitted code rounds some elementwise functions differently in the last bits, so it is
+  for tests whose references are compiled alike (a layout against one device, a resumed run against the
+  straight one, a run against its own first steps), never for parity with HF / torch or with XLA's memory
+  figures: the ``legacy_emitters`` fixture (all compiles of a test), ``compile(FAST)`` dicts and
+  ``LEGACY_EMITTERS_FLAG`` in the XLA_FLAGS of a test's subprocesses.
+"""
+
+FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+LEGACY_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
+LEGACY_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
