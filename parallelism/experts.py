@@ -41,6 +41,8 @@ from parallelism.dispatch import (
     resolve_topology,
     run_experts,
 )
+from parallelism import fp8
+from parallelism.fp8 import Fp8Config
 from parallelism.grouped_matmul import GPU_PLATFORMS, resolve_backend
 from parallelism.permute import DROP_POLICIES
 
@@ -177,6 +179,7 @@ def experts_forward_with_stats(
     topk_weights: jax.Array,
     w_gate_up: jax.Array,
     w_down: jax.Array,
+    fp8_config: Fp8Config | None = None,
     **options: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Like :func:`experts_forward`, also returning ``{"dropped": [] int32, "assignments": [] int32}``
@@ -185,9 +188,10 @@ def experts_forward_with_stats(
     opts = resolve_options(topo, **options)
     w4 = _validate(x, topk_idx, topk_weights, w_gate_up, w_down, topo, opts)
     log.debug("experts: %s on %s", opts, topo)
-    out, dropped = run_experts(
-        x, topk_idx.astype(jnp.int32), topk_weights, w4.astype(x.dtype), w_down.astype(x.dtype), topo, opts
-    )
+    with fp8.scope(fp8_config):  # the expert matmuls below read it (parallelism.permute)
+        out, dropped = run_experts(
+            x, topk_idx.astype(jnp.int32), topk_weights, w4.astype(x.dtype), w_down.astype(x.dtype), topo, opts
+        )
     stats = {"dropped": dropped, "assignments": jnp.asarray(topk_idx.size, jnp.int32)}
     return out, stats
 
@@ -198,9 +202,10 @@ def experts_forward(
     topk_weights: jax.Array,
     w_gate_up: jax.Array,
     w_down: jax.Array,
+    fp8_config: Fp8Config | None = None,
     **options: Any,
 ) -> jax.Array:
     """SwiGLU experts: x ``[T, H]``, topk_idx/topk_weights ``[T, K]``, w_gate_up ``[E, H, 2I]``
     (gate half first; or ``[E, H, 2, I]``), w_down ``[E, I, H]`` -> ``[T, H]`` =
-    sum_k w_k * expert_{idx_k}(x)."""
-    return experts_forward_with_stats(x, topk_idx, topk_weights, w_gate_up, w_down, **options)[0]
+    sum_k w_k * expert_{idx_k}(x); the expert matmuls in FP8 with ``fp8_config`` (``parallelism.fp8``)."""
+    return experts_forward_with_stats(x, topk_idx, topk_weights, w_gate_up, w_down, fp8_config, **options)[0]

@@ -17,11 +17,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from parallelism import fp8
 from parallelism.grouped_matmul import capacity_matmul, grouped_matmul
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input)
@@ -167,24 +170,36 @@ def swiglu(h: jax.Array) -> jax.Array:
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
 
 
+def _fp8_gemm(matmul: Callable, lhs: jax.Array, rhs: jax.Array, q: fp8.Fp8Config | None, *args: Any,
+              **kwargs: Any) -> jax.Array:
+    """``matmul(lhs, rhs [G, K, N], ...)``, in FP8 when ``q`` is a recipe (per expert: ``rhs``'s first axis)."""
+    if q is None:
+        return matmul(lhs, rhs, *args, **kwargs)
+    lhs, rhs = fp8.operands(lhs, rhs, q, rhs_batch_dims=1)
+    return fp8.output(matmul(lhs, rhs, *args, **kwargs), q)
+
+
 def expert_ffn(
     rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, backend: str | None
 ) -> jax.Array:
     """SwiGLU experts on expert-sorted rows ``[M, H]``; w_gate_up ``[G, H, 2I]``, w_down ``[G, I, H]``."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
+    q = fp8.experts_config()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
     with jax.named_scope(FFN_SCOPE):
-        h = checkpoint_name(grouped_matmul(rows, w_gate_up, group_sizes, backend=backend), MOE_GATE_UP)
+        h = checkpoint_name(_fp8_gemm(grouped_matmul, rows, w_gate_up, q, group_sizes, backend=backend), MOE_GATE_UP)
         act = checkpoint_name(swiglu(h), MOE_ACT)
-        y = grouped_matmul(act, w_down, group_sizes, backend=backend)
+        y = _fp8_gemm(grouped_matmul, act, w_down, q, group_sizes, backend=backend)
     return checkpoint_name(y, MOE_EXPERT_OUT)
 
 
 def capacity_ffn(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU experts on the drop-and-pad buffer ``[G, C, H]`` -> ``[G, C, H]`` (batched einsum)."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
+    q = fp8.experts_config()
     with jax.named_scope(FFN_SCOPE):
-        act = checkpoint_name(swiglu(checkpoint_name(capacity_matmul(rows, w_gate_up), MOE_GATE_UP)), MOE_ACT)
-        y = capacity_matmul(act, w_down)
+        h = checkpoint_name(_fp8_gemm(capacity_matmul, rows, w_gate_up, q), MOE_GATE_UP)
+        act = checkpoint_name(swiglu(h), MOE_ACT)
+        y = _fp8_gemm(capacity_matmul, act, w_down, q)
     return checkpoint_name(y, MOE_EXPERT_OUT)
 
 

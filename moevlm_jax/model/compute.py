@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from moevlm_jax.config.schema import build, coerce_fields
 from parallelism.experts import ExpertsConfig
+from parallelism.fp8 import Fp8Config
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 RecomputeMode = Literal["none", "full", "selective"]
@@ -171,6 +172,9 @@ class ComputeConfig:
     moe: ExpertsConfig = ExpertsConfig()  # how the experts run: dispatcher, grouped-matmul backend, capacity
     router: RouterConfig = RouterConfig()  # router dtype and load-balancing losses
     loss_chunk_size: int = 2048  # sequence chunk of the fused LM head + cross-entropy
+    # FP8 GEMMs (Hopper): e4m3 operands, e5m2 gradients, per-tensor or blockwise current scaling, for the
+    # decoder's dense GEMMs, the experts and optionally the vision tower (parallelism.fp8); recipe none: off
+    fp8: Fp8Config = Fp8Config()
 
     __aliases__ = {"remat": "recompute", "remat_modules": "recompute_modules"}  # old names -> new
 

@@ -51,7 +51,8 @@ class TextAttention(nnx.Module):
     def __init__(self, cfg: TextConfig, compute: ComputeConfig, rngs: nnx.Rngs):
         pd, h, n, k, d = (dtype_of(compute.param_dtype), cfg.hidden_size, cfg.num_attention_heads,
                           cfg.num_key_value_heads, cfg.head_dim)
-        kw = dict(use_bias=cfg.attention_bias, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
+        kw = dict(use_bias=cfg.attention_bias, param_dtype=pd, rngs=rngs, std=cfg.initializer_range,
+                  fp8=compute.fp8.at("dense"))
         self.impl = compute.attention
         self.attn_kw = tuple(compute.attention_options.for_tower("text").items())  # cuDNN bound, head-dim pad
         self.q_proj = Linear((h,), (n, d), ("embed",), ("q_heads", "head_dim"), **kw)

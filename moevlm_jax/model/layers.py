@@ -15,7 +15,9 @@ from flax import nnx
 from jax.ad_checkpoint import Offloadable, Saveable
 
 from moevlm_jax.model.compute import CHECKPOINT_NAMES, ComputeConfig, checkpoint_names_of
+from parallelism import fp8 as fp8_ops
 from parallelism import pipeline
+from parallelism.fp8 import Fp8Config
 
 Axes = tuple[str | None, ...]
 
@@ -45,11 +47,13 @@ class Linear(nnx.Module):
     """y = x . kernel (+ bias), contracting the trailing ``len(in_shape)`` dims of x.
 
     kernel ``[*in_shape, *out_shape]`` with logical axes ``in_axes + out_axes``; bias ``out_shape``.
+    ``fp8``: the GEMM in FP8 with this recipe (``parallelism.fp8``; None: in x's dtype).
     """
 
     def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], in_axes: Axes, out_axes: Axes, *,
-                 use_bias: bool, param_dtype: Any, rngs: nnx.Rngs, std: float = 0.02):
+                 use_bias: bool, param_dtype: Any, rngs: nnx.Rngs, std: float = 0.02, fp8: Fp8Config | None = None):
         self.n_in = len(in_shape)
+        self.fp8 = fp8
         self.kernel = param(rngs, "normal", (*in_shape, *out_shape), (*in_axes, *out_axes), param_dtype, std)
         self.bias = param(rngs, "zeros", out_shape, out_axes, param_dtype) if use_bias else None
 
@@ -57,7 +61,10 @@ class Linear(nnx.Module):
         """x ``[..., *in_shape]`` -> ``[..., *out_shape]`` in x's dtype."""
         k = self.kernel[...].astype(x.dtype)
         n = self.n_in
-        y = jax.lax.dot_general(x, k, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())))
+        if self.fp8 is not None:
+            y = fp8_ops.dot(x, k, n, self.fp8)
+        else:
+            y = jax.lax.dot_general(x, k, ((tuple(range(x.ndim - n, x.ndim)), tuple(range(n))), ((), ())))
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y

@@ -54,7 +54,8 @@ class SparseMoeBlock(nnx.Module):
         with jax.named_scope("experts"):  # permutation / dispatch and the expert matmuls
             y, drops = experts_forward_with_stats(
                 tokens, top_i.reshape(b * s, self.top_k), top_w.reshape(b * s, self.top_k).astype(x.dtype),
-                self.gate_up_proj[...].astype(x.dtype), self.down_proj[...].astype(x.dtype), **options,
+                self.gate_up_proj[...].astype(x.dtype), self.down_proj[...].astype(x.dtype),
+                fp8_config=self.compute.fp8.at("experts"), **options,
             )
         if options.get("capacity_factor") is not None:  # global counts, spread over the rows (sums add up)
             stats["dropped"] = jnp.full((b,), drops["dropped"].astype(jnp.float32) / b)
@@ -82,9 +83,10 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: TextConfig, compute: ComputeConfig, rngs: nnx.Rngs):
         pd, h, i, std = dtype_of(compute.param_dtype), cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range
-        self.gate_proj = Linear((h,), (i,), ("embed",), ("mlp",), use_bias=False, param_dtype=pd, rngs=rngs, std=std)
-        self.up_proj = Linear((h,), (i,), ("embed",), ("mlp",), use_bias=False, param_dtype=pd, rngs=rngs, std=std)
-        self.down_proj = Linear((i,), (h,), ("mlp",), ("embed",), use_bias=False, param_dtype=pd, rngs=rngs, std=std)
+        kw = dict(use_bias=False, param_dtype=pd, rngs=rngs, std=std, fp8=compute.fp8.at("dense"))
+        self.gate_proj = Linear((h,), (i,), ("embed",), ("mlp",), **kw)
+        self.up_proj = Linear((h,), (i,), ("embed",), ("mlp",), **kw)
+        self.down_proj = Linear((i,), (h,), ("mlp",), ("embed",), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x ``[B, S, H]`` -> ``[B, S, H]``."""

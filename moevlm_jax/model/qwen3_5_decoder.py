@@ -64,7 +64,8 @@ class GatedAttention(nnx.Module):
     def __init__(self, cfg: Qwen35TextConfig, compute: ComputeConfig, rngs: nnx.Rngs):
         pd, h, n, k, d = (dtype_of(compute.param_dtype), cfg.hidden_size, cfg.num_attention_heads,
                           cfg.num_key_value_heads, cfg.head_dim)
-        kw = dict(use_bias=cfg.attention_bias, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
+        kw = dict(use_bias=cfg.attention_bias, param_dtype=pd, rngs=rngs, std=cfg.initializer_range,
+                  fp8=compute.fp8.at("dense"))
         self.impl = compute.attention
         self.attn_kw = tuple(compute.attention_options.for_tower("text").items())  # cuDNN bound, head-dim pad
         self.q_proj = Linear((h,), (n, 2, d), ("embed",), ("q_heads", None, "head_dim"), **kw)  # (query, gate)
@@ -96,7 +97,7 @@ class SharedExpert(nnx.Module):
 
     def __init__(self, cfg: Qwen35TextConfig, compute: ComputeConfig, rngs: nnx.Rngs):
         pd, h, i = dtype_of(compute.param_dtype), cfg.hidden_size, cfg.shared_expert_intermediate_size
-        kw = dict(use_bias=False, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
+        kw = dict(use_bias=False, param_dtype=pd, rngs=rngs, std=cfg.initializer_range, fp8=compute.fp8.at("dense"))
         self.gate_proj = Linear((h,), (i,), ("embed",), ("mlp",), **kw)
         self.up_proj = Linear((h,), (i,), ("embed",), ("mlp",), **kw)
         self.down_proj = Linear((i,), (h,), ("mlp",), ("embed",), **kw)

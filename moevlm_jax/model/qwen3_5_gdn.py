@@ -93,8 +93,9 @@ class GatedDeltaNet(nnx.Module):
         self.hk, self.hv, self.dk, self.dv = hk, hv, dk, dv
         group = 2 * dk + (hv // hk) * dv  # one key-head group's q, k and value channels
         kw = dict(use_bias=False, param_dtype=pd, rngs=rngs, std=std)
-        self.in_proj_qkv = Linear((h,), (hk, group), ("embed",), ("q_heads", None), **kw)
-        self.in_proj_z = Linear((h,), (hv, dv), ("embed",), ("q_heads", "head_dim"), **kw)
+        q = dict(fp8=compute.fp8.at("dense"))  # the large projections; b and a (one column a head) stay as they are
+        self.in_proj_qkv = Linear((h,), (hk, group), ("embed",), ("q_heads", None), **kw, **q)
+        self.in_proj_z = Linear((h,), (hv, dv), ("embed",), ("q_heads", "head_dim"), **kw, **q)
         self.in_proj_b = Linear((h,), (hv,), ("embed",), ("q_heads",), **kw)
         self.in_proj_a = Linear((h,), (hv,), ("embed",), ("q_heads",), **kw)
         self.conv1d = Conv1d(cfg.linear_conv_kernel_dim, (hk, group), ("q_heads", None), param_dtype=pd, rngs=rngs,
@@ -104,7 +105,7 @@ class GatedDeltaNet(nnx.Module):
         a = jax.random.uniform(rngs.params(), (hv,), jnp.float32, 0.01, 16.0)
         self.A_log = nnx.Param(jnp.log(a).astype(pd), out_sharding=("q_heads",))
         self.norm = GatedNorm(dv, cfg.rms_norm_eps, param_dtype=pd)
-        self.out_proj = Linear((hv, dv), (h,), ("q_heads", "head_dim"), ("embed",), **kw)
+        self.out_proj = Linear((hv, dv), (h,), ("q_heads", "head_dim"), ("embed",), **kw, **q)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """x ``[B, S, H]`` (normed residual stream), segment_ids ``[B, S]`` -> ``[B, S, H]``."""

@@ -60,10 +60,11 @@ class VisionAttention(nnx.Module):
         pd, c, n, d = dtype_of(compute.param_dtype), cfg.hidden_size, cfg.num_heads, cfg.head_dim
         self.impl = compute.attention
         self.attn_kw = tuple(compute.attention_options.for_tower("vision").items())  # cuDNN bound, head-dim pad
+        q = compute.fp8.at("vision")
         self.qkv = Linear((c,), (3, n, d), ("vis_embed",), (None, "vis_heads", "vis_head_dim"),
-                          use_bias=True, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
+                          use_bias=True, param_dtype=pd, rngs=rngs, std=cfg.initializer_range, fp8=q)
         self.proj = Linear((n, d), (c,), ("vis_heads", "vis_head_dim"), ("vis_embed",),
-                           use_bias=True, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
+                           use_bias=True, param_dtype=pd, rngs=rngs, std=cfg.initializer_range, fp8=q)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """x ``[B, P, C]``, cos/sin ``[B, P, D]``, segment_ids ``[B, P]`` -> ``[B, P, C]``."""
@@ -80,12 +81,12 @@ class VisionMLP(nnx.Module):
     """fc1 -> activation -> fc2, with biases."""
 
     def __init__(self, cfg: VisionConfig, compute: ComputeConfig, rngs: nnx.Rngs):
-        pd = dtype_of(compute.param_dtype)
+        pd, q = dtype_of(compute.param_dtype), compute.fp8.at("vision")
         self.act = cfg.hidden_act
         self.linear_fc1 = Linear((cfg.hidden_size,), (cfg.intermediate_size,), ("vis_embed",), ("vis_mlp",),
-                                 use_bias=True, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
+                                 use_bias=True, param_dtype=pd, rngs=rngs, std=cfg.initializer_range, fp8=q)
         self.linear_fc2 = Linear((cfg.intermediate_size,), (cfg.hidden_size,), ("vis_mlp",), ("vis_embed",),
-                                 use_bias=True, param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
+                                 use_bias=True, param_dtype=pd, rngs=rngs, std=cfg.initializer_range, fp8=q)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x ``[..., C]`` -> ``[..., C]``."""
@@ -121,10 +122,11 @@ class PatchMerger(nnx.Module):
         big = cfg.hidden_size * self.unit
         self.postshuffle = postshuffle
         self.norm = LayerNorm(big if postshuffle else cfg.hidden_size, 1e-6, param_dtype=pd)
+        q = compute.fp8.at("vision")
         self.linear_fc1 = Linear((big,), (big,), ("vis_embed",), ("vis_mlp",), use_bias=True, param_dtype=pd,
-                                 rngs=rngs, std=cfg.initializer_range)
+                                 rngs=rngs, std=cfg.initializer_range, fp8=q)
         self.linear_fc2 = Linear((big,), (cfg.out_hidden_size,), ("vis_mlp",), ("embed",), use_bias=True,
-                                 param_dtype=pd, rngs=rngs, std=cfg.initializer_range)
+                                 param_dtype=pd, rngs=rngs, std=cfg.initializer_range, fp8=q)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x ``[B, P, C]`` (P a multiple of merge**2) -> ``[B, P / merge**2, out_hidden]``."""

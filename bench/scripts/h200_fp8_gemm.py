@@ -1,0 +1,91 @@
+"""GPU check of the FP8 GEMM (``parallelism.fp8``): does XLA turn our quantise-dequantise dot into an FP8
+cuBLASLt GEMM, how fast is it next to bf16, and how far is it from bf16 (per-GEMM error)?
+
+Shapes: the proxy decoder's dense projections (tokens 8 x 4096, hidden 2048 -> 4096 and 4096 -> 2048)
+and one expert-sized GEMM. Variants per shape, forward + backward (``jax.vjp``): ``bf16`` (the plain
+dot), ``fp8_tensor`` (per-tensor current scaling), ``fp8_blockwise`` (1x128 / 128x128, quantise-
+dequantise: no FP8 kernel expected). For each: mean ms over ``--iters`` calls after a warm-up, TFLOP/s
+(3 GEMMs: 6 M K N flops), the relative error of y, dx and dw against a float32 HIGHEST reference on
+the same bf16 inputs, and whether the compiled HLO holds an FP8 GEMM (``__cublas$lt$matmul$f8`` or an
+f8e4m3 operand of a cuBLAS custom call).
+
+Usage: ``python bench/scripts/h200_fp8_gemm.py OUT.json [--iters N]`` (on CPU too, slowly: ``--small``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from parallelism import fp8
+
+SHAPES = {"qkv": (32768, 2048, 4096), "o_proj": (32768, 4096, 2048), "expert": (16384, 2048, 768)}
+SMALL = {"qkv": (512, 256, 384), "o_proj": (512, 384, 256)}
+FP8_GEMM = re.compile(r"cublas\$lt\$matmul\$f8|f8e4m3fn\[[^\]]*\][^\n]*custom_call_target=\"__cublas", re.I)
+
+
+def _fn(variant: str):
+    if variant == "bf16":
+        return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    cfg = fp8.Fp8Config(recipe=variant.removeprefix("fp8_"))
+    return lambda x, w: fp8.dot(x, w, 1, cfg)
+
+
+def _fwd_bwd(fn):
+    def f(x, w, g):
+        y, vjp = jax.vjp(fn, x, w)
+        return (y, *vjp(g))
+    return jax.jit(f)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--small", action="store_true")
+    args = p.parse_args(argv)
+    shapes = SMALL if args.small else SHAPES
+    results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shapes": {}}
+    for name, (m, k, n) in shapes.items():
+        keys = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        w = (jax.random.normal(keys[1], (k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+        g = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+        ref = _fwd_bwd(lambda a, b: jnp.dot(a, b, precision="highest", preferred_element_type=jnp.float32))
+        ry, rdx, rdw = ref(x.astype(jnp.float32), w.astype(jnp.float32), g.astype(jnp.float32))
+        row = {}
+        for variant in ("bf16", "fp8_tensor", "fp8_blockwise"):
+            f = _fwd_bwd(_fn(variant))
+            hlo = f.lower(x, w, g).compile().as_text()
+            out = jax.block_until_ready(f(x, w, g))
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                out = f(x, w, g)
+            jax.block_until_ready(out)
+            ms = (time.perf_counter() - t0) / args.iters * 1e3
+            row[variant] = {
+                "ms": round(ms, 3), "tflops": round(6 * m * k * n / ms / 1e9, 1),
+                "err_y": _rel(out[0], ry), "err_dx": _rel(out[1], rdx), "err_dw": _rel(out[2], rdw),
+                "fp8_gemm_in_hlo": bool(FP8_GEMM.search(hlo)),
+            }
+            print(name, variant, row[variant], flush=True)
+        results["shapes"][name] = {"m_k_n": [m, k, n], **row}
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

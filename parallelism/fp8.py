@@ -1,0 +1,217 @@
+"""FP8 GEMMs (``compute.fp8``): float8_e4m3 operands, float8_e5m2 gradients, current scaling.
+
+The recipe is Transformer Engine's / Megatron's FP8 on Hopper, with DeepSeek-V3's blockwise scaling as
+the second choice. Each GEMM's two forward operands are quantised to ``float8_e4m3fn`` (max 448, 3
+mantissa bits) with scales computed from their own absolute maximum at this step (*current* scaling:
+no amax history to carry in the train state), the GEMM accumulates in float32, and in the backward the
+output gradient is quantised to ``float8_e5m2`` (max 57344, 2 mantissa bits: the range gradients need)
+before both gradient GEMMs, which reuse the forward's quantised operands. ``Fp8Config.recipe``:
+
+  tensor     one scale per tensor (per expert for the experts' weights): the form XLA's GPU GEMM
+             rewriter turns into cuBLASLt FP8 GEMMs (a dot of fp8 operands converted and multiplied
+             by a scalar scale)
+  blockwise  1 x B blocks along the contraction axis for activations and gradients, B x B blocks for
+             weights (B = ``block``: 128 as in DeepSeek-V3 and Megatron's Hopper blockwise recipe):
+             one outlier spoils only its block. Here in quantise-dequantise form: the numerics of
+             the recipe; its speed needs a GEMM kernel that consumes the block scales.
+
+Everything else keeps the compute dtype or float32: the router, norms, softmax, attention's core, the
+LM head and the loss (``Fp8Config`` names which GEMMs: the decoder's dense ones, the experts', the
+vision tower's).
+
+Both recipes are written as quantise-dequantise (:func:`qdq`): a tensor is rounded onto its scaled
+fp8 grid and carried on in its own dtype, so that every backend runs it (CPU tests, the Triton /
+ragged-dot experts) and the numerics are the recipe's exactly; the operand's gradient passes straight
+through the rounding (:func:`quantized`), and :func:`grad_quantized` rounds the incoming gradient of
+a GEMM's output. The experts' grouped matmuls are reached through :func:`scope`, which
+``parallelism.experts.experts_forward`` opens with the config it was given (the grouped-matmul
+kernels below it take no fp8 argument).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+FORMATS: dict[str, Any] = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+SITES = ("dense", "experts", "vision")
+
+
+def fp8_max(fmt: str) -> float:
+    """The largest finite value of the fp8 format ``fmt`` (e4m3: 448, e5m2: 57344)."""
+    return float(jnp.finfo(FORMATS[fmt]).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """The ``compute.fp8`` section: which GEMMs run in FP8 and how they are scaled."""
+
+    recipe: Literal["none", "tensor", "blockwise"] = "none"  # none | tensor (per-tensor current scaling) | blockwise (1xB activations, BxB weights)
+    block: int = 128  # blockwise: the block edge B
+    forward_format: Literal["e4m3", "e5m2"] = "e4m3"  # the forward operands' format
+    grad_format: Literal["e4m3", "e5m2"] = "e5m2"  # the output gradients' format in the backward
+    dense: bool = True  # the decoder's dense GEMMs: attention and Gated DeltaNet projections, dense and shared-expert MLPs
+    experts: bool = True  # the routed experts' grouped matmuls
+    vision: bool = False  # the vision tower's and the merger's GEMMs
+
+    def __post_init__(self) -> None:
+        if self.recipe not in ("none", "tensor", "blockwise"):
+            raise ValueError(f"compute.fp8.recipe must be none, tensor or blockwise, got {self.recipe!r}")
+        if not (isinstance(self.block, int) and self.block > 0):
+            raise ValueError(f"compute.fp8.block must be a positive int, got {self.block!r}")
+        for key in ("forward_format", "grad_format"):
+            if getattr(self, key) not in FORMATS:
+                raise ValueError(f"compute.fp8.{key} must be one of {sorted(FORMATS)}, got {getattr(self, key)!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.recipe != "none"
+
+    def at(self, site: str) -> Fp8Config | None:
+        """This config where ``site`` (one of SITES) runs in FP8, else None."""
+        if site not in SITES:
+            raise ValueError(f"unknown fp8 site {site!r}; known: {SITES}")
+        return self if self.enabled and getattr(self, site) else None
+
+    def blocks(self, ndim: int, kind: str, batch_dims: int = 0) -> tuple[int, ...]:
+        """Block shape of a GEMM operand of ``ndim`` dims: ``kind`` "lhs" (activations or gradients: the
+        contraction is the last axis) or "rhs" (weights ``[*batch, K, N]``); -1 is a whole axis."""
+        if self.recipe == "tensor":
+            return (1,) * batch_dims + (-1,) * (ndim - batch_dims)
+        b = self.block
+        if kind == "lhs":
+            return (1,) * (ndim - 1) + (b,)
+        return (1,) * batch_dims + (b,) * (ndim - batch_dims)
+
+
+# ----------------------------------------------------------------------------- quantisation
+
+def _blocked(x: jax.Array, blocks: Sequence[int]) -> tuple[jax.Array, tuple[int, ...]]:
+    """x zero-padded to whole blocks and reshaped ``[n0, b0, n1, b1, ...]``; the block sizes."""
+    if len(blocks) != x.ndim:
+        raise ValueError(f"fp8 blocks {tuple(blocks)} for a tensor of shape {x.shape}")
+    sizes = tuple(d if b == -1 else min(b, d) for d, b in zip(x.shape, blocks))
+    pad = [(0, -d % s) for d, s in zip(x.shape, sizes)]
+    if any(p for _, p in pad):
+        x = jnp.pad(x, pad)
+    shape = [v for d, s in zip(x.shape, sizes) for v in (d // s, s)]
+    return x.reshape(shape), sizes
+
+
+def quantize(x: jax.Array, fmt: str, blocks: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """x -> (q, scale): ``q`` in fp8 ``fmt`` ``[n0, b0, n1, b1, ...]`` (zero-padded to whole blocks) and
+    ``scale`` float32 ``[n0, 1, n1, 1, ...]`` = the block's absolute maximum / the format's maximum (1
+    for an all-zero block), so that ``q * scale`` approximates x and the block's largest magnitude maps
+    to the format's largest value; out-of-range values cannot occur (they saturate)."""
+    xb, _ = _blocked(x.astype(jnp.float32), blocks)
+    amax = jnp.max(jnp.abs(xb), axis=tuple(range(1, xb.ndim, 2)), keepdims=True)
+    top = fp8_max(fmt)
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    q = jnp.clip(xb / scale, -top, top).astype(FORMATS[fmt])
+    return q, scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
+    """The inverse of :func:`quantize` onto ``shape`` (padding dropped) in ``dtype``."""
+    if all(s == 1 for s in scale.shape):  # one scale: fp8 -> dtype, times a scalar (XLA's FP8 GEMM pattern)
+        x = q.astype(dtype) * scale.reshape(()).astype(dtype)
+    else:
+        x = (q.astype(jnp.float32) * scale).astype(dtype)
+    padded = tuple(q.shape[2 * i] * q.shape[2 * i + 1] for i in range(len(shape)))
+    x = x.reshape(padded)
+    if padded != tuple(shape):
+        x = x[tuple(slice(0, d) for d in shape)]
+    return x
+
+
+def qdq(x: jax.Array, fmt: str, blocks: Sequence[int]) -> jax.Array:
+    """x rounded onto its scaled fp8 grid (``quantize`` then ``dequantize``), in x's dtype."""
+    q, scale = quantize(x, fmt, blocks)
+    return dequantize(q, scale, x.shape, x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def quantized(x: jax.Array, fmt: str, blocks: tuple[int, ...]) -> jax.Array:
+    """A GEMM operand in fp8 (:func:`qdq`); its gradient passes straight through the rounding."""
+    return qdq(x, fmt, blocks)
+
+
+def _quantized_fwd(x, fmt, blocks):
+    return qdq(x, fmt, blocks), None
+
+
+def _quantized_bwd(fmt, blocks, _, g):
+    return (g,)
+
+
+quantized.defvjp(_quantized_fwd, _quantized_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def grad_quantized(y: jax.Array, fmt: str, blocks: tuple[int, ...]) -> jax.Array:
+    """A GEMM's output, unchanged; its incoming gradient is rounded to fp8 (``fmt``, ``blocks``) before
+    the GEMM's backward uses it."""
+    return y
+
+
+def _grad_quantized_fwd(y, fmt, blocks):
+    return y, None
+
+
+def _grad_quantized_bwd(fmt, blocks, _, g):
+    return (qdq(g, fmt, blocks),)
+
+
+grad_quantized.defvjp(_grad_quantized_fwd, _grad_quantized_bwd)
+
+
+# ----------------------------------------------------------------------------- GEMMs
+
+def operands(lhs: jax.Array, rhs: jax.Array, cfg: Fp8Config, rhs_batch_dims: int = 0) -> tuple[jax.Array, jax.Array]:
+    """The forward operands of ``lhs [..., K] x rhs [*batch, K, N]`` in fp8 (``cfg.forward_format``)."""
+    return (quantized(lhs, cfg.forward_format, cfg.blocks(lhs.ndim, "lhs")),
+            quantized(rhs, cfg.forward_format, cfg.blocks(rhs.ndim, "rhs", rhs_batch_dims)))
+
+
+def output(y: jax.Array, cfg: Fp8Config) -> jax.Array:
+    """A GEMM output ``[..., N]`` whose gradient is rounded to ``cfg.grad_format`` (1 x B blocks along N,
+    the gradient GEMM's contraction, under blockwise)."""
+    return grad_quantized(y, cfg.grad_format, cfg.blocks(y.ndim, "lhs"))
+
+
+def dot(x: jax.Array, kernel: jax.Array, n_in: int, cfg: Fp8Config) -> jax.Array:
+    """``x [..., *in] . kernel [*in, *out]`` (the trailing ``n_in`` dims of x contracted) in FP8, in x's
+    dtype with float32 accumulation."""
+    lead, ins, outs = x.shape[: x.ndim - n_in], kernel.shape[:n_in], kernel.shape[n_in:]
+    k, n = math.prod(ins), math.prod(outs)
+    x2, w2 = operands(x.reshape(*lead, k), kernel.astype(x.dtype).reshape(k, n), cfg)
+    y = jax.lax.dot_general(x2, w2, (((x2.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return output(y.astype(x.dtype), cfg).reshape(*lead, *outs)
+
+
+# ----------------------------------------------------------------------------- the experts' scope
+
+_EXPERTS: contextvars.ContextVar[Fp8Config | None] = contextvars.ContextVar("fp8_experts", default=None)
+
+
+@contextlib.contextmanager
+def scope(cfg: Fp8Config | None) -> Iterator[None]:
+    """Trace the experts within with ``cfg`` (None: not in FP8); ``experts_forward`` opens it."""
+    token = _EXPERTS.set(cfg if cfg is not None and cfg.enabled else None)
+    try:
+        yield
+    finally:
+        _EXPERTS.reset(token)
+
+
+def experts_config() -> Fp8Config | None:
+    """The FP8 config of the experts being traced (:func:`scope`), or None."""
+    return _EXPERTS.get()
