@@ -20,6 +20,8 @@ from data.mrope import mrope_position_ids
 # the arrays of a batch the model and the train step take (ARCHITECTURE.md "The batch")
 MODEL_KEYS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask",
               "pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
+# those with the patch axis (axis 1: [rows, P, ...]); padding patches are zeros in each
+PATCH_KEYS = ("pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
 
 
 def patch_layout(image_grid_thw: np.ndarray, spatial_merge_size: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -171,7 +171,8 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     warmup, n_timed = _steady(args, gpu)
     frozen = optim.frozen_groups(tr.freeze_vision_model, tr.freeze_vision_projection, tr.freeze_language_model)
     trainer = Trainer.create(cfg.model, cfg.compute, cfg.layout, cfg.optimizer, steps=tr.steps,
-                             grad_accum=tr.grad_accum, frozen=frozen, param_groups=tr.param_groups, devices=devices)
+                             grad_accum=tr.grad_accum, frozen=frozen, param_groups=tr.param_groups, devices=devices,
+                             reuse_shapes=tr.reuse_shapes)  # as the train job pads its batches
     n_dev = trainer.mesh.devices.size
     if dump is not None and (n_dev != 1 or tr.grad_accum != 1):
         raise BenchError(f"--peer hf compares one device without gradient accumulation (this run: {n_dev} devices, "

@@ -109,7 +109,8 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
         save_config(cfg, run_dir)
     frozen = optim.frozen_groups(tr.freeze_vision_model, tr.freeze_vision_projection, tr.freeze_language_model)
     trainer = Trainer.create(cfg.model, cfg.compute, cfg.layout, cfg.optimizer, steps=tr.steps,
-                             grad_accum=tr.grad_accum, frozen=frozen, param_groups=tr.param_groups)
+                             grad_accum=tr.grad_accum, frozen=frozen, param_groups=tr.param_groups,
+                             reuse_shapes=tr.reuse_shapes)
     _log_model(trainer, frozen, tr.param_groups)
     if trainer.data_parallel_size != cfg.data_parallel_size:
         raise ConfigError(f"data-parallel size {trainer.data_parallel_size} != config's {cfg.data_parallel_size}")

@@ -16,7 +16,10 @@ Megatron Bridge, ``moevlm_jax.training.optimizer``) and is sharded like them.
 The steps are module-level ``jax.jit`` functions whose static argument is a hashable
 :class:`StepSpec` (model/compute/optimizer configs, mesh, rules, accumulation, frozen groups), so
 two trainers with equal specs share compiled programs (a resumed run compiles nothing new in the
-same process). They compile once per batch shape (patch bucket), loss capacity and ``bounded``.
+same process). They compile once per batch shape (patch bucket), loss capacity and ``bounded``;
+with ``reuse_shapes`` (the train job's ``train.reuse_shapes``) a batch is padded up to the largest patch
+bucket and loss capacity its kind (train / eval) has had, so that later batches reuse that compile
+instead of adding one per combination (padding patches and unused capacity slots change no result).
 
 The objective (what each microbatch adds to the loss, the gathered-positions LM head, the eval pass)
 is ``moevlm_jax.training.objective``; the trainer gives it the data-parallel size and the per-batch
@@ -28,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,7 +42,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from data.batch import MODEL_KEYS
+from data.batch import MODEL_KEYS, PATCH_KEYS
 from moevlm_jax.model import router as moe_router
 from moevlm_jax.model.attention import resolve_impl, rows_within_bound
 from moevlm_jax.model.compute import ComputeConfig
@@ -268,9 +272,11 @@ class DeviceBatch:
 class Trainer:
     """Sharded train state + compiled train / eval steps for one StepSpec (see the module docstring)."""
 
-    def __init__(self, spec: StepSpec):
+    def __init__(self, spec: StepSpec, reuse_shapes: bool = False):
         self.spec = spec
         self.compiled: set[tuple] = set()  # (kind, shapes, capacity, bounded) seen: one compile each
+        self.reuse_shapes = reuse_shapes
+        self._largest: dict[str, tuple[int, float]] = {}  # kind -> (patches, capacity; inf: whole rows)
         self.bound_warned: set[str] | None = set() if jax.default_backend() == "gpu" and spec.compute.attention != "xla" else None
         v = spec.model.vision_config
         self.vision_attention = resolve_impl(spec.compute.attention, jnp.dtype(spec.compute.dtype), v.head_dim)
@@ -279,9 +285,11 @@ class Trainer:
     def create(cls, model: ModelConfig, compute: ComputeConfig, layout: Layout | None, optimizer: Any, *,
                steps: int, grad_accum: int = 1, frozen: Sequence[str] = (),
                param_groups: Mapping[str, Sequence[str]] | None = None, mesh: Mesh | None = None,
-               devices: Sequence[jax.Device] | None = None, rules: Sequence[Sequence[Any]] | None = None) -> Trainer:
+               devices: Sequence[jax.Device] | None = None, rules: Sequence[Sequence[Any]] | None = None,
+               reuse_shapes: bool = False) -> Trainer:
         """A trainer for ``model`` under ``layout`` (its mesh over ``devices``, default all; or an
-        explicit ``mesh`` + ``rules``); ``optimizer`` an OptimizerConfig; ``frozen`` group names."""
+        explicit ``mesh`` + ``rules``); ``optimizer`` an OptimizerConfig; ``frozen`` group names;
+        ``reuse_shapes``: see the module docstring."""
         if mesh is None:
             mesh = build_mesh(layout, devices)
         grouped_matmul.preload(mesh.devices.flat[0].platform, compute.moe_options.get("backend"))  # see docstring
@@ -290,7 +298,7 @@ class Trainer:
         spec = StepSpec(model=model, compute=compute, mesh=mesh, rules=rules, optimizer=optimizer,
                         total_steps=int(steps), grad_accum=int(grad_accum), frozen=frozenset(frozen),
                         param_groups=groups, layout_options=layout.options if layout is not None else None)
-        return cls(spec)
+        return cls(spec, reuse_shapes=reuse_shapes)
 
     # -- shapes and shardings
     @property
@@ -362,11 +370,32 @@ class Trainer:
         local_groups = max(self.spec.dp_size // jax.process_count(), 1)
         most, positions = most_trained(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)
         capacity = loss_capacity(agreed_max(most), positions)
+        if self.reuse_shapes:
+            arrays, capacity = self._reused_shapes("train" if train else "eval", arrays, capacity)
         leading = 0
         if train:
             arrays = optim.split_microbatches(arrays, self.spec.grad_accum)
             leading = 1
         return DeviceBatch(self._place(arrays, leading), capacity, counts, bounded)
+
+    def _reused_shapes(self, kind: str, arrays: dict[str, np.ndarray], capacity: int | None
+                       ) -> tuple[dict[str, np.ndarray], int | None]:
+        """The batch padded to the largest patch axis and its capacity raised to the largest capacity
+        (None, whole rows, above any) that ``kind``'s batches have had; the new largest remembered.
+        The patch axis is padded as the data pipeline pads it (zero pixels, rc / hw 0, segment 0)."""
+        patches = arrays["pixel_values"].shape[1] if "pixel_values" in arrays else 0
+        cap = math.inf if capacity is None else capacity
+        most_patches, most_cap = self._largest.get(kind, (0, 0))
+        most_patches, most_cap = max(most_patches, patches), max(most_cap, cap)
+        self._largest[kind] = (most_patches, most_cap)
+        if patches < most_patches:
+            arrays = dict(arrays)
+            for k in PATCH_KEYS:
+                if k in arrays:
+                    pad = [(0, 0)] * arrays[k].ndim
+                    pad[1] = (0, most_patches - patches)
+                    arrays[k] = np.pad(arrays[k], pad)
+        return arrays, None if most_cap == math.inf else int(most_cap)
 
     def _place(self, arrays: dict[str, np.ndarray], leading: int) -> dict[str, jax.Array]:
         procs = jax.process_count()

@@ -1,0 +1,66 @@
+"""``train.reuse_shapes``: the trainer pads a batch up to the largest patch axis and loss capacity its kind
+has had, so that it runs the step compiled for them (one compile, not one per combination), with the
+same result as the batch's own step."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from data.batch import PATCH_KEYS
+from moevlm_jax.config import load_layout
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import load_model_config
+from moevlm_jax.training.config import OptimizerConfig, TrainConfig
+from moevlm_jax.training.trainer import Trainer
+from tests.training.train_setup import COMPUTE, host_batches
+
+
+def _trainer(reuse: bool) -> Trainer:
+    return Trainer.create(load_model_config("tiny"), ComputeConfig.from_dict(COMPUTE), load_layout("fsdp"),
+                          OptimizerConfig(lr=1e-3, warmup_steps=1), steps=4, devices=jax.devices()[:1],
+                          reuse_shapes=reuse)
+
+
+def _with_patches(batch, extra):
+    out = dict(batch)
+    for k in PATCH_KEYS:
+        pad = [(0, 0)] * np.ndim(batch[k])
+        pad[1] = (0, extra)
+        out[k] = np.pad(batch[k], pad)
+    return out
+
+
+def test_the_largest_shapes_so_far_are_kept_per_kind():
+    tr = _trainer(True)
+    batch = {"pixel_values": np.ones((2, 8, 3), np.float32), "patch_rc": np.ones((2, 8, 2), np.int32),
+             "patch_hw": np.ones((2, 8, 2), np.int32), "patch_segment_ids": np.ones((2, 8), np.int32)}
+    wide = _with_patches(batch, 4)
+    seen = []
+    for kind, arrays, cap in (("train", wide, 64), ("train", batch, 32), ("eval", batch, 48), ("train", batch, None),
+                              ("train", wide, 96), ("eval", batch, 40)):
+        out, c = tr._reused_shapes(kind, arrays, cap)
+        seen.append((out["pixel_values"].shape[1], c))
+        if out["pixel_values"].shape[1] > arrays["pixel_values"].shape[1]:  # padded as the pipeline pads
+            for k in PATCH_KEYS:
+                np.testing.assert_array_equal(out[k][:, :8], arrays[k])
+                assert not out[k][:, 8:].any()
+    # train: 12 patches from the first batch on; capacity 64, then None (whole rows) above any number;
+    # eval keeps its own (8 patches, 48)
+    assert seen == [(12, 64), (12, 64), (8, 48), (12, None), (12, None), (8, 48)]
+    assert TrainConfig().reuse_shapes  # the train job's default
+
+
+def test_a_smaller_batch_runs_the_larger_compiled_step_with_its_own_result(tmp_path):
+    (batch,) = host_batches(tmp_path, 1)
+    wider = _with_patches(batch, 16)  # the same samples with a larger patch bucket: the same step result
+    reuse, plain = _trainer(True), _trainer(False)
+    reuse.step(reuse.init_state(seed=0), reuse.prepare(wider))
+    placed = reuse.prepare(batch)
+    assert placed.arrays["pixel_values"].shape[-2] == wider["pixel_values"].shape[1]
+    _, got = reuse.step(reuse.init_state(seed=0), placed)
+    assert len([k for k in reuse.compiled if k[0] == "train"]) == 1  # one compile for both batches
+    _, want = plain.step(plain.init_state(seed=0), plain.prepare(batch))
+    assert placed.counts == plain.prepare(batch).counts  # tokens / useful tokens as the batch has them
+    for k in ("loss", "grad_norm", "trained_tokens"):
+        assert float(got[k]) == pytest.approx(float(want[k]), rel=1e-6), k
