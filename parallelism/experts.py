@@ -188,7 +188,9 @@ def experts_forward_with_stats(
     opts = resolve_options(topo, **options)
     w4 = _validate(x, topk_idx, topk_weights, w_gate_up, w_down, topo, opts)
     log.debug("experts: %s on %s", opts, topo)
-    with fp8.scope(fp8_config):  # the expert matmuls below read it (parallelism.permute)
+    axes = tuple(topo.mesh.axis_names) if topo.mesh is not None else ()  # run_experts' shard_map: all manual
+    etp = tuple(topo.etp_axes) if topo.mesh is not None else ()
+    with fp8.scope(fp8_config, row_axes=axes, weight_axes=etp):  # the expert matmuls read it (parallelism.permute)
         out, dropped = run_experts(
             x, topk_idx.astype(jnp.int32), topk_weights, w4.astype(x.dtype), w_down.astype(x.dtype), topo, opts
         )

@@ -106,13 +106,17 @@ def _blocked(x: jax.Array, blocks: Sequence[int]) -> tuple[jax.Array, tuple[int,
     return x.reshape(shape), sizes
 
 
-def quantize(x: jax.Array, fmt: str, blocks: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, fmt: str, blocks: Sequence[int], amax_axes: tuple[str, ...] = ()
+             ) -> tuple[jax.Array, jax.Array]:
     """x -> (q, scale): ``q`` in fp8 ``fmt`` ``[n0, b0, n1, b1, ...]`` (zero-padded to whole blocks) and
     ``scale`` float32 ``[n0, 1, n1, 1, ...]`` = the block's absolute maximum / the format's maximum (1
     for an all-zero block), so that ``q * scale`` approximates x and the block's largest magnitude maps
-    to the format's largest value; out-of-range values cannot occur (they saturate)."""
+    to the format's largest value; out-of-range values cannot occur (they saturate). ``amax_axes``:
+    inside a shard_map whose devices each hold a part of the block, the maximum over those mesh axes."""
     xb, _ = _blocked(x.astype(jnp.float32), blocks)
     amax = jnp.max(jnp.abs(xb), axis=tuple(range(1, xb.ndim, 2)), keepdims=True)
+    if amax_axes:
+        amax = jax.lax.pmax(amax, amax_axes)
     top = fp8_max(fmt)
     scale = jnp.where(amax > 0, amax / top, 1.0)
     q = jnp.clip(xb / scale, -top, top).astype(FORMATS[fmt])
@@ -132,42 +136,42 @@ def dequantize(q: jax.Array, scale: jax.Array, shape: Sequence[int], dtype: Any)
     return x
 
 
-def qdq(x: jax.Array, fmt: str, blocks: Sequence[int]) -> jax.Array:
+def qdq(x: jax.Array, fmt: str, blocks: Sequence[int], amax_axes: tuple[str, ...] = ()) -> jax.Array:
     """x rounded onto its scaled fp8 grid (``quantize`` then ``dequantize``), in x's dtype."""
-    q, scale = quantize(x, fmt, blocks)
+    q, scale = quantize(x, fmt, blocks, amax_axes)
     return dequantize(q, scale, x.shape, x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def quantized(x: jax.Array, fmt: str, blocks: tuple[int, ...]) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def quantized(x: jax.Array, fmt: str, blocks: tuple[int, ...], amax_axes: tuple[str, ...] = ()) -> jax.Array:
     """A GEMM operand in fp8 (:func:`qdq`); its gradient passes straight through the rounding."""
-    return qdq(x, fmt, blocks)
+    return qdq(x, fmt, blocks, amax_axes)
 
 
-def _quantized_fwd(x, fmt, blocks):
-    return qdq(x, fmt, blocks), None
+def _quantized_fwd(x, fmt, blocks, amax_axes):
+    return qdq(x, fmt, blocks, amax_axes), None
 
 
-def _quantized_bwd(fmt, blocks, _, g):
+def _quantized_bwd(fmt, blocks, amax_axes, _, g):
     return (g,)
 
 
 quantized.defvjp(_quantized_fwd, _quantized_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def grad_quantized(y: jax.Array, fmt: str, blocks: tuple[int, ...]) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def grad_quantized(y: jax.Array, fmt: str, blocks: tuple[int, ...], amax_axes: tuple[str, ...] = ()) -> jax.Array:
     """A GEMM's output, unchanged; its incoming gradient is rounded to fp8 (``fmt``, ``blocks``) before
     the GEMM's backward uses it."""
     return y
 
 
-def _grad_quantized_fwd(y, fmt, blocks):
+def _grad_quantized_fwd(y, fmt, blocks, amax_axes):
     return y, None
 
 
-def _grad_quantized_bwd(fmt, blocks, _, g):
-    return (qdq(g, fmt, blocks),)
+def _grad_quantized_bwd(fmt, blocks, amax_axes, _, g):
+    return (qdq(g, fmt, blocks, amax_axes),)
 
 
 grad_quantized.defvjp(_grad_quantized_fwd, _grad_quantized_bwd)
@@ -175,16 +179,19 @@ grad_quantized.defvjp(_grad_quantized_fwd, _grad_quantized_bwd)
 
 # ----------------------------------------------------------------------------- GEMMs
 
-def operands(lhs: jax.Array, rhs: jax.Array, cfg: Fp8Config, rhs_batch_dims: int = 0) -> tuple[jax.Array, jax.Array]:
-    """The forward operands of ``lhs [..., K] x rhs [*batch, K, N]`` in fp8 (``cfg.forward_format``)."""
-    return (quantized(lhs, cfg.forward_format, cfg.blocks(lhs.ndim, "lhs")),
-            quantized(rhs, cfg.forward_format, cfg.blocks(rhs.ndim, "rhs", rhs_batch_dims)))
+def operands(lhs: jax.Array, rhs: jax.Array, cfg: Fp8Config, rhs_batch_dims: int = 0, *,
+             lhs_axes: tuple[str, ...] = (), rhs_axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+    """The forward operands of ``lhs [..., K] x rhs [*batch, K, N]`` in fp8 (``cfg.forward_format``);
+    ``*_axes``: the mesh axes a per-tensor scale spans inside a shard_map (``tensor`` recipe only)."""
+    whole = cfg.recipe == "tensor"
+    return (quantized(lhs, cfg.forward_format, cfg.blocks(lhs.ndim, "lhs"), lhs_axes if whole else ()),
+            quantized(rhs, cfg.forward_format, cfg.blocks(rhs.ndim, "rhs", rhs_batch_dims), rhs_axes if whole else ()))
 
 
-def output(y: jax.Array, cfg: Fp8Config) -> jax.Array:
+def output(y: jax.Array, cfg: Fp8Config, axes: tuple[str, ...] = ()) -> jax.Array:
     """A GEMM output ``[..., N]`` whose gradient is rounded to ``cfg.grad_format`` (1 x B blocks along N,
-    the gradient GEMM's contraction, under blockwise)."""
-    return grad_quantized(y, cfg.grad_format, cfg.blocks(y.ndim, "lhs"))
+    the gradient GEMM's contraction, under blockwise; ``axes`` as :func:`operands`' under tensor)."""
+    return grad_quantized(y, cfg.grad_format, cfg.blocks(y.ndim, "lhs"), axes if cfg.recipe == "tensor" else ())
 
 
 def dot(x: jax.Array, kernel: jax.Array, n_in: int, cfg: Fp8Config) -> jax.Array:
@@ -199,19 +206,31 @@ def dot(x: jax.Array, kernel: jax.Array, n_in: int, cfg: Fp8Config) -> jax.Array
 
 # ----------------------------------------------------------------------------- the experts' scope
 
-_EXPERTS: contextvars.ContextVar[Fp8Config | None] = contextvars.ContextVar("fp8_experts", default=None)
+@dataclasses.dataclass(frozen=True)
+class ExpertsScope:
+    """The experts' FP8 recipe and, inside their shard_map, the mesh axes a per-tensor scale spans: every
+    axis for the token rows (one scale for all rows, as on one device), the expert-tensor-parallel axes
+    for an expert's weights (one scale per expert, never across experts)."""
+
+    cfg: Fp8Config
+    row_axes: tuple[str, ...] = ()
+    weight_axes: tuple[str, ...] = ()
+
+
+_EXPERTS: contextvars.ContextVar[ExpertsScope | None] = contextvars.ContextVar("fp8_experts", default=None)
 
 
 @contextlib.contextmanager
-def scope(cfg: Fp8Config | None) -> Iterator[None]:
+def scope(cfg: Fp8Config | None, row_axes: tuple[str, ...] = (), weight_axes: tuple[str, ...] = ()) -> Iterator[None]:
     """Trace the experts within with ``cfg`` (None: not in FP8); ``experts_forward`` opens it."""
-    token = _EXPERTS.set(cfg if cfg is not None and cfg.enabled else None)
+    token = _EXPERTS.set(ExpertsScope(cfg, tuple(row_axes), tuple(weight_axes))
+                         if cfg is not None and cfg.enabled else None)
     try:
         yield
     finally:
         _EXPERTS.reset(token)
 
 
-def experts_config() -> Fp8Config | None:
-    """The FP8 config of the experts being traced (:func:`scope`), or None."""
+def experts_scope() -> ExpertsScope | None:
+    """The FP8 scope of the experts being traced (:func:`scope`), or None."""
     return _EXPERTS.get()

@@ -170,13 +170,13 @@ def swiglu(h: jax.Array) -> jax.Array:
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
 
 
-def _fp8_gemm(matmul: Callable, lhs: jax.Array, rhs: jax.Array, q: fp8.Fp8Config | None, *args: Any,
+def _fp8_gemm(matmul: Callable, lhs: jax.Array, rhs: jax.Array, q: fp8.ExpertsScope | None, *args: Any,
               **kwargs: Any) -> jax.Array:
-    """``matmul(lhs, rhs [G, K, N], ...)``, in FP8 when ``q`` is a recipe (per expert: ``rhs``'s first axis)."""
+    """``matmul(lhs, rhs [G, K, N], ...)``, in FP8 when ``q`` holds a recipe (per expert: ``rhs``'s first axis)."""
     if q is None:
         return matmul(lhs, rhs, *args, **kwargs)
-    lhs, rhs = fp8.operands(lhs, rhs, q, rhs_batch_dims=1)
-    return fp8.output(matmul(lhs, rhs, *args, **kwargs), q)
+    lhs, rhs = fp8.operands(lhs, rhs, q.cfg, rhs_batch_dims=1, lhs_axes=q.row_axes, rhs_axes=q.weight_axes)
+    return fp8.output(matmul(lhs, rhs, *args, **kwargs), q.cfg, q.row_axes)
 
 
 def expert_ffn(
@@ -184,7 +184,7 @@ def expert_ffn(
 ) -> jax.Array:
     """SwiGLU experts on expert-sorted rows ``[M, H]``; w_gate_up ``[G, H, 2I]``, w_down ``[G, I, H]``."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
-    q = fp8.experts_config()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
+    q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
     with jax.named_scope(FFN_SCOPE):
         h = checkpoint_name(_fp8_gemm(grouped_matmul, rows, w_gate_up, q, group_sizes, backend=backend), MOE_GATE_UP)
         act = checkpoint_name(swiglu(h), MOE_ACT)
@@ -195,7 +195,7 @@ def expert_ffn(
 def capacity_ffn(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU experts on the drop-and-pad buffer ``[G, C, H]`` -> ``[G, C, H]`` (batched einsum)."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
-    q = fp8.experts_config()
+    q = fp8.experts_scope()
     with jax.named_scope(FFN_SCOPE):
         h = checkpoint_name(_fp8_gemm(capacity_matmul, rows, w_gate_up, q), MOE_GATE_UP)
         act = checkpoint_name(swiglu(h), MOE_ACT)
