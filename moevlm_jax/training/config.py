@@ -85,8 +85,9 @@ class TrainConfig:
     # MaxText's jax_cache_dir); null: JAX's own setting (JAX_COMPILATION_CACHE_DIR, default off)
     compilation_cache_dir: str | None = None
     # pad each batch up to the largest patch bucket and loss capacity its kind (train / eval) has had, so
-    # that it reuses that compiled step (a compile per new shape: ~60 s on the H200 proxy); the padding
-    # changes no result. false: a compile for every (bucket, capacity) a batch brings
+    # that it reuses that compiled step (a compile per new shape: ~60 s on the H200 proxy; an evaluation
+    # pads all its batches to their largest); the padding changes no result. false: a compile for every
+    # (bucket, capacity) a batch brings
     reuse_shapes: bool = True
 
     def __post_init__(self) -> None:

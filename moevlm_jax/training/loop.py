@@ -52,7 +52,9 @@ def evaluate(trainer: Trainer, params: Any, data_cfg: Any, *, rows: int, batches
     ce = tokens = 0.0
     parts = []
     try:
-        for _, batch in zip(range(batches), loader):
+        held = [batch for _, batch in zip(range(batches), loader)]
+        trainer.reserve(held)  # one compiled eval step for all of them (train.reuse_shapes)
+        for batch in held:
             metrics, pred = trainer.evaluate(params, batch)
             ce, tokens = ce + metrics["ce_sum"], tokens + metrics["tokens"]
             parts.append(data_lib.answer_accuracy(batch, pred))

@@ -367,9 +367,7 @@ class Trainer:
         over = segments_over_bound(arrays, self.spec.compute.attention_options, self.bound_warned,
                                    lengths=self.vision_attention == "xla")
         bounded = not agreed_max(int(bool(over)))
-        local_groups = max(self.spec.dp_size // jax.process_count(), 1)
-        most, positions = most_trained(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)
-        capacity = loss_capacity(agreed_max(most), positions)
+        capacity = self._capacity(arrays, train)
         if self.reuse_shapes:
             arrays, capacity = self._reused_shapes("train" if train else "eval", arrays, capacity)
         leading = 0
@@ -377,6 +375,22 @@ class Trainer:
             arrays = optim.split_microbatches(arrays, self.spec.grad_accum)
             leading = 1
         return DeviceBatch(self._place(arrays, leading), capacity, counts, bounded)
+
+    def _capacity(self, arrays: Mapping[str, np.ndarray], train: bool) -> int | None:
+        """The batch's loss capacity, agreed over the processes (one ``agreed_max`` each call)."""
+        local_groups = max(self.spec.dp_size // jax.process_count(), 1)
+        most, positions = most_trained(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)
+        return loss_capacity(agreed_max(most), positions)
+
+    def reserve(self, host_batches: Sequence[Mapping[str, Any]], *, train: bool = False) -> None:
+        """With ``reuse_shapes``: make the largest patch axis and capacity of ``host_batches`` the floor of
+        their kind before any is prepared, so that all of them run one compiled step (the evaluation
+        reads its batches first). Every process must reserve the same number of batches."""
+        if not self.reuse_shapes:
+            return
+        for host in host_batches:
+            arrays = {k: np.asarray(host[k]) for k in ("loss_mask", "pixel_values") if k in host}
+            self._reused_shapes("train" if train else "eval", arrays, self._capacity(arrays, train))
 
     def _reused_shapes(self, kind: str, arrays: dict[str, np.ndarray], capacity: int | None
                        ) -> tuple[dict[str, np.ndarray], int | None]:

@@ -51,6 +51,25 @@ def test_the_largest_shapes_so_far_are_kept_per_kind():
     assert TrainConfig().reuse_shapes  # the train job's default
 
 
+def test_reserved_batches_set_the_floor_before_any_is_prepared():
+    """The evaluation reads its batches first and reserves them: every one then has the largest shapes."""
+    tr = _trainer(True)
+
+    def batch(patches, trained):
+        mask = np.zeros((2, 256), np.float32)
+        mask.flat[:trained] = 1
+        return {"loss_mask": mask, "pixel_values": np.zeros((2, patches, 3), np.float32)}
+
+    small, large = batch(8, 40), batch(12, 100)  # capacities 40 and 112 (quarter steps between powers of 2)
+    tr.reserve([small, large])
+    assert tr._reused_shapes("eval", dict(small), 40)[1] == 112
+    assert tr._reused_shapes("eval", dict(small), 40)[0]["pixel_values"].shape == (2, 12, 3)
+    assert "train" not in tr._largest  # the eval batches set the eval floor only
+    plain = _trainer(False)
+    plain.reserve([small, large])
+    assert plain._largest == {}
+
+
 def test_a_smaller_batch_runs_the_larger_compiled_step_with_its_own_result(tmp_path):
     (batch,) = host_batches(tmp_path, 1)
     wider = _with_patches(batch, 16)  # the same samples with a larger patch bucket: the same step result
