@@ -94,8 +94,8 @@ class Fp8Config:
 
 # ----------------------------------------------------------------------------- quantisation
 
-def _blocked(x: jax.Array, blocks: Sequence[int]) -> tuple[jax.Array, tuple[int, ...]]:
-    """x zero-padded to whole blocks and reshaped ``[n0, b0, n1, b1, ...]``; the block sizes."""
+def _blocked(x: jax.Array, blocks: Sequence[int]) -> jax.Array:
+    """x zero-padded to whole blocks and reshaped ``[n0, b0, n1, b1, ...]``."""
     if len(blocks) != x.ndim:
         raise ValueError(f"fp8 blocks {tuple(blocks)} for a tensor of shape {x.shape}")
     sizes = tuple(d if b == -1 else min(b, d) for d, b in zip(x.shape, blocks))
@@ -103,7 +103,7 @@ def _blocked(x: jax.Array, blocks: Sequence[int]) -> tuple[jax.Array, tuple[int,
     if any(p for _, p in pad):
         x = jnp.pad(x, pad)
     shape = [v for d, s in zip(x.shape, sizes) for v in (d // s, s)]
-    return x.reshape(shape), sizes
+    return x.reshape(shape)
 
 
 def quantize(x: jax.Array, fmt: str, blocks: Sequence[int], amax_axes: tuple[str, ...] = ()
@@ -113,7 +113,7 @@ def quantize(x: jax.Array, fmt: str, blocks: Sequence[int], amax_axes: tuple[str
     for an all-zero block), so that ``q * scale`` approximates x and the block's largest magnitude maps
     to the format's largest value; out-of-range values cannot occur (they saturate). ``amax_axes``:
     inside a shard_map whose devices each hold a part of the block, the maximum over those mesh axes."""
-    xb, _ = _blocked(x.astype(jnp.float32), blocks)
+    xb = _blocked(x.astype(jnp.float32), blocks)
     amax = jnp.max(jnp.abs(xb), axis=tuple(range(1, xb.ndim, 2)), keepdims=True)
     if amax_axes:
         amax = jax.lax.pmax(amax, amax_axes)

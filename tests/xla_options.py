@@ -11,6 +11,8 @@ jax starts).
   ``LEGACY_EMITTERS_FLAG`` in the XLA_FLAGS of a test's subprocesses.
 """
 
-FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# as compile options (``.compile(FAST)``, ``jax.jit(..., compiler_options=FAST)``) and as XLA_FLAGS
+FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+FAST_XLA_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST.items())
 LEGACY_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 LEGACY_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"

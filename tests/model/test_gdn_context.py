@@ -24,9 +24,9 @@ from moevlm_jax.model.qwen3_5_gdn import GatedDeltaNet
 from moevlm_jax.model.registry import load_model_config
 from parallelism.context import SequenceShards, context_parallel_map, sequence_axes
 from parallelism.logical import named_sharding, sharding_context
+from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
 S = 32
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 ACT = ("act_batch", "act_seq", "act_embed")
 SEG = ("act_batch", "act_seq")
 LAYOUTS = {

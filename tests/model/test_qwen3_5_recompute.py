@@ -28,11 +28,11 @@ from moevlm_jax.model.layers import run_stack, stack_modules
 from moevlm_jax.model.qwen3_5_decoder import Qwen35DecoderLayer
 from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model.rotary import mrope_cos_sin
+from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
 CFG = load_model_config("qwen3.5-tiny").text_config
 F32 = {"dtype": "float32", "param_dtype": "float32"}
 B, S = 2, 16
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 GDN = ("gdn_conv", "gdn_core", "gated_norm")
 MOE = {"moe_router": 1, "moe_permuted": 1, "moe_gate_up": 1, "moe_act": 1, "moe_expert_out": 1,
        "mlp_hidden": 2, "mlp": 1}  # routed experts + the shared expert's gate / up and down outputs

@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Test programs are tiny: LLVM optimisation would only cost compile time (halves it on CPU).
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
+from tests.xla_options import FAST  # tiny programs: LLVM optimisation would only cost compile time
 
 
 def dense_reference(x, topk_idx, topk_weights, w_gate_up, w_down, keep=None):
@@ -59,7 +58,7 @@ def value_and_grads(fn, x, topk_idx, topk_weights, w_gate_up, w_down):
         out = fn(x, topk_idx, w, a, b)
         return jnp.sum(out * c), out
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), compiler_options=FAST_COMPILE)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), compiler_options=FAST)
     (_, out), grads = step(x, topk_weights, w_gate_up, w_down)
     return out, grads
 

@@ -16,9 +16,9 @@ from parallelism.context import sequence_axes
 from moevlm_jax.config import load_layout
 from parallelism.layout import LayoutOptions
 from parallelism.logical import named_sharding, sharding_context
+from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
 B, S, N, K, D = 4, 32, 4, 2, 16
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 Q_AXES = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 KV_AXES = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 LAYOUTS = {

@@ -25,13 +25,13 @@ from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from parallelism.validate import validate_layout
 from tests.parallelism.packed_batch import packed_batch
+from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
 # quick compiles (tests/xla_options.py): the one-device reference compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 PRESETS = ("fsdp", "tp", "ep", "tp_ep", "ep_etp", "cp", "folded")
 ROWS, SEQ, STEPS = 8, 32, 3
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 COMPUTE = ComputeConfig(dtype="float32", param_dtype="float32", loss_chunk_size=16)
 # Adam with eps 1 is ~SGD for the small gradients here (update ~ lr * gradient): parameters then
 # follow the gradients smoothly, and a layout that computes them differently shows in the parameters

@@ -41,6 +41,7 @@ from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from parallelism.validate import LayoutError, validate_layout
 from tests.parallelism.packed_batch import packed_batch
+from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
 PRESETS = ("tp", "ep", "cp", "folded", "pp")
 # opt-in (MOEVLM_QWEN35_LAYOUTS=1): on 8 host devices on 2 cores this module lost its xdist worker in four
@@ -51,7 +52,6 @@ pytestmark = pytest.mark.skipif(os.environ.get("MOEVLM_QWEN35_LAYOUTS") != "1",
                                 reason="MOEVLM_QWEN35_LAYOUTS=1: XLA:CPU crashes on 2-core machines (see above)")
 MORE = ("fsdp", "tp_ep", "ep_etp")
 ROWS, SEQ, STEPS = 16, 32, 3
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 COMPUTE = ComputeConfig(dtype="float32", param_dtype="float32", loss_chunk_size=16)
 # Adam with eps 1 is ~SGD for the small gradients here (update ~ lr * gradient): parameters follow the
 # gradients smoothly, so a layout that computes them differently shows in the parameters

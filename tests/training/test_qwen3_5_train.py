@@ -25,12 +25,12 @@ from moevlm_jax.model.registry import load_model_config, model_config_type
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from tests.training.train_setup import data_config
+from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
 # quick compiles (tests/xla_options.py): its own first steps the reference
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 STEPS = 16
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}  # a third of the compile
 
 
 def test_qwen3_5_tiny_learns_the_builtin_vqa_data(tmp_path):
