@@ -35,7 +35,9 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     d = summary.get("data", {})
     lines = ["", f"run {summary['run_dir']}: steps {summary['start_step']} -> {summary['end_step']} of "
-             f"{summary['steps']} in {summary['wall_s']:.0f}s ({summary['compiles']} compiled batch shapes)",
+             f"{summary['steps']} in {summary['wall_s']:.0f}s ({summary['compiles']} compiled batch shapes"
+             + (f"; first step done {summary['first_step_s']:.0f}s after the process started"
+                if summary.get("first_step_s") is not None else "") + ")",
              f"  loss            {fmt(summary['loss_first'])} (step {summary['first_step']}) -> "
              f"{fmt(summary['loss_last'])} (step {summary['last_step']})",
              f"  throughput      {fmt(summary['tokens_per_s'], ',.0f')} useful tokens/s, "
@@ -153,8 +155,12 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
     print(format_summary(summary))
     stopped = summary.get("stopped")
     if stopped:
-        print(f"stopped by {stopped['signal']} after step {stopped['step']}: checkpoint {stopped['checkpoint']} in "
-              f"{summary['run_dir']}/checkpoints; continue with --resume --run-dir {summary['run_dir']}")
+        if stopped["checkpoint"] is None:  # train.checkpointing=false: nothing to resume from
+            print(f"stopped by {stopped['signal']} after step {stopped['step']}: no checkpoint written "
+                  f"(train.checkpointing=false), so the run cannot be resumed")
+        else:
+            print(f"stopped by {stopped['signal']} after step {stopped['step']}: checkpoint {stopped['checkpoint']} in "
+                  f"{summary['run_dir']}/checkpoints; continue with --resume --run-dir {summary['run_dir']}")
     return 0
 
 

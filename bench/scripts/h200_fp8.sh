@@ -1,22 +1,49 @@
 #!/usr/bin/env bash
-# Issue 24's FP8 path on one H200 in one `run` call (not yet run: written 2026-12-02 without device time):
+# Issue 24's FP8 path on one H200 in one `run` call:
 # 1. bench/scripts/h200_fp8_gemm.py: does XLA make our quantise-dequantise dots FP8 cuBLASLt GEMMs, their
 #    speed next to bf16, per-GEMM error vs float32 (~60 s);
-# 2. the proxy step (recipe h200, real data, MBS $MBS) in bf16, then with compute.fp8.recipe=tensor and
-#    =blockwise, each by moevlm_jax.tools.bench in the same call (MFU against the bf16 peak, as the tools
-#    report it). Results under $OUT: log.txt, fp8_gemm.json, step_{bf16,tensor,blockwise}.json.
+# 2. the proxy trained $STEPS steps on real data (recipe h200 at MBS $MBS, the layer scan for a shorter
+#    compile) in bf16 and then with compute.fp8.recipe=$FP8 by the train CLI, every step logged: the loss
+#    curves side by side and the steady throughput of each (MFU against the bf16 peak, as the CLI reports
+#    it), same call. The first run starts with an empty compilation cache: its "first step done" is the
+#    time to the first step of that setting.
+# Results under $OUT: log.txt, fp8_gemm.json, {bf16,fp8}.log, {bf16,fp8}_metrics.jsonl, curve.txt.
 #   run(command="bash bench/scripts/h200_fp8.sh", carry=[".gpudeps"], timeout_s=600)
 set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
-set -f
+unset JAX_COMPILATION_CACHE_DIR
 left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
-MBS=${MBS:-8}
-timeout 120 python3 bench/scripts/h200_fp8_gemm.py "$OUT/fp8_gemm.json" 2>&1 | tail -12 | tee -a "$OUT/log.txt"
-for v in bf16 tensor blockwise; do
-  extra=""; [ "$v" = bf16 ] || extra="compute.fp8.recipe=$v"
-  timeout "$(( $(left 590) < ${STEP_S:-170} ? $(left 590) : ${STEP_S:-170} ))" python3 -m moevlm_jax.tools.bench --recipe h200 \
-      --peer none --data real --mbs "$MBS" --warmup 3 --steps 6 --out "$OUT/step_$v.json" $extra ${EXTRA:-} 2>&1 \
-      | grep -v "Autotuning cache miss" | tail -6 | tee -a "$OUT/log.txt"
-done
-echo "wall $(( $(date +%s) - T0 )) s"
+MBS=${MBS:-8}; STEPS=${STEPS:-200}; FP8=${FP8:-tensor}
+timeout "${GEMM_S:-75}" python3 bench/scripts/h200_fp8_gemm.py "$OUT/fp8_gemm.json" --iters 10 --hlo-dir "$OUT/hlo" 2>&1 | tail -12 | tee -a "$OUT/log.txt"
+RUNS=/tmp/fp8_runs; mkdir -p "$RUNS"
+COMMON="train.micro_batch_size=$MBS compute.scan_layers=true train.eval_every=0 train.eval_batches=0 train.show_answers=0
+ train.checkpointing=false train.log_every=1 train.tensorboard=false train.compilation_cache_dir=null"
+run() {  # name, seconds, extra overrides
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" python3 -m moevlm_jax.train --recipe h200 --no-auto-fit --steps "$STEPS" --run-dir "$RUNS/$name" \
+      $COMMON "$@" --quiet > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/log.txt"
+  cp "$RUNS/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  grep -E "run .*steps|throughput|loss |error|Error" "$OUT/$name.log" | tail -6 | tee -a "$OUT/log.txt"
+}
+run bf16 "$(( $(left 585) / 2 ))"
+run fp8 "$(left 585)" compute.fp8.recipe="$FP8"
+python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/curve.txt"
+import json, sys
+out = sys.argv[1]
+def read(n):
+    try:
+        return {r["step"]: r for r in map(json.loads, open(f"{out}/{n}_metrics.jsonl")) if "loss" in r}
+    except OSError:
+        return {}
+a, b = read("bf16"), read("fp8")
+common = sorted(set(a) & set(b))
+print("steps in both:", len(common))
+for lo in range(1, (common[-1] if common else 0) + 1, 25):
+    s = [k for k in common if lo <= k < lo + 25]
+    if s:
+        la, lb = sum(a[k]["loss"] for k in s) / len(s), sum(b[k]["loss"] for k in s) / len(s)
+        print(f"steps {lo:3d}-{s[-1]:3d}: bf16 {la:.4f} fp8 {lb:.4f} rel {lb / la - 1:+.3%}")
+PY
+echo "wall $(( $(date +%s) - T0 )) s" | tee -a "$OUT/log.txt"

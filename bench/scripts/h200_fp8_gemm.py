@@ -6,10 +6,11 @@ and one expert-sized GEMM. Variants per shape, forward + backward (``jax.vjp``):
 dot), ``fp8_tensor`` (per-tensor current scaling), ``fp8_blockwise`` (1x128 / 128x128, quantise-
 dequantise: no FP8 kernel expected). For each: mean ms over ``--iters`` calls after a warm-up, TFLOP/s
 (3 GEMMs: 6 M K N flops), the relative error of y, dx and dw against a float32 HIGHEST reference on
-the same bf16 inputs, and whether the compiled HLO holds an FP8 GEMM (``__cublas$lt$matmul$f8`` or an
+the same bf16 inputs (``rounded``: whether the error is FP8's, i.e. > 5x bf16's; on 2026-12-02 it was
+not: XLA:GPU had removed the fp8 converts, see parallelism/fp8.py ``qdq``), and whether the compiled HLO holds an FP8 GEMM (``__cublas$lt$matmul$f8`` or an
 f8e4m3 operand of a cuBLAS custom call).
 
-Usage: ``python bench/scripts/h200_fp8_gemm.py OUT.json [--iters N]`` (on CPU too, slowly: ``--small``).
+Usage: ``python bench/scripts/h200_fp8_gemm.py OUT.json [--iters N] [--hlo-dir DIR]`` (on CPU too, slowly: ``--small``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import re
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +31,18 @@ from parallelism import fp8
 SHAPES = {"qkv": (32768, 2048, 4096), "o_proj": (32768, 4096, 2048), "expert": (16384, 2048, 768)}
 SMALL = {"qkv": (512, 256, 384), "o_proj": (512, 384, 256)}
 FP8_GEMM = re.compile(r"cublas\$lt\$matmul\$f8|f8e4m3fn\[[^\]]*\][^\n]*custom_call_target=\"__cublas", re.I)
+TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def _gemms(hlo: str) -> dict:
+    """What the compiled module does with fp8: its custom-call targets, and the instructions that take an
+    fp8 operand and are GEMMs (a dot, a cuBLAS call, or a fusion whose kind or config names a GEMM:
+    XLA may emit an FP8 GEMM as a Triton fusion instead of cuBLASLt, which the pattern above misses)."""
+    lines = hlo.splitlines()
+    f8 = [ln.strip() for ln in lines if re.search(r"f8e[45]m[23]", ln, re.I)
+          and re.search(r"\bdot\(|custom-call|__triton_gemm|kind=kCustom|gemm", ln)]
+    return {"custom_call_targets": sorted(set(TARGET.findall(hlo))), "fp8_gemm_like": len(f8),
+            "fp8_gemm_like_examples": [ln[:300] for ln in f8[:4]]}
 
 
 def _fn(variant: str):
@@ -55,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--hlo-dir", help="also write each variant's compiled HLO text here")
     args = p.parse_args(argv)
     shapes = SMALL if args.small else SHAPES
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shapes": {}}
@@ -78,12 +93,17 @@ def main(argv=None) -> int:
             row[variant] = {
                 "ms": round(ms, 3), "tflops": round(6 * m * k * n / ms / 1e9, 1),
                 "err_y": _rel(out[0], ry), "err_dx": _rel(out[1], rdx), "err_dw": _rel(out[2], rdw),
-                "fp8_gemm_in_hlo": bool(FP8_GEMM.search(hlo)),
+                "fp8_gemm_in_hlo": bool(FP8_GEMM.search(hlo)), **_gemms(hlo),
             }
+            if variant != "bf16":  # e4m3 operands give ~10x bf16's error: near bf16's, the rounding was compiled away
+                row[variant]["rounded"] = row[variant]["err_y"] > 5 * row["bf16"]["err_y"]
+            if args.hlo_dir:
+                Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+                (Path(args.hlo_dir) / f"{name}_{variant}.hlo.txt").write_text(hlo)
             print(name, variant, row[variant], flush=True)
         results["shapes"][name] = {"m_k_n": [m, k, n], **row}
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+        with open(args.out, "w") as f:  # after every shape: a call's time limit keeps what finished
+            json.dump(results, f, indent=1)
     return 0
 
 

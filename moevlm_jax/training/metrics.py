@@ -37,6 +37,18 @@ def _scalar(x: Any) -> Any:
     return arr.tolist()
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: ``/proc/self/stat``'s start time against the boot
+    clock), so a time to the first step includes Python's and jax's imports; None elsewhere."""
+    try:
+        import os
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5): starttime in clock ticks
+        return float(Path("/proc/uptime").read_text().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to ``metrics.jsonl`` and scalars to TensorBoard (only in
     the ``primary`` process: the others compute the same records and write nothing)."""

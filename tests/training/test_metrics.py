@@ -130,3 +130,19 @@ def test_profile_window_traces_only_its_steps(tmp_path):
     off = ProfileWindow(tmp_path / "none", start=0, steps=0)
     off.before_step(0)
     assert not off.active and not (tmp_path / "none").exists()
+
+
+def test_process_age_counts_from_the_process_start():
+    """The time to the first step counts from the process's start (imports included): a child that
+    sleeps 1.5 s before it asks is at least 1.5 s old, and no older than the parent saw it live."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import time; time.sleep(1.5); from moevlm_jax.training.metrics import process_age_s; "
+            "print(process_age_s())")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    outer = time.monotonic() - t0
+    age = float(out.strip().splitlines()[-1])
+    assert 1.5 <= age <= outer + 0.05  # clock ticks of 10 ms

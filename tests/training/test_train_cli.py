@@ -12,6 +12,7 @@ tower, checkpoints every 3 steps and a final held-out evaluation.
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -51,11 +52,13 @@ def _restore(run_dir, step):
     return out["state"], out["data"]
 
 
-def test_main_job_resume_freeze_and_outputs(tmp_path):
+def test_main_job_resume_freeze_and_outputs(tmp_path, capsys):
     """One test (one xdist worker, one compile): three CLI runs, then their files."""
     recipe = _recipe(tmp_path)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert main(["--recipe", recipe, "--layout", "fsdp", "--run-dir", str(straight), "--quiet"]) == 0
+    # the summary says how long the process took to its first step (here the test worker's age)
+    assert re.search(r"first step done \d+s after the process started", capsys.readouterr().out)
     assert main(["--recipe", recipe, "--run-dir", str(resumed), "--quiet"], stop_after=4) == 0
     assert _losses(resumed).keys() == {1, 2, 3, 4}
     assert main(["--run-dir", str(resumed), "--resume", "--quiet"]) == 0  # reloads resumed/config.yaml
