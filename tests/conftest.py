@@ -15,16 +15,17 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# XLA:CPU's own thread pool for the suite (MOEVLM_CPU_THREADS_PER_DEVICE=0), as CI ran it before the train
-# CLI got its collective threads (parallelism/cpu_threads.py): with 3-4 threads a host device, four of four
-# full-suite runs on 2 cores (2026-12-01) lost an xdist worker to a crash inside an XLA:CPU compile
-# (SIGSEGV / SIGABRT in backend_compile_and_load), most likely the memory-map limit found later (the
-# fixture below says why), not the threads; kept as CI has run it. The CLI's setting is tested in fresh
-# processes (tests/parallelism/test_cpu_collectives.py).
-os.environ.setdefault("MOEVLM_CPU_THREADS_PER_DEVICE", "0")
+# XLA:CPU's collective threads as the train CLI sets them (parallelism/cpu_threads.py, on import of the
+# parallelism package): with XLA's own pool (one thread a device) collective-heavy steps deadlock where
+# cores < devices (a tp run through the CLI in the suite aborted so, 2026-12-02). The suite ran with XLA's
+# pool (MOEVLM_CPU_THREADS_PER_DEVICE=0) after four full runs on 2 cores (2026-12-01) lost a worker in an
+# XLA:CPU compile with the raised pool; those crashes were the memory-map limit found later (the fixture
+# below frees compiled executables), not the threads.
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+import parallelism  # noqa: E402,F401 - sets PJRT_NPROC before any test starts the CPU client
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -117,6 +118,8 @@ SLOW_MODULES = (
     "tests/training/test_multiprocess.py",
     "tests/training/test_faults.py",
     "tests/parallelism/test_layouts.py",
+    "tests/parallelism/test_layouts_cli.py",
+    "tests/parallelism/test_qwen3_5_layouts.py",
     "tests/training/test_train_cli.py",
     "tests/tools/test_plan.py",
     "tests/tools/test_bench.py",

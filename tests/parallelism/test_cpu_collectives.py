@@ -79,12 +79,14 @@ def run_program(calls: int, *, import_parallelism: bool = True, cpus: int = 2, t
                           text=True, timeout=timeout)
 
 
-def test_the_suite_keeps_xlas_pool_and_the_opt_out_is_honoured():
-    """conftest.py: MOEVLM_CPU_THREADS_PER_DEVICE=0, so nothing is raised and nothing warns; without it
-    the same environment would get THREADS_PER_DEVICE a device."""
+def test_the_suite_runs_the_clis_threads_and_the_opt_out_is_honoured():
+    """conftest.py imports the parallelism package before any test starts the CPU client, so the suite's
+    processes have the CLI's pool (THREADS_PER_DEVICE a host device, set as PJRT_NPROC); the opt-out
+    (MOEVLM_CPU_THREADS_PER_DEVICE=0) sets nothing."""
     n = len(jax.devices())
-    assert n == DEVICES and os.environ.get(cpu_threads.PER_DEVICE_ENV) == "0"
-    assert cpu_threads.required_threads(n) == 1 and cpu_threads.check_collective_threads(n)
+    assert n == DEVICES and os.environ.get(cpu_threads.PER_DEVICE_ENV) in (None, "")
+    assert int(os.environ["PJRT_NPROC"]) >= cpu_threads.THREADS_PER_DEVICE * n
+    assert cpu_threads.check_collective_threads(n)
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", cpu_threads.PER_DEVICE_ENV: "0"}
     assert cpu_threads.ensure_collective_threads(env) is not None and "PJRT_NPROC" not in env
     assert cpu_threads.required_threads(n, {}) == cpu_threads.THREADS_PER_DEVICE * n

@@ -44,12 +44,10 @@ from tests.parallelism.packed_batch import packed_batch
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
 PRESETS = ("tp", "ep", "cp", "folded", "pp")
-# opt-in (MOEVLM_QWEN35_LAYOUTS=1): on 8 host devices on 2 cores this module lost its xdist worker in four
-# of five full-suite runs (2026-12-01): SIGSEGV / SIGABRT inside XLA:CPU compiles with the CLI's collective
-# threads (parallelism/cpu_threads.py), a collective abort with XLA's own pool; cause not isolated. Each
-# preset passed when run alone (cp: 16 s). MOEVLM_QWEN35_LAYOUTS=1 pytest tests/parallelism/test_qwen3_5_layouts.py
-pytestmark = pytest.mark.skipif(os.environ.get("MOEVLM_QWEN35_LAYOUTS") != "1",
-                                reason="MOEVLM_QWEN35_LAYOUTS=1: XLA:CPU crashes on 2-core machines (see above)")
+# In the default suite since 2026-12-02 (~90 s for the module on 2 cores). It was opt-in after it lost its
+# xdist worker in four of five full-suite runs (2026-12-01): crashes inside XLA:CPU compiles (the memory-map
+# limit, tests/conftest.py) and, with XLA's own thread pool, a collective abort (the suite now has the CLI's
+# collective threads, parallelism/cpu_threads.py).
 MORE = ("fsdp", "tp_ep", "ep_etp")
 ROWS, SEQ, STEPS = 16, 32, 3
 COMPUTE = ComputeConfig(dtype="float32", param_dtype="float32", loss_chunk_size=16)
