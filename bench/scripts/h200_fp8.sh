@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 24's FP8 path on one H200 in one `run` call:
+# Issue 24's FP8 path on one H200 in one `run` call (first run 2026-12-02: bench/fp8_h200.md):
 # 1. bench/scripts/h200_fp8_gemm.py: does XLA make our quantise-dequantise dots FP8 cuBLASLt GEMMs, their
 #    speed next to bf16, per-GEMM error vs float32 (~60 s);
 # 2. the proxy trained $STEPS steps on real data (recipe h200 at MBS $MBS, the layer scan for a shorter
-#    compile) in bf16 and then with compute.fp8.recipe=$FP8 by the train CLI, every step logged: the loss
+#    compile, one compiled shape) in bf16 and then with compute.fp8.recipe=$FP8 by the train CLI, every step logged: the loss
 #    curves side by side and the steady throughput of each (MFU against the bf16 peak, as the CLI reports
 #    it), same call. The first run starts with an empty compilation cache: its "first step done" is the
 #    time to the first step of that setting.
@@ -17,7 +17,8 @@ left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 MBS=${MBS:-8}; STEPS=${STEPS:-200}; FP8=${FP8:-tensor}
 timeout "${GEMM_S:-75}" python3 bench/scripts/h200_fp8_gemm.py "$OUT/fp8_gemm.json" --iters 10 --hlo-dir "$OUT/hlo" 2>&1 | tail -12 | tee -a "$OUT/log.txt"
 RUNS=/tmp/fp8_runs; mkdir -p "$RUNS"
-COMMON="train.micro_batch_size=$MBS compute.scan_layers=true train.eval_every=0 train.eval_batches=0 train.show_answers=0
+# one compiled train step a run (the data's largest bucket from the start): four compiles cut the first call's runs to ~100 steps
+COMMON="train.micro_batch_size=$MBS compute.scan_layers=true train.reserve_largest_bucket=true train.eval_every=0 train.eval_batches=0 train.show_answers=0
  train.checkpointing=false train.log_every=1 train.tensorboard=false train.compilation_cache_dir=null"
 run() {  # name, seconds, extra overrides
   local name=$1 secs=$2; shift 2

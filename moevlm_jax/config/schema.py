@@ -269,6 +269,9 @@ def field_docs(cls: type) -> dict[str, str]:
         if name in out:
             continue
         end = starts[n + 1] if n + 1 < len(starts) else len(lines) + 1
+        # the field's own lines end where a method or decorator starts (the last field's comment is not
+        # one inside __post_init__)
+        end = next((i for i in range(start + 1, end) if re.match(r"\s+(def |@)", lines[i - 1])), end)
         own = [comments[i] for i in range(start, end) if i in comments
                and not lines[i - 1].lstrip().startswith("#")]
         if own:

@@ -89,6 +89,11 @@ class TrainConfig:
     # pads all its batches to their largest); the padding changes no result. false: a compile for every
     # (bucket, capacity) a batch brings
     reuse_shapes: bool = True
+    # with reuse_shapes: every training batch padded to the data's largest patch bucket from the first step,
+    # so the run compiles one training step instead of one per bucket as they are met (the H200 proxy data's
+    # four buckets cost four ~40-95 s compiles in a 100-step run, bench/fp8_h200.md), at the price of
+    # padding patches through the vision tower in batches of a smaller bucket
+    reserve_largest_bucket: bool = False
 
     def __post_init__(self) -> None:
         coerce_fields(self, "train")  # types, as the loader checks them

@@ -115,6 +115,13 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                              grad_accum=tr.grad_accum, frozen=frozen, param_groups=tr.param_groups,
                              reuse_shapes=tr.reuse_shapes)
     _log_model(trainer, frozen, tr.param_groups)
+    if tr.reserve_largest_bucket:
+        if not tr.reuse_shapes:
+            log.warning("train.reserve_largest_bucket has no effect with train.reuse_shapes=false")
+        elif cfg.data.patch_buckets:
+            trainer.reserve_patches(cfg.data.max_patches)
+            log.info("train steps padded to the largest patch bucket, %d (train.reserve_largest_bucket)",
+                     cfg.data.max_patches)
     if trainer.data_parallel_size != cfg.data_parallel_size:
         raise ConfigError(f"data-parallel size {trainer.data_parallel_size} != config's {cfg.data_parallel_size}")
     log.info("batch: global %d rows x %d tokens = micro %d x accumulation %d x data-parallel %d",

@@ -392,6 +392,16 @@ class Trainer:
             arrays = {k: np.asarray(host[k]) for k in ("loss_mask", "pixel_values") if k in host}
             self._reused_shapes("train" if train else "eval", arrays, self._capacity(arrays, train))
 
+    def reserve_patches(self, patches: int, *, train: bool = True) -> None:
+        """With ``reuse_shapes``: ``patches`` (a patch bucket) the floor of the patch axis of ``train`` /
+        eval batches from now on (``train.reserve_largest_bucket``: the data's largest bucket, one
+        compiled step for the run). The same on every process (it comes from the config)."""
+        if not self.reuse_shapes:
+            return
+        kind = "train" if train else "eval"
+        most_patches, most_cap = self._largest.get(kind, (0, 0))
+        self._largest[kind] = (max(most_patches, int(patches)), most_cap)
+
     def _reused_shapes(self, kind: str, arrays: dict[str, np.ndarray], capacity: int | None
                        ) -> tuple[dict[str, np.ndarray], int | None]:
         """The batch padded to the largest patch axis and its capacity raised to the largest capacity

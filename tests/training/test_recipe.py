@@ -204,6 +204,10 @@ def test_help_config_lists_every_key_with_its_meaning():
     row = next(r for r in rows if r[0] == "compute.recompute")
     assert row[1] == "'none' | 'full' | 'selective'" and row[2] == "none"
     assert "compute.moe.backend" in recipe.help_config()
+    # a section's last field: its own comment above, not a comment inside the __post_init__ below it
+    meaning = {r[0]: r[3] for r in rows}
+    assert meaning["train.reserve_largest_bucket"].startswith("with reuse_shapes: every training batch padded")
+    assert not any("as the loader checks them" in m for m in meaning.values())
 
 
 def test_typed_sections_refuse_bad_values(files):

@@ -70,6 +70,49 @@ def test_reserved_batches_set_the_floor_before_any_is_prepared():
     assert plain._largest == {}
 
 
+def test_a_reserved_bucket_is_the_floor_from_the_first_batch():
+    """``train.reserve_largest_bucket``: the loop reserves the data's largest patch bucket for the train
+    steps before the first batch; a smaller batch is padded to it, a larger one still grows it, capacity
+    is untouched, eval keeps its own floor; without reuse_shapes nothing is reserved."""
+    tr = _trainer(True)
+    tr.reserve_patches(16)
+    batch = {"pixel_values": np.ones((2, 8, 3), np.float32), "patch_rc": np.ones((2, 8, 2), np.int32),
+             "patch_hw": np.ones((2, 8, 2), np.int32), "patch_segment_ids": np.ones((2, 8), np.int32)}
+    out, cap = tr._reused_shapes("train", batch, 40)
+    assert out["pixel_values"].shape[1] == 16 and cap == 40
+    for k in PATCH_KEYS:  # padded as the pipeline pads
+        np.testing.assert_array_equal(out[k][:, :8], batch[k])
+        assert not out[k][:, 8:].any()
+    assert tr._reused_shapes("train", _with_patches(batch, 12), 40)[0]["pixel_values"].shape[1] == 20
+    assert tr._reused_shapes("eval", batch, 40)[0]["pixel_values"].shape[1] == 8
+    plain = _trainer(False)
+    plain.reserve_patches(16)
+    assert plain._largest == {} and not TrainConfig().reserve_largest_bucket  # opt-in
+
+
+def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path):
+    """The train job calls it with the data's largest bucket (``data.max_patches``) when asked, and only
+    then (stopped right after: no step needed to see the call)."""
+    from moevlm_jax.config.run import load_config
+    from moevlm_jax.training import loop
+
+    seen = []
+
+    class Reserved(Exception):
+        pass
+
+    def record(self, patches, *, train=True):
+        seen.append((patches, train))
+        raise Reserved
+
+    monkeypatch.setattr(Trainer, "reserve_patches", record)
+    cfg = load_config("cpu-default", run_dir=str(tmp_path / "run"), overrides=[
+        "train.steps=1", "train.checkpointing=false", "train.reserve_largest_bucket=true"])
+    with pytest.raises(Reserved):
+        loop.run(cfg, progress=False)
+    assert seen == [(cfg.data.max_patches, True)]
+
+
 def test_a_smaller_batch_runs_the_larger_compiled_step_with_its_own_result(tmp_path):
     (batch,) = host_batches(tmp_path, 1)
     wider = _with_patches(batch, 16)  # the same samples with a larger patch bucket: the same step result
