@@ -139,12 +139,13 @@ def dequantize(q: jax.Array, scale: jax.Array, shape: Sequence[int], dtype: Any)
 def qdq(x: jax.Array, fmt: str, blocks: Sequence[int], amax_axes: tuple[str, ...] = ()) -> jax.Array:
     """x rounded onto its scaled fp8 grid (``quantize`` then ``dequantize``), in x's dtype.
 
-    The fp8 tensor passes an optimisation barrier: XLA:GPU's ``SimplifyFPConversions`` (on under
-    ``xla_allow_excess_precision``, XLA's default) removes a ``f32 -> f8 -> f32`` convert pair, i.e.
-    the rounding itself, and folds ``f32 -> f8 -> bf16`` into ``f32 -> bf16``; measured on the H200
-    (bench/fp8_h200.md): both recipes' GEMMs had bf16's error size (0.004 against the ~0.04 of e4m3
-    operands). Behind the barrier no convert chain is left to fold, and the fp8 tensor is what the next
-    op reads (still XLA's FP8 GEMM pattern: a convert of an fp8 operand, times a scalar)."""
+    The fp8 tensor passes an optimisation barrier. Without it, on the H200 both recipes' GEMMs had
+    bf16's error size (0.004 against the ~0.04 of e4m3 operands, bench/fp8_h200.md): the rounding was
+    compiled away, most likely by XLA:GPU's ``SimplifyFPConversions`` (on under
+    ``xla_allow_excess_precision``, XLA's default), which folds convert chains such as ``f32 -> f8 ->
+    f32`` (inferred from the errors; that call dumped no HLO). Behind the barrier no convert chain is
+    left to fold, and the fp8 tensor is what the next op reads (still XLA's FP8 GEMM pattern: a convert
+    of an fp8 operand, times a scalar)."""
     q, scale = quantize(x, fmt, blocks, amax_axes)
     q = jax.lax.optimization_barrier(q)
     return dequantize(q, scale, x.shape, x.dtype)
