@@ -197,7 +197,6 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                     if step == start + 1:  # time to the first step: the one sync of the run that is not a read
                         jax.block_until_ready(metrics)
                         summary["first_step_s"] = process_age_s()
-                        summary["first_step_loop_s"] = time.perf_counter() - t0
                     profile.after_step(step, metrics)
                     skipped = host["stats"].get("skipped_total", {})
                     # a step that compiled (a new patch bucket): the interval before it holds the compile, and

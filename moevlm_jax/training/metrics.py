@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -41,7 +42,6 @@ def process_age_s() -> float | None:
     """Seconds since this process started (Linux: ``/proc/self/stat``'s start time against the boot
     clock), so a time to the first step includes Python's and jax's imports; None elsewhere."""
     try:
-        import os
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5): starttime in clock ticks
         return float(Path("/proc/uptime").read_text().split()[0]) - started
