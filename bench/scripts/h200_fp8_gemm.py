@@ -3,7 +3,8 @@ cuBLASLt GEMM, how fast is it next to bf16, and how far is it from bf16 (per-GEM
 
 Shapes: the proxy decoder's dense projections (tokens 8 x 4096, hidden 2048 -> 4096 and 4096 -> 2048)
 and one expert-sized GEMM. Variants per shape, forward + backward (``jax.vjp``): ``bf16`` (the plain
-dot), ``fp8_tensor`` (per-tensor current scaling), ``fp8_blockwise`` (1x128 / 128x128, quantise-
+dot), ``fp8_direct`` (per-tensor scaling with the fp8 arrays handed to the dot itself, scales on
+the output: a probe of whether XLA then emits an FP8 GEMM; not yet the library's path), ``fp8_tensor`` (per-tensor current scaling), ``fp8_blockwise`` (1x128 / 128x128, quantise-
 dequantise: no FP8 kernel expected). For each: mean ms over ``--iters`` calls after a warm-up, TFLOP/s
 (3 GEMMs: 6 M K N flops), the relative error of y, dx and dw against a float32 HIGHEST reference on
 the same bf16 inputs (``rounded``: whether the error is FP8's, i.e. > 5x bf16's; on 2026-12-02 it was
@@ -45,7 +46,41 @@ def _gemms(hlo: str) -> dict:
             "fp8_gemm_like_examples": [ln[:300] for ln in f8[:4]]}
 
 
+def _scaled(x, fmt):
+    """x -> (fp8 x / scale, scale): per-tensor current scaling, as ``fp8.quantize`` with one block."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    top = fp8.fp8_max(fmt)
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(fp8.FORMATS[fmt]), scale
+
+
+@jax.custom_vjp
+def _direct(x, w):
+    """The tensor recipe with the fp8 arrays handed to the dot itself (no dequantise pass): y = (qx . qw)
+    sx sw, dx = (qg . qw^T) sg sw, dw = (qx^T . qg) sx sg; e4m3 operands, e5m2 output gradient."""
+    return _direct_fwd(x, w)[0]
+
+
+def _direct_fwd(x, w):
+    (qx, sx), (qw, sw) = _scaled(x, "e4m3"), _scaled(w, "e4m3")
+    y = jax.lax.dot_general(qx, qw, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * (sx * sw)).astype(x.dtype), (qx, sx, qw, sw)
+
+
+def _direct_bwd(res, g):
+    qx, sx, qw, sw = res
+    qg, sg = _scaled(g, "e5m2")
+    dx = jax.lax.dot_general(qg, qw, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw = jax.lax.dot_general(qx, qg, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (dx * (sg * sw)).astype(g.dtype), (dw * (sx * sg)).astype(g.dtype)
+
+
+_direct.defvjp(_direct_fwd, _direct_bwd)
+
+
 def _fn(variant: str):
+    if variant == "fp8_direct":
+        return _direct
     if variant == "bf16":
         return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     cfg = fp8.Fp8Config(recipe=variant.removeprefix("fp8_"))
@@ -70,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--small", action="store_true")
     p.add_argument("--hlo-dir", help="also write each variant's compiled HLO text here")
+    p.add_argument("--variants", default="bf16,fp8_direct,fp8_tensor,fp8_blockwise",
+                   help="comma list (bf16 first: the others' `rounded` compares with it)")
     args = p.parse_args(argv)
     shapes = SMALL if args.small else SHAPES
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "shapes": {}}
@@ -81,7 +118,7 @@ def main(argv=None) -> int:
         ref = _fwd_bwd(lambda a, b: jnp.dot(a, b, precision="highest", preferred_element_type=jnp.float32))
         ry, rdx, rdw = ref(x.astype(jnp.float32), w.astype(jnp.float32), g.astype(jnp.float32))
         row = {}
-        for variant in ("bf16", "fp8_tensor", "fp8_blockwise"):
+        for variant in args.variants.split(","):
             f = _fwd_bwd(_fn(variant))
             hlo = f.lower(x, w, g).compile().as_text()
             out = jax.block_until_ready(f(x, w, g))
