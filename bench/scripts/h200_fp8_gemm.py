@@ -4,7 +4,8 @@ cuBLASLt GEMM, how fast is it next to bf16, and how far is it from bf16 (per-GEM
 Shapes: the proxy decoder's dense projections (tokens 8 x 4096, hidden 2048 -> 4096 and 4096 -> 2048)
 and one expert-sized GEMM. Variants per shape, forward + backward (``jax.vjp``): ``bf16`` (the plain
 dot), ``fp8_direct`` (per-tensor scaling with the fp8 arrays handed to the dot itself, scales on
-the output: a probe of whether XLA then emits an FP8 GEMM; not yet the library's path), ``fp8_tensor`` (per-tensor current scaling), ``fp8_blockwise`` (1x128 / 128x128, quantise-
+the output: a probe of whether XLA then emits an FP8 GEMM; not yet the library's path),
+``fp8_tensor`` (per-tensor current scaling), ``fp8_blockwise`` (1x128 / 128x128, quantise-
 dequantise: no FP8 kernel expected). For each: mean ms over ``--iters`` calls after a warm-up, TFLOP/s
 (3 GEMMs: 6 M K N flops), the relative error of y, dx and dw against a float32 HIGHEST reference on
 the same bf16 inputs (``rounded``: whether the error is FP8's, i.e. > 5x bf16's; on 2026-12-02 it was
@@ -47,11 +48,9 @@ def _gemms(hlo: str) -> dict:
 
 
 def _scaled(x, fmt):
-    """x -> (fp8 x / scale, scale): per-tensor current scaling, as ``fp8.quantize`` with one block."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-    top = fp8.fp8_max(fmt)
-    scale = jnp.where(amax > 0, amax / top, 1.0)
-    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(fp8.FORMATS[fmt]), scale
+    """x -> (fp8 x / scale in x's shape, scalar scale): ``fp8.quantize`` with one block (per tensor)."""
+    q, scale = fp8.quantize(x, fmt, (-1,) * x.ndim)
+    return q.reshape(x.shape), scale.reshape(())
 
 
 @jax.custom_vjp

@@ -4,7 +4,9 @@
 # 1. the train CLI, recipe h200 as written (unrolled layers, MBS 10), an empty compilation cache, 3 steps:
 #    the summary's "first step done N s after the process started" is the time to first step;
 # 2. the yardstick bench (recipe h200, real data, MBS 10) with the vision tower trained, then with
-#    train.freeze_vision_model=true (the guide's decoder-focused case), same call.
+#    train.freeze_vision_model=true (the guide's decoder-focused case), same call. In its one call
+#    (2026-12-02, bench/frozen_h200.md) both bench runs were cut while compiling one step per patch bucket:
+#    bench/scripts/h200_frozen_cli.sh measures the frozen case instead.
 # Results under $OUT: log.txt, first_step.log, {unfrozen,frozen}.json / .txt.
 #   run(command="bash bench/scripts/h200_frozen.sh", carry=[".gpudeps"], timeout_s=600)
 set -uo pipefail
