@@ -130,8 +130,13 @@ def test_cli_as_two_processes_checkpoints_resume_in_one(tmp_path):
     for f in files:
         x, y = load_file(outs["one"] / f), load_file(outs["two"] / f)
         assert x.keys() == y.keys()
-        for k in x:  # the same training up to the order of gloo's sums
-            np.testing.assert_allclose(y[k], x[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        for k in x:  # the same training up to the order of gloo's sums, compared tensor by tensor
+            # by norm: AdamW turns the sum order's last-bit noise in a near-zero gradient element into a
+            # visible update difference (CI, 2026-12-02: one element of 2048 in a k_proj was 2.1e-6 off,
+            # rel 2.2e-4, after 4 steps at lr 3e-3); a missing, swapped or stale shard is off by the
+            # weights' own scale (relative difference ~1)
+            diff = np.linalg.norm(y[k].astype(np.float64) - x[k].astype(np.float64))
+            assert diff <= 1e-5 * np.linalg.norm(x[k].astype(np.float64)) + 1e-7, (k, diff)
 
 
 def _processes():
