@@ -20,13 +20,13 @@ _EXPORTS = {
     "load_data_config": "data.config",
     "SKIP_REASONS": "data.sample", "QUESTION_TYPES": "data.config",
     "CHANCE": "data.vqa",
-    "answer_accuracy": "data.metrics", "merge_accuracy": "data.metrics",
+    "answer_accuracy": "data.metrics", "merge_accuracy": "data.metrics", "question_chance": "data.metrics",
     "load_tokenizer": "data.tokenizer", "has_heldout": "data.sources", "dataset_source": "data.sources",
 }
 __all__ = [  # noqa: RUF022 - grouped as in _EXPORTS
     "build_loader", "Loader", "model_inputs", "throughput_line", "HOST_KEYS", "merge_states", "MODEL_KEYS", "EVAL_KEYS",
     "DataConfig", "ImageConfig", "DataError", "load_data_config", "SKIP_REASONS", "QUESTION_TYPES", "CHANCE",
-    "answer_accuracy", "merge_accuracy", "load_tokenizer", "has_heldout", "dataset_source",
+    "answer_accuracy", "merge_accuracy", "question_chance", "load_tokenizer", "has_heldout", "dataset_source",
 ]
 
 

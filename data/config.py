@@ -68,11 +68,18 @@ class VqaConfig:
     seed: int = 1234  # generator seed (samples are deterministic per seed, split and index)
     shard_size: int = 4096  # samples per ArrayRecord shard
     text_budget: int = 0  # characters of describe turns per sample (0: no limit)
+    # [min, max] height of the text question's word as a fraction of the image's shorter side (a word
+    # wider than the image is drawn at the largest size that fits)
+    text_size: tuple[float, float] = (0.2, 0.3)
+    text_words: int = 16  # the text question's answers: the first N of data.vqa.WORDS (chance 1/N)
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.questions) - set(QUESTION_TYPES))
         if bad:
             raise ValueError(f"source.questions: unknown question types {bad}; known: {QUESTION_TYPES}")
+        if not 2 <= self.text_words <= 16 or not 0 < self.text_size[0] <= self.text_size[1] <= 1:
+            raise ValueError(f"source.text_words ({self.text_words}) must be 2..16 and source.text_size "
+                             f"{list(self.text_size)} a [min, max] within (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

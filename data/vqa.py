@@ -8,7 +8,7 @@ question has a short answer read off the drawing and a known chance level:
     shape     "What shape is shown?"                circle/square/triangle/star   1/4
     count     "How many shapes are there?"          1..6                    1/6
     position  "Is the shape on the left or the right?"  left/right          1/2
-    text      "What word is written in the image?"  one of 16 words         1/16
+    text      "What word is written in the image?"  one of 16 words         1/16  (``text_words``: fewer)
 
 Samples may hold several images (questions then name the image) and extra "describe" turns whose
 long answers (not scored) describe every object; the GPU proxy preset uses that to reach 4 images
@@ -56,7 +56,7 @@ ANSWERS = {
     "colour": tuple(COLOURS), "shape": SHAPES, "count": tuple(str(i) for i in range(1, MAX_COUNT + 1)),
     "position": ("left", "right"), "text": WORDS,
 }
-CHANCE = {q: 1.0 / len(ANSWERS[q]) for q in QUESTION_TYPES}
+CHANCE = {q: 1.0 / len(ANSWERS[q]) for q in QUESTION_TYPES}  # of the default parameters (16 words)
 QUESTIONS = {
     "colour": ("What colour is the shape?", "Which colour is the shape in the picture?",
                "Name the colour of the shape."),
@@ -74,6 +74,16 @@ def vqa_params(source: VqaConfig | Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(source, VqaConfig):
         source = VqaConfig(**{k: v for k, v in source.items() if k != "kind"})
     return source_params(source)
+
+
+def answer_sets(params: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """Each question type's answers under a parameter set (the text question: the first ``text_words``)."""
+    return {**ANSWERS, "text": WORDS[:int(params["text_words"])]}
+
+
+def chance(params: Mapping[str, Any]) -> dict[str, float]:
+    """Each question type's chance level under a parameter set: one over its number of answers."""
+    return {q: 1.0 / len(a) for q, a in answer_sets(params).items()}
 
 
 # -- drawing ----------------------------------------------------------------------------------------
@@ -184,9 +194,15 @@ def make_scene(rng: np.random.Generator, qtype: str, params: Mapping[str, Any]) 
             objects.append(f"a {colour} {shape} {_where(cx, cy, w, h)}")
         answer = str(count)
     elif qtype == "text":
-        word = WORDS[rng.integers(len(WORDS))]
-        font = _font(max(8, int(short * rng.uniform(0.2, 0.3))))
+        words = WORDS[:int(params["text_words"])]
+        word = words[rng.integers(len(words))]
+        lo, hi = params["text_size"]
+        size = max(8, int(short * rng.uniform(lo, hi)))
+        font = _font(size)
         left, top, right, bottom = draw.textbbox((0, 0), word, font=font)
+        if right - left > w:  # wider than the image: the largest size that fits
+            font = _font(max(8, int(size * w / (right - left))))
+            left, top, right, bottom = draw.textbbox((0, 0), word, font=font)
         x = rng.uniform(0, max(1.0, w - (right - left))) - left
         y = rng.uniform(0, max(1.0, h - (bottom - top))) - top
         g = int(rng.integers(0, 60))
@@ -313,8 +329,8 @@ def ensure_vqa(source: Mapping[str, Any], cache_dir: Path, split: str, processes
             if pool:
                 pool.close()
                 pool.join()
-        info = {"params": params, "version": GENERATOR_VERSION, "shards": shards, "chance": CHANCE,
-                "answers": {k: list(v) for k, v in ANSWERS.items()}, "seconds": round(time.time() - start, 2)}
+        info = {"params": params, "version": GENERATOR_VERSION, "shards": shards, "chance": chance(params),
+                "answers": {k: list(v) for k, v in answer_sets(params).items()}, "seconds": round(time.time() - start, 2)}
         (tmp / "manifest.json").write_text(json.dumps(info, indent=1))
         try:
             os.replace(tmp, root)  # atomic: a concurrent builder either wins or finds it done

@@ -61,7 +61,7 @@ def evaluate(trainer: Trainer, params: Any, data_cfg: Any, *, rows: int, batches
             parts.append(data_lib.answer_accuracy(batch, pred))
     finally:
         loader.close()
-    accuracy = data_lib.merge_accuracy(parts) if parts else {}
+    accuracy = data_lib.merge_accuracy(parts, data_lib.question_chance(data_cfg)) if parts else {}
     return {"loss": ce / max(tokens, 1.0), "tokens": tokens, "accuracy": accuracy}
 
 

@@ -19,6 +19,7 @@ from data.vqa import (
     ANSWERS,
     CHANCE,
     COLOURS,
+    WORDS,
     dataset_dir,
     ensure_vqa,
     make_record,
@@ -133,3 +134,37 @@ def test_photos_are_real_shipped_photographs():
     loader = build_loader("photos", overrides=["seq_len=1024", "batch_size=2", "source.num_train=40"])
     batch = next(loader)
     assert batch["stats"]["images"] >= 2 and batch["stats"]["trained_tokens"] > 20
+
+
+def _ink_box(jpeg: bytes) -> tuple[int, int, int, int, int, int]:
+    """(x0, x1, y0, y1, w, h): the dark pixels' (the word's) bounding box and the image size."""
+    a = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB")).astype(int)
+    ys, xs = np.nonzero(ndimage.binary_opening(a.max(-1) < 110))
+    return xs.min(), xs.max(), ys.min(), ys.max(), a.shape[1], a.shape[0]
+
+
+def test_text_words_and_text_size_set_the_text_question(tmp_path):
+    from data.config import load_data_config
+    from data.metrics import question_chance
+
+    def text_scenes(**source):
+        params = vqa_params({"questions": ["text"], **source})
+        recs = [decode_record(make_record(params, "train", i)) for i in range(120)]
+        return params, [(r["meta"]["answers"][0], _ink_box(r["images"][0])) for r in recs]
+
+    _, scenes = text_scenes(text_words=4)
+    assert {a for a, _ in scenes} == set(WORDS[:4])  # the first 4 words, each asked
+    cfg = load_data_config("vqa", ["source.text_words=4", f"cache_dir={tmp_path}"])
+    assert question_chance(cfg)["text"] == 0.25 and question_chance(cfg)["colour"] == CHANCE["colour"]
+    ensure_vqa(cfg.source, tmp_path, "train")
+    manifest = json.loads((dataset_dir(vqa_params(cfg.source), tmp_path) / "manifest.json").read_text())
+    assert manifest["chance"]["text"] == 0.25 and manifest["answers"]["text"] == list(WORDS[:4])
+
+    def height(scenes):  # the ink's height over the image's shorter side, median over the scenes
+        return float(np.median([(y1 - y0 + 1) / min(w, h) for _, (x0, x1, y0, y1, w, h) in scenes]))
+
+    small, large = height(text_scenes()[1]), height(text_scenes(text_size=[0.4, 0.5])[1])
+    assert 1.5 < large / small < 2.1, (small, large)  # sizes 0.2-0.3 vs 0.4-0.5 of the shorter side
+    # glyphs larger than a narrow image allows are drawn at the largest size that fits: never cut off
+    for _, (x0, x1, _, _, w, _) in text_scenes(text_size=[0.8, 1.0])[1]:
+        assert x0 > 0 or x1 < w - 1

@@ -27,8 +27,8 @@ from safetensors.numpy import load_file
 from tests.parallelism.packed_batch import packed_batch
 from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS_FLAG
 
-# quick compiles (tests/xla_options.py) for the 1-process references of the 2-process layout runs; the CLI
-# runs in subprocesses compile with XLA's default emitters (4 AdamW steps: the exports' tolerance needs them)
+# quick compiles (tests/xla_options.py) here and in every subprocess: the 1-process references and the runs
+# they are compared with compile alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 ROWS, SEQ = 16, 32  # 16 rows: pp's 4 microbatches over 4 fsdp devices per stage
@@ -40,11 +40,11 @@ def global_batch(config):
     return packed_batch(config, ROWS, SEQ)
 
 
-def _env(devices: int, legacy_emitters: bool = False) -> dict[str, str]:
-    """``legacy_emitters``: compile as this process does (its references: tests/xla_options.py)."""
+def _env(devices: int) -> dict[str, str]:
+    """A subprocess's environment: ``devices`` CPU devices, compiles as this process's (tests/xla_options.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEVLM_")}
-    flags = f"{FAST_XLA_FLAGS} {LEGACY_EMITTERS_FLAG}" if legacy_emitters else FAST_XLA_FLAGS
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {flags}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {FAST_XLA_FLAGS} {LEGACY_EMITTERS_FLAG}"
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # train.compilation_cache_dir: every program
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     return env
 
@@ -53,7 +53,7 @@ def test_two_processes_train_like_one_under_fsdp_ep_pp():
     from tests.parallelism.test_layouts import METRICS, train
 
     child = Path(__file__).with_name("multiprocess_child.py")
-    done = subprocess.run([*LAUNCH, "--", str(child), "fsdp", "ep", "pp"], env=_env(4, legacy_emitters=True),
+    done = subprocess.run([*LAUNCH, "--", str(child), "fsdp", "ep", "pp"], env=_env(4),
                           capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = [json.loads(ln.split("RESULT ", 1)[1]) for ln in done.stdout.splitlines() if "RESULT " in ln]
@@ -85,6 +85,8 @@ def _recipe(tmp: Path) -> Path:
         "optimizer": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.01, "decay_steps": 6},  # runs of 4 and 6 steps
         "train": {"steps": 6, "global_batch_size": 8, "seq_len": SEQ_LEN, "log_every": 1, "checkpoint_every": 2,
                   "keep_checkpoints": 3, "freeze_vision_model": True,
+                  # the resumed 1-process run loads the straight 1-process run's compiled step
+                  "compilation_cache_dir": str(tmp / "jax_cache"),
                   "tensorboard": False},  # metrics.jsonl is what is read (tensorboardX imports torch: 2 s a process)
     }))
     return recipe
@@ -154,7 +156,7 @@ def test_a_killed_process_ends_every_process_within_60_s(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([*LAUNCH, "--", "-m", "moevlm_jax.train", "--quiet", "--recipe", str(recipe),
                              "--run-dir", str(run), "train.steps=200", "train.checkpoint_every=0"],
-                            env=_env(4, legacy_emitters=True),
+                            env=_env(4),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     t0 = time.perf_counter()
     while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
