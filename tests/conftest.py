@@ -121,6 +121,7 @@ SLOW_MODULES = (
     "tests/parallelism/test_layouts_cli.py",
     "tests/parallelism/test_qwen3_5_layouts.py",
     "tests/training/test_train_cli.py",
+    "tests/parallelism/test_fp8_trainer.py",
     "tests/tools/test_plan.py",
     "tests/tools/test_bench.py",
     "tests/training/test_portable_checkpoints.py",

@@ -10,6 +10,9 @@ from jax._src.ad_checkpoint import saved_residuals  # as tests/model/test_recomp
 
 from moevlm_jax.model import attention
 
+# quick compiles (tests/xla_options.py): the plain function's reference compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 
 def _kernel(q, k, v, ids):  # stands in for cuDNN's ragged kernel: XLA attention within segments
     return attention._attention(q, k, v, ids, ids, 0, causal=True, impl="xla", scale=0.3)

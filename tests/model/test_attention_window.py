@@ -13,6 +13,9 @@ import pytest
 
 from moevlm_jax.model.attention import dot_product_attention, rows_within_bound, windowed_attention
 
+# quick compiles (tests/xla_options.py): the whole-row reference compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 
 def _rows(lengths_per_row, s):
     seg = np.zeros((len(lengths_per_row), s), np.int32)

@@ -18,6 +18,9 @@ from moevlm_jax.training.objective import microbatch_objective
 from moevlm_jax.model.qwen3_vl_moe import jit_forward
 from tests.model.hf_reference import make_batches
 
+# quick compiles (tests/xla_options.py): each option and its reference compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 F32 = dict(dtype="float32", param_dtype="float32")
 
 

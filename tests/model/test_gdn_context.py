@@ -26,6 +26,9 @@ from parallelism.context import SequenceShards, context_parallel_map, sequence_a
 from parallelism.logical import named_sharding, sharding_context
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
+# quick compiles (tests/xla_options.py): the one-device reference compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 S = 32
 ACT = ("act_batch", "act_seq", "act_embed")
 SEG = ("act_batch", "act_seq")

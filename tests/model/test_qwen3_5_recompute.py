@@ -30,6 +30,9 @@ from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model.rotary import mrope_cos_sin
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
+# quick compiles (tests/xla_options.py): every policy and its reference compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 CFG = load_model_config("qwen3.5-tiny").text_config
 F32 = {"dtype": "float32", "param_dtype": "float32"}
 B, S = 2, 16

@@ -30,6 +30,9 @@ from moevlm_jax.model.layers import remat_policy, run_stack, stack_modules
 from moevlm_jax.model.rotary import mrope_cos_sin
 from moevlm_jax.model.vision import VisionBlock
 
+# quick compiles (tests/xla_options.py): every policy and its reference compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 CFG = load_model_config("tiny-v512")
 F32 = {"dtype": "float32", "param_dtype": "float32"}
 B, S, P = 2, 16, 16  # rows, tokens, patches

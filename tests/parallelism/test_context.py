@@ -18,6 +18,9 @@ from parallelism.layout import LayoutOptions
 from parallelism.logical import named_sharding, sharding_context
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
+# quick compiles (tests/xla_options.py): the single-device reference compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 B, S, N, K, D = 4, 32, 4, 2, 16
 Q_AXES = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 KV_AXES = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")

@@ -43,6 +43,9 @@ from parallelism.validate import LayoutError, validate_layout
 from tests.parallelism.packed_batch import packed_batch
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
+# quick compiles (tests/xla_options.py): the one-device reference compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 PRESETS = ("tp", "ep", "cp", "folded", "pp")
 # In the default suite since 2026-12-02 (~90 s for the module on 2 cores). It was opt-in after it lost its
 # xdist worker in four of five full-suite runs (2026-12-01): crashes inside XLA:CPU compiles (the memory-map

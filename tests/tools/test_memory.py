@@ -9,6 +9,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from moevlm_jax.tools import memory
 from moevlm_jax.model.compute import ComputeConfig
@@ -16,6 +17,9 @@ from moevlm_jax.model.config import load_model_config
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from moevlm_jax.config import load_layout
+
+# quick compiles (tests/xla_options.py): the same memory figures within 0.04% (tests/tools/test_plan.py)
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 MBS, SEQ = 2, 64
 

@@ -15,6 +15,9 @@ from moevlm_jax.training.config import OptimizerConfig, TrainConfig
 from moevlm_jax.training.trainer import Trainer
 from tests.training.train_setup import COMPUTE, host_batches
 
+# quick compiles (tests/xla_options.py): the padded and the batch's own step compiled alike
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
 
 def _trainer(reuse: bool) -> Trainer:
     return Trainer.create(load_model_config("tiny"), ComputeConfig.from_dict(COMPUTE), load_layout("fsdp"),
