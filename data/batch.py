@@ -6,7 +6,8 @@ grid, the grid size, and its frame; the pipeline uses it to build ``patch_rc`` /
 ``patch_segment_ids``, and the MRoPE position ids come from ``data.mrope``. ``hf_inputs_to_batch``
 turns Hugging Face model inputs (flat ``pixel_values`` + ``image_grid_thw`` + ``attention_mask``)
 into the same per-row batch (the model's HF-compatible eager call), ``hf_labels_to_targets`` HF
-labels into ``targets`` / ``loss_mask``. Plain numpy: no model, no jax.
+labels into ``targets`` / ``loss_mask``; ``batch_shapes`` gives a train batch's shapes and dtypes
+(to compile a step before any batch exists). Plain numpy: no model, no jax.
 """
 
 from __future__ import annotations
@@ -22,6 +23,25 @@ MODEL_KEYS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask",
               "pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
 # those with the patch axis (axis 1: [rows, P, ...]); padding patches are zeros in each
 PATCH_KEYS = ("pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
+
+
+def batch_shapes(model: Any, rows: int, seq_len: int, patches: int, microbatches: int = 1
+                 ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """key -> (shape with the leading microbatch axis, dtype) of a train batch of ``microbatches`` x
+    ``rows`` rows of ``seq_len`` tokens and ``patches`` patch rows each, as the pipeline builds it
+    (``model``: a model config, for the patch width); no patch keys when ``patches`` is 0."""
+    g, b, s = microbatches, rows, seq_len
+    out = {"input_ids": ((g, b, s), "int32"), "positions": ((g, 3, b, s), "int32"),
+           "segment_ids": ((g, b, s), "int32"), "targets": ((g, b, s), "int32"),
+           "loss_mask": ((g, b, s), "float32")}
+    if patches:
+        if patches % 4:
+            raise ValueError(f"patches ({patches}) must be a multiple of 4 (2x2 merge blocks)")
+        v = model.vision_config
+        dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        out.update({"pixel_values": ((g, b, patches, dim), "float32"), "patch_rc": ((g, b, patches, 2), "int32"),
+                    "patch_hw": ((g, b, patches, 2), "int32"), "patch_segment_ids": ((g, b, patches), "int32")})
+    return out
 
 
 def patch_layout(image_grid_thw: np.ndarray, spatial_merge_size: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

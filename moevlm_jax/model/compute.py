@@ -157,6 +157,9 @@ class ComputeConfig:
     attention: Literal["auto", "xla", "cudnn"] = "auto"  # attention kernel (auto: cuDNN on GPUs, XLA elsewhere)
     attention_options: AttentionOptions = AttentionOptions()  # the cuDNN kernel's ragged bounds and head-dim padding
     scan_layers: bool = True  # scan over stacked layers (false: unrolled, no per-layer weight slices, ~2x compile)
+    # the vision tower's own setting (null: scan_layers): its many small layers cost most of an unrolled
+    # compile and little per-layer slicing, the decoder's few MoE layers the opposite
+    vision_scan_layers: bool | None = None
     # none | full (save only each layer's input) | selective (recompute only recompute_modules)
     recompute: RecomputeMode = "none"
     # Megatron's recompute modules under selective: core_attn, moe_act, layernorm, mlp, moe (and
@@ -211,6 +214,12 @@ class ComputeConfig:
             mods = self.recompute_modules if self.vision_recompute_modules is None else self.vision_recompute_modules
             return mode, mods
         return self.recompute, self.recompute_modules
+
+    def stack_scan(self, tower: str = "text") -> bool:
+        """Whether the decoder ("text") or the vision tower ("vision") scans over its stacked layers."""
+        if tower == "vision" and self.vision_scan_layers is not None:
+            return self.vision_scan_layers
+        return self.scan_layers
 
     @property
     def moe_options(self) -> dict[str, Any]:

@@ -196,7 +196,8 @@ def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any, Any], tup
     """Run layers ``start:stop`` of ``stack``: ``carry, y = body(layer, carry, x, side)`` per layer, with
     ``xs`` (a pytree with a leading layer axis, or None) sliced alongside. Returns the final carry and
     the per-layer ``y`` stacked on a leading axis. Scans (one compiled body) when
-    ``compute.scan_layers``, else unrolls; the remat policy wraps the body either way (the
+    the stack's tower scans (``compute.stack_scan``: ``scan_layers``, or ``vision_scan_layers`` for
+    the vision tower), else unrolls; the remat policy wraps the body either way (the
     vision tower's for a ``vis_layers`` stack, else the decoder's; also inside a pipeline stage).
 
     ``side`` holds the batch-dependent inputs every layer reads (rotary tables, segment ids, ...),
@@ -216,14 +217,16 @@ def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any, Any], tup
         return body(nnx.merge(graphdef, layer_state), c, x, s)
 
     axis = stack_axis(stack)
-    policy = remat_policy(compute, "vision" if axis == "vis_layers" else "text")
+    tower = "vision" if axis == "vis_layers" else "text"
+    scan = compute.stack_scan(tower)
+    policy = remat_policy(compute, tower)
     if policy is not None:
-        step = jax.checkpoint(step, policy=policy, prevent_cse=not compute.scan_layers)
+        step = jax.checkpoint(step, policy=policy, prevent_cse=not scan)
     plan = pipeline.active_config(axis) if axis is not None else None
     if plan is not None:
         return pipeline.run_pipeline(step, state, carry, xs, side, side_axes, plan, axis=axis,
-                                     offset=layer_offset + start, scan=compute.scan_layers)
-    if compute.scan_layers:
+                                     offset=layer_offset + start, scan=scan)
+    if scan:
         return jax.lax.scan(lambda c, inputs: step(c, *inputs, side), carry, (state, xs))
     # unrolled: each layer's slice from one split per stacked leaf, whose transpose (the stacked
     # gradient) is one concatenate, not a sum of per-layer pads

@@ -68,36 +68,6 @@ def default_patches(seq_len: int) -> int:
     return (3 * seq_len // 4) // 4 * 4
 
 
-def batch_shapes(model: Any, rows: int, seq_len: int, patches: int, microbatches: int = 1
-                 ) -> dict[str, tuple[tuple[int, ...], str]]:
-    """key -> (global shape with the leading microbatch axis, dtype) of a train batch
-    (ARCHITECTURE.md) of ``microbatches`` x ``rows`` rows; no patch keys when ``patches`` is 0."""
-    g, b, s = microbatches, rows, seq_len
-    out = {"input_ids": ((g, b, s), "int32"), "positions": ((g, 3, b, s), "int32"),
-           "segment_ids": ((g, b, s), "int32"), "targets": ((g, b, s), "int32"),
-           "loss_mask": ((g, b, s), "float32")}
-    if patches:
-        if patches % 4:
-            raise ValueError(f"patches ({patches}) must be a multiple of 4 (2x2 merge blocks)")
-        v = model.vision_config
-        dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
-        out.update({"pixel_values": ((g, b, patches, dim), "float32"), "patch_rc": ((g, b, patches, 2), "int32"),
-                    "patch_hw": ((g, b, patches, 2), "int32"), "patch_segment_ids": ((g, b, patches), "int32")})
-    return out
-
-
-def abstract_batch(trainer: Any, mbs: int, seq_len: int, patches: int) -> dict[str, Any]:
-    """The train batch as ShapeDtypeStructs with the trainer's batch shardings (MBS per rank)."""
-    import jax
-
-    from parallelism import sharding
-
-    spec = trainer.spec
-    shapes = batch_shapes(spec.model, mbs * spec.dp_size, seq_len, patches, spec.grad_accum)
-    shards = sharding.batch_shardings({k: s for k, (s, _) in shapes.items()}, spec.mesh, spec.rules, 1)
-    return {k: jax.ShapeDtypeStruct(s, d, sharding=shards[k]) for k, (s, d) in shapes.items()}
-
-
 def lower_step(trainer: Any, state: Any, arrays: Mapping[str, Any], capacity: int | None = None,
                bounded: bool = False) -> Any:
     """``jax.stages.Lowered`` of the trainer's train step for these (concrete or abstract) inputs;
@@ -165,7 +135,7 @@ def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: i
                              grad_accum=grad_accum, devices=devices, frozen=frozen, param_groups=param_groups)
     validate_layout(model, layout, trainer.mesh, batch_size=mbs * trainer.data_parallel_size, seq_len=seq_len)
     t0 = time.perf_counter()
-    lowered = lower_step(trainer, trainer.abstract_state(), abstract_batch(trainer, mbs, seq_len, patches), capacity,
+    lowered = lower_step(trainer, trainer.abstract_state(), trainer.abstract_batch(mbs, seq_len, patches), capacity,
                          bounded)
     fields = memory_fields(lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile())
     return {"model": model.name, "layout": layout.name, "devices": len(devices), "mbs": mbs, "grad_accum": grad_accum,

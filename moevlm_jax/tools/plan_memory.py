@@ -86,7 +86,7 @@ class MemoryKnobs:
     loss_chunk: int = 2048
     attention: str = "xla"  # the attention path: xla (CPU) | cudnn (GPU)
     expert_bias: bool = False
-    scan_layers: bool = True
+    scan_layers: bool = True  # the decoder's (compute.stack_scan("text")): it holds nearly all stacked weights
     loss_capacity: int | None = None  # trained positions the LM head sees per data-parallel rank (None: whole rows)
     # XLA:CPU converts the scanned layers' compute-dtype residuals to float32 between the forward and the
     # backward scan (a convert sunk out of the loop): they take 4 bytes an element there (bench/plans.md)
@@ -112,7 +112,7 @@ class MemoryKnobs:
                    else tuple(compute.vision_recompute_modules),
                    offload=tuple(compute.offload), frozen=frozenset(frozen), grad_accum=int(grad_accum),
                    capacity_factor=cf, loss_chunk=compute.loss_chunk_size, attention=attention,
-                   expert_bias=compute.router.expert_bias, scan_layers=compute.scan_layers, loss_capacity=loss_capacity,
+                   expert_bias=compute.router.expert_bias, scan_layers=compute.stack_scan("text"), loss_capacity=loss_capacity,
                    residual_upcast=platform == "cpu" and compute.scan_layers and compute.dtype != "float32",
                    all_reduce_scatter=platform == "cpu",
                    dense_grouped_matmul=platform == "cpu" and moe.backend in ("auto", "ragged_dot"))

@@ -76,7 +76,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("model and data disagree: " + "; ".join(problems))
     # fail fast (before loading data and compiling) on what tracing finds, at the largest patch bucket
     memory.trace_step(trainer, trainer.abstract_state(),
-                      memory.abstract_batch(trainer, mbs, seq_len, max(data_cfg.patch_buckets)))
+                      trainer.abstract_batch(mbs, seq_len, max(data_cfg.patch_buckets)))
     loader = data_lib.build_loader(data_cfg, batch_size=rows // jax.process_count(), seq_len=seq_len,
                                    shard_index=jax.process_index(), shard_count=jax.process_count())
     try:

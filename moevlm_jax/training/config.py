@@ -94,6 +94,14 @@ class TrainConfig:
     # four buckets cost four ~40-95 s compiles in a 100-step run, bench/fp8_h200.md), at the price of
     # padding patches through the vision tower in batches of a smaller bucket
     reserve_largest_bucket: bool = False
+    # with reserve_largest_bucket: compile the training step in a background thread from the start, while
+    # the state initialises and the data pipeline starts (time to the first step), for the reserved shape
+    # and the largest loss capacity short of whole rows (reserved too; a batch with more than half its
+    # positions trained compiles its whole-rows step when it comes)
+    compile_ahead: bool = False
 
     def __post_init__(self) -> None:
         coerce_fields(self, "train")  # types, as the loader checks them
+        if self.compile_ahead and not (self.reuse_shapes and self.reserve_largest_bucket):
+            raise ValueError("train.compile_ahead needs train.reserve_largest_bucket=true and train.reuse_shapes=true "
+                             "(the training step's batch shape known before the first batch)")

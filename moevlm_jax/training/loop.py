@@ -115,18 +115,27 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                              grad_accum=tr.grad_accum, frozen=frozen, param_groups=tr.param_groups,
                              reuse_shapes=tr.reuse_shapes)
     _log_model(trainer, frozen, tr.param_groups)
+    ahead = None  # (batch, capacity) of the training step compiled from the start (train.compile_ahead)
     if tr.reserve_largest_bucket:
         if not tr.reuse_shapes:
             log.warning("train.reserve_largest_bucket has no effect with train.reuse_shapes=false")
         elif cfg.data.patch_buckets:
-            trainer.reserve_patches(cfg.data.max_patches)
+            rows = cfg.global_batch_size // jax.process_count()
+            capacity = trainer.largest_capacity(rows, tr.seq_len) if tr.compile_ahead else 0
+            trainer.reserve_patches(cfg.data.max_patches, capacity=capacity)
             log.info("train steps padded to the largest patch bucket, %d (train.reserve_largest_bucket)",
                      cfg.data.max_patches)
+            if tr.compile_ahead:
+                ahead = trainer.abstract_batch(tr.micro_batch_size, tr.seq_len, cfg.data.max_patches), capacity
+        elif tr.compile_ahead:
+            log.warning("train.compile_ahead has no effect: the data has no patch buckets (data.patch_buckets)")
     if trainer.data_parallel_size != cfg.data_parallel_size:
         raise ConfigError(f"data-parallel size {trainer.data_parallel_size} != config's {cfg.data_parallel_size}")
     log.info("batch: global %d rows x %d tokens = micro %d x accumulation %d x data-parallel %d",
              cfg.global_batch_size, tr.seq_len, tr.micro_batch_size, tr.grad_accum, cfg.data_parallel_size)
     abstract = trainer.abstract_state()
+    if ahead is not None:  # compiles while the state initialises and the data pipeline starts
+        trainer.compile_ahead(abstract, *ahead)
     # room for the checkpoints kept at once (+1 while the next is written), as many as the run writes
     saves = (tr.steps // tr.checkpoint_every if tr.checkpoint_every else 0) + 1 if tr.checkpointing else 0
     _check_run_dir(run_dir, min(tr.keep_checkpoints + 1, saves)
@@ -277,7 +286,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
         except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
             log.warning("curves.png not written: %s", e)
     summary.update({
-        "end_step": step, "wall_s": wall, "compiles": len(trainer.compiled),
+        "end_step": step, "wall_s": wall, "compiles": len(trainer.compiled), "compiled_ahead": trainer.ahead_steps,
         "loss_first": records[0]["loss"] if records else None, "loss_last": records[-1]["loss"] if records else None,
         "first_step": records[0]["step"] if records else None, "last_step": records[-1]["step"] if records else None,
         "tokens_per_s": timed["useful_tokens"] / timed["time"] if timed["time"] else None,

@@ -51,6 +51,18 @@ def loss_capacity(most: int, positions: int) -> int | None:
     return None if 2 * cap > positions else cap
 
 
+def largest_capacity(positions: int) -> int | None:
+    """The largest capacity :func:`loss_capacity` gives groups of ``positions`` short of whole rows
+    (None: every capacity means whole rows): every batch of that row shape fits it."""
+    best = None
+    for k in range(max(positions, 1).bit_length()):
+        for m in (4, 5, 6, 7):
+            cap = m << k
+            if cap >= MIN_CAPACITY and 2 * cap <= positions and cap == capacity_step(cap):
+                best = max(best or 0, cap)
+    return best
+
+
 def trained_positions(loss_mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
     """loss_mask ``[G, L]`` -> positions ``[G, C]`` int32 of the first ``C = capacity`` trained
     tokens of each group in order, and valid ``[G, C]`` bool (False past a group's trained tokens)."""

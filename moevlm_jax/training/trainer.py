@@ -20,6 +20,9 @@ same process). They compile once per batch shape (patch bucket), loss capacity a
 with ``reuse_shapes`` (the train job's ``train.reuse_shapes``) a batch is padded up to the largest patch
 bucket and loss capacity its kind (train / eval) has had, so that later batches reuse that compile
 instead of adding one per combination (padding patches and unused capacity slots change no result).
+When every batch's shape is known before the first one (``reserve_patches`` with a capacity: the
+train job's ``train.reserve_largest_bucket``), :meth:`Trainer.compile_ahead` compiles that step in a
+background thread while the state initialises and the data starts (``train.compile_ahead``).
 
 The objective (what each microbatch adds to the loss, the gathered-positions LM head, the eval pass)
 is ``moevlm_jax.training.objective``; the trainer gives it the data-parallel size and the per-batch
@@ -32,6 +35,8 @@ import dataclasses
 import functools
 import logging
 import math
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,7 +47,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from data.batch import MODEL_KEYS, PATCH_KEYS
+from data.batch import MODEL_KEYS, PATCH_KEYS, batch_shapes
 from moevlm_jax.model import router as moe_router
 from moevlm_jax.model.attention import resolve_impl, rows_within_bound
 from moevlm_jax.model.compute import ComputeConfig
@@ -50,7 +55,8 @@ from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model import registry
 from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.config import OptimizerConfig
-from moevlm_jax.training.objective import ce_and_argmax, gather_trained, loss_capacity, microbatch_objective, most_trained
+from moevlm_jax.training.objective import (ce_and_argmax, gather_trained, largest_capacity, loss_capacity,
+                                          microbatch_objective, most_trained)
 from parallelism import grouped_matmul, sharding
 from parallelism.layout import Layout, LayoutOptions
 from parallelism.logical import Rules, data_parallel_size, normalize_rules, sharding_context
@@ -198,7 +204,8 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
 
         objective, grads, sums = optim.accumulate_gradients(loss_fn, trainable, micro, grad_shardings=grad_shardings,
                                                             accum_dtype=jnp.dtype(spec.optimizer.grad_accum_dtype))
-        if not spec.compute.scan_layers:  # the stacked gradients materialised once, not re-derived in each
+        if not (spec.compute.stack_scan("text") and spec.compute.stack_scan("vision")):  # any stack unrolled: the
+            # stacked gradients materialised once, not re-derived in each
             grads = jax.lax.optimization_barrier(grads)  # reduction over them (82 ms/step, step_h200.md run 7)
         with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
             updates, opt_state = tx.update(grads, state["opt_state"], trainable)
@@ -257,6 +264,11 @@ def compile_key(arrays: Mapping[str, Any], capacity: int | None, bounded: bool) 
     return tuple(sorted((k, v.shape) for k, v in arrays.items())), capacity, bounded
 
 
+def _ahead_key(arrays: Mapping[str, Any], capacity: int | None, bounded: bool) -> tuple:
+    """compile_key with the dtypes: an executable compiled ahead takes exactly these arrays."""
+    return compile_key(arrays, capacity, bounded), tuple(sorted((k, str(v.dtype)) for k, v in arrays.items()))
+
+
 @dataclasses.dataclass
 class DeviceBatch:
     """A batch on the mesh: ``arrays`` (global; train batches have a leading microbatch axis), the static
@@ -275,6 +287,9 @@ class Trainer:
     def __init__(self, spec: StepSpec, reuse_shapes: bool = False):
         self.spec = spec
         self.compiled: set[tuple] = set()  # (kind, shapes, capacity, bounded) seen: one compile each
+        self._ahead: dict[tuple, Any] = {}  # compile_ahead's executables by (shapes, dtypes, capacity, bounded)
+        self._ahead_thread: threading.Thread | None = None
+        self.ahead_steps = 0  # steps that ran an executable compiled ahead
         self.reuse_shapes = reuse_shapes
         self._largest: dict[str, tuple[int, float]] = {}  # kind -> (patches, capacity; inf: whole rows)
         self.bound_warned: set[str] | None = set() if jax.default_backend() == "gpu" and spec.compute.attention != "xla" else None
@@ -337,6 +352,14 @@ class Trainer:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             shapes, self.state_shardings)
 
+    def abstract_batch(self, mbs: int, seq_len: int, patches: int) -> dict[str, Any]:
+        """A train batch of ``mbs`` rows per data-parallel rank (``data.batch.batch_shapes``, microbatch
+        axis leading) as ShapeDtypeStructs with the batch shardings ``prepare`` gives its arrays."""
+        spec = self.spec
+        shapes = batch_shapes(spec.model, mbs * spec.dp_size, seq_len, patches, spec.grad_accum)
+        shards = sharding.batch_shardings({k: s for k, (s, _) in shapes.items()}, spec.mesh, spec.rules, 1)
+        return {k: jax.ShapeDtypeStruct(s, d, sharding=shards[k]) for k, (s, d) in shapes.items()}
+
     @property
     def data_parallel_size(self) -> int:
         """Devices the batch rows are split over (the mesh axes of ``act_batch``)."""
@@ -392,15 +415,24 @@ class Trainer:
             arrays = {k: np.asarray(host[k]) for k in ("loss_mask", "pixel_values") if k in host}
             self._reused_shapes("train" if train else "eval", arrays, self._capacity(arrays, train))
 
-    def reserve_patches(self, patches: int, *, train: bool = True) -> None:
+    def largest_capacity(self, rows: int, seq_len: int) -> int | None:
+        """The largest loss capacity a training batch of ``rows`` (this process's) x ``seq_len`` tokens
+        gets short of whole rows (``objective.largest_capacity`` of its row groups, as :meth:`prepare`
+        groups them)."""
+        groups = max(self.spec.dp_size // jax.process_count(), 1) * self.spec.grad_accum
+        return largest_capacity(rows // groups * seq_len)
+
+    def reserve_patches(self, patches: int, *, capacity: int | None = 0, train: bool = True) -> None:
         """With ``reuse_shapes``: ``patches`` (a patch bucket) the floor of the patch axis of ``train`` /
         eval batches from now on (``train.reserve_largest_bucket``: the data's largest bucket, one
-        compiled step for the run). The same on every process (it comes from the config)."""
+        compiled step for the run), and ``capacity`` the floor of their loss capacity (None: whole
+        rows; 0: none). The same on every process (it comes from the config)."""
         if not self.reuse_shapes:
             return
         kind = "train" if train else "eval"
         most_patches, most_cap = self._largest.get(kind, (0, 0))
-        self._largest[kind] = (max(most_patches, int(patches)), most_cap)
+        cap = math.inf if capacity is None else capacity
+        self._largest[kind] = (max(most_patches, int(patches)), max(most_cap, cap))
 
     def _reused_shapes(self, kind: str, arrays: dict[str, np.ndarray], capacity: int | None
                        ) -> tuple[dict[str, np.ndarray], int | None]:
@@ -444,8 +476,42 @@ class Trainer:
         """One optimizer step over the global batch (``state`` is donated); metrics stay on device:
         loss, ce_loss, router_aux_loss, router_z_loss, router_loss, moe/load_* (expert load, see
         ``router.expert_load_metrics``), grad_norm, lr, skipped, trained_tokens."""
-        self._note_compile("train", batch.arrays, batch.capacity, batch.bounded)
-        return _train_step(state, batch.arrays, spec=self.spec, capacity=batch.capacity, bounded=batch.bounded)
+        if self._ahead_thread is not None:  # the first step waits for the compile started ahead
+            self._ahead_thread.join()
+            self._ahead_thread = None
+        ahead = self._ahead.get(_ahead_key(batch.arrays, batch.capacity, batch.bounded))
+        if ahead is None:
+            self._note_compile("train", batch.arrays, batch.capacity, batch.bounded)
+            return _train_step(state, batch.arrays, spec=self.spec, capacity=batch.capacity, bounded=batch.bounded)
+        self.compiled.add(("train", *compile_key(batch.arrays, batch.capacity, batch.bounded)))
+        self.ahead_steps += 1
+        return ahead(state, batch.arrays)
+
+    def compile_ahead(self, state: Any, arrays: Mapping[str, Any], capacity: int | None, *,
+                      bounded: bool = True) -> None:
+        """Start compiling the train step for batches like ``arrays`` (ShapeDtypeStructs with their
+        shardings, e.g. :meth:`abstract_batch`) with this loss ``capacity`` in a background thread
+        (``state``: :meth:`abstract_state`); the next :meth:`step` waits for it, and every batch of
+        that shape, dtypes, capacity and ``bounded`` runs its executable. A batch of another shape
+        compiles as usual; a compile that fails is logged and the step compiles as usual."""
+        key = _ahead_key(arrays, capacity, bounded)
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            try:
+                self._ahead[key] = self.lower_step(state, arrays, capacity, bounded=bounded).compile()
+            except Exception as e:  # noqa: BLE001 - the first step compiles the usual way instead
+                log.warning("train step compiled ahead failed (%s: %s); the first step compiles it",
+                            type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+                return
+            shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items() if k in ("input_ids", "pixel_values"))
+            log.info("train step compiled ahead (%s; loss capacity %s) in %.1f s", shapes, capacity or "full rows",
+                     time.perf_counter() - t0)
+
+        if self._ahead_thread is not None:
+            self._ahead_thread.join()
+        self._ahead_thread = threading.Thread(target=work, name="compile-ahead", daemon=True)
+        self._ahead_thread.start()
 
     def lower_step(self, state: Any, arrays: Mapping[str, Any], capacity: int | None = None, *,
                    bounded: bool = False, trace_only: bool = False) -> Any:

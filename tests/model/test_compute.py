@@ -47,12 +47,23 @@ def _logits(path, compute, batch):
     return np.asarray(jit_forward(model, {k: v for k, v in batch.items() if k not in ("targets", "loss_mask")})[0])
 
 
-def test_scan_equals_unrolled(hf_models, image_batch):
+@pytest.mark.parametrize("scan", [dict(scan_layers=True), dict(scan_layers=False, vision_scan_layers=True),
+                                  dict(scan_layers=True, vision_scan_layers=False)],
+                         ids=["both", "vision_only", "text_only"])
+def test_scan_equals_unrolled(hf_models, image_batch, scan):
+    """Scanned stacks (both, or one tower's: compute.vision_scan_layers) give the unrolled logits."""
     path = hf_models["tiny"].path
     unrolled = _logits(path, ComputeConfig(**F32, scan_layers=False), image_batch)
-    scanned = _logits(path, ComputeConfig(**F32, scan_layers=True), image_batch)
+    scanned = _logits(path, ComputeConfig(**F32, **scan), image_batch)
     valid = image_batch["segment_ids"] > 0
     np.testing.assert_allclose(scanned[valid], unrolled[valid], rtol=1e-5, atol=1e-5 * np.abs(unrolled).max())
+
+
+def test_vision_scan_layers_follows_scan_layers_unless_set():
+    assert ComputeConfig(scan_layers=False).stack_scan("vision") is False
+    assert ComputeConfig(scan_layers=False, vision_scan_layers=True).stack_scan("vision") is True
+    assert ComputeConfig(scan_layers=False, vision_scan_layers=True).stack_scan("text") is False
+    assert ComputeConfig(scan_layers=True, vision_scan_layers=False).stack_scan("vision") is False
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -97,7 +108,8 @@ def test_bf16_compute_close_to_f32(hf_models, image_batch):
 
 def test_traced_graph_does_not_grow_with_depth():
     """With scan_layers the traced program is the same size for 4 or 12 decoder layers and 4 or 12
-    vision blocks (so is compile time); unrolled, it grows."""
+    vision blocks (so is compile time); unrolled, it grows; with only the vision tower scanned
+    (compute.vision_scan_layers), it grows with the decoder's depth alone."""
     import dataclasses
 
     from moevlm_jax.model.config import load_model_config
@@ -108,13 +120,17 @@ def test_traced_graph_does_not_grow_with_depth():
     ids[0, 2], ids[0, 3:7], ids[0, 7] = 502, 500, 503
     batch = hf_inputs_to_batch(base, ids, np.zeros((16, 1536), np.float32), np.array([[1, 4, 4]]))
 
-    def size(depth, scan):
-        config = dataclasses.replace(base.replace_text(num_hidden_layers=depth),
-                                     vision_config=dataclasses.replace(base.vision_config, depth=depth))
-        model = nnx.eval_shape(lambda: Qwen3VLMoe(config, ComputeConfig(**F32, scan_layers=scan), nnx.Rngs(0)))
+    def size(text_depth, vision_depth, **scan):
+        config = dataclasses.replace(base.replace_text(num_hidden_layers=text_depth),
+                                     vision_config=dataclasses.replace(base.vision_config, depth=vision_depth))
+        model = nnx.eval_shape(lambda: Qwen3VLMoe(config, ComputeConfig(**F32, **scan), nnx.Rngs(0)))
         graphdef, state = nnx.split(model)
         jaxpr = jax.make_jaxpr(lambda st: nnx.merge(graphdef, st).forward(batch))(state)
         return len(str(jaxpr).splitlines())
 
-    assert size(4, True) == size(12, True)
-    assert size(12, False) > size(4, False) + 100
+    assert size(4, 4, scan_layers=True) == size(12, 12, scan_layers=True)
+    assert size(12, 12, scan_layers=False) > size(4, 4, scan_layers=False) + 100
+    vision_only = dict(scan_layers=False, vision_scan_layers=True)
+    assert size(4, 4, **vision_only) == size(4, 12, **vision_only)
+    assert size(12, 4, **vision_only) > size(4, 4, **vision_only) + 100
+    assert size(4, 12, scan_layers=False) > size(4, 4, scan_layers=False) + 100

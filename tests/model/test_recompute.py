@@ -253,7 +253,6 @@ def _saves(policy, name: str) -> bool:
 
 
 def test_pipeline_stages_trace_the_policies():
-    from moevlm_jax.tools.memory import abstract_batch
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
     from parallelism import pipeline
@@ -263,7 +262,7 @@ def test_pipeline_stages_trace_the_policies():
     compute = ComputeConfig(**F32, recompute="selective", recompute_modules=("core_attn",), vision_recompute="full")
     trainer = Trainer.create(CFG, compute, load_layout("pp"), OptimizerConfig(), steps=10)
     spec = trainer.spec
-    batch = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in abstract_batch(trainer, 2, 32, 16).items()}
+    batch = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in trainer.abstract_batch(2, 32, 16).items()}
     with sharding_context(spec.mesh, spec.rules, spec.layout_options):
         assert pipeline.active_config("layers") is not None  # the decoder runs as a pipeline
         jaxpr = jax.make_jaxpr(lambda p, b: trainer.model(p).hidden_states(b)[0])(trainer.abstract_params, batch)

@@ -52,7 +52,7 @@ def test_memory_report_cli_recompute_ordering(tmp_path, capsys):
     trainer = Trainer.create(load_model_config("tiny-v512"), ComputeConfig(dtype="float32"), load_layout("fsdp"),
                              OptimizerConfig(), steps=1000, devices=jax.devices()[:1])
     state = trainer.abstract_state()
-    batch = memory.abstract_batch(trainer, MBS, SEQ, 0)
+    batch = trainer.abstract_batch(MBS, SEQ, 0)
     assert set(batch) == {"input_ids", "positions", "segment_ids", "targets", "loss_mask"}
     assert batch["input_ids"].shape == (1, MBS, SEQ) and batch["positions"].shape == (1, 3, MBS, SEQ)
     for r in rows:  # jit drops inputs the step never reads (apply_if_finite's last_finite flag: 1 byte)
@@ -67,7 +67,7 @@ def test_memory_report_cli_recompute_ordering(tmp_path, capsys):
 def test_abstract_batch_shapes_and_shardings():
     trainer = Trainer.create(load_model_config("tiny-v512"), ComputeConfig(), load_layout("fsdp"), OptimizerConfig(),
                              steps=10, grad_accum=2)
-    batch = memory.abstract_batch(trainer, 2, 32, 24)
+    batch = trainer.abstract_batch(2, 32, 24)
     rows = 2 * trainer.data_parallel_size
     assert trainer.data_parallel_size == len(jax.devices())
     assert batch["pixel_values"].shape == (2, rows, 24, 1536) and batch["patch_rc"].shape == (2, rows, 24, 2)

@@ -31,6 +31,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import load_model_config
 from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+from data.batch import batch_shapes
 from moevlm_jax.tools import memory, plan, plan_comm, plan_memory
 from moevlm_jax.tools.plan_geometry import geometry, shard_table
 
@@ -48,7 +49,7 @@ def _stack_residual_bytes(model, compute, rows, seq, patches):
     """Bytes of the residuals the scanned stacks save (jax's own list; no sharding, no compile)."""
     abstract = nnx.eval_shape(lambda: Qwen3VLMoe(model, compute, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    shapes = memory.batch_shapes(model, rows, seq, patches, 1)
+    shapes = batch_shapes(model, rows, seq, patches, 1)
     batch = {k: jax.ShapeDtypeStruct(s[1:], d) for k, (s, d) in shapes.items()}
     batch["positions"] = jax.ShapeDtypeStruct((3, rows, seq), jnp.int32)
 

@@ -13,7 +13,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import load_model_config
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
 from moevlm_jax.training.trainer import Trainer
-from tests.training.train_setup import COMPUTE, host_batches
+from tests.training.train_setup import COMPUTE, ROWS, SEQ_LEN, host_batches
 
 # quick compiles (tests/xla_options.py): the padded and the batch's own step compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
@@ -104,8 +104,8 @@ def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path):
     class Reserved(Exception):
         pass
 
-    def record(self, patches, *, train=True):
-        seen.append((patches, train))
+    def record(self, patches, *, capacity=0, train=True):
+        seen.append((patches, capacity, train))
         raise Reserved
 
     monkeypatch.setattr(Trainer, "reserve_patches", record)
@@ -113,7 +113,7 @@ def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path):
         "train.steps=1", "train.checkpointing=false", "train.reserve_largest_bucket=true"])
     with pytest.raises(Reserved):
         loop.run(cfg, progress=False)
-    assert seen == [(cfg.data.max_patches, True)]
+    assert seen == [(cfg.data.max_patches, 0, True)]  # capacity reserved only with train.compile_ahead
 
 
 def test_a_smaller_batch_runs_the_larger_compiled_step_with_its_own_result(tmp_path):
@@ -129,3 +129,56 @@ def test_a_smaller_batch_runs_the_larger_compiled_step_with_its_own_result(tmp_p
     assert placed.counts == plain.prepare(batch).counts  # tokens / useful tokens as the batch has them
     for k in ("loss", "grad_norm", "trained_tokens"):
         assert float(got[k]) == pytest.approx(float(want[k]), rel=1e-6), k
+
+
+def test_a_step_compiled_ahead_runs_the_batches_of_its_shape_with_their_own_result(tmp_path):
+    """``Trainer.compile_ahead`` (``train.compile_ahead``): the step compiled in a background thread from
+    abstract inputs (``abstract_batch``, the reserved bucket and the largest capacity) runs the first
+    batch without the jit path compiling, with the plain trainer's result; a batch of another shape
+    compiles as usual."""
+    from moevlm_jax.training.trainer import _train_step
+
+    (batch,) = host_batches(tmp_path, 1)
+    patches = batch["pixel_values"].shape[1]
+    ahead, plain = _trainer(True), _trainer(True)
+    capacity = ahead.largest_capacity(ROWS, SEQ_LEN)
+    assert capacity == SEQ_LEN * ROWS // 2  # 8 rows x 128 tokens: 512 is a capacity step
+    ahead.reserve_patches(patches, capacity=capacity)
+    ahead.compile_ahead(ahead.abstract_state(), ahead.abstract_batch(ROWS, SEQ_LEN, patches), capacity)
+    state = ahead.init_state(seed=0)
+    jitted = _train_step._cache_size()
+    placed = ahead.prepare(batch)
+    assert placed.capacity == capacity
+    _, got = ahead.step(state, placed)
+    assert ahead.ahead_steps == 1 and _train_step._cache_size() == jitted  # the jit path compiled nothing
+    _, want = plain.step(plain.init_state(seed=0), plain.prepare(batch))
+    for k in ("loss", "grad_norm", "trained_tokens"):
+        assert float(got[k]) == pytest.approx(float(want[k]), rel=1e-6), k
+    wider = ahead.prepare(_with_patches(batch, 16))  # another shape: the usual compile
+    ahead.step(ahead.init_state(seed=0), wider)
+    assert ahead.ahead_steps == 1 and len([k for k in ahead.compiled if k[0] == "train"]) == 2
+
+
+def test_compile_ahead_needs_the_reserved_bucket():
+    with pytest.raises(ValueError, match="reserve_largest_bucket"):
+        TrainConfig(compile_ahead=True)
+    assert TrainConfig(compile_ahead=True, reserve_largest_bucket=True).compile_ahead
+
+
+def test_the_loop_compiles_the_first_step_ahead(tmp_path):
+    """The train job with ``train.compile_ahead``: its first step runs the executable compiled from the
+    start (the abstract batch matches the loader's arrays: shapes, dtypes, shardings, capacity)."""
+    import yaml
+
+    from moevlm_jax.config.run import load_config
+    from moevlm_jax.training import loop
+    from tests.training.train_setup import data_config
+
+    data = tmp_path / "data.yaml"
+    data.write_text(yaml.safe_dump(data_config(tmp_path / "cache")))
+    cfg = load_config("cpu-default", model="tiny", data=str(data), run_dir=str(tmp_path / "run"), overrides=[
+        "train.steps=2", "train.checkpointing=false", "train.eval_every=0", "train.eval_batches=0",
+        "train.show_answers=0", "train.tensorboard=false", "train.reserve_largest_bucket=true",
+        "train.compile_ahead=true", "compute.dtype=float32"])
+    summary = loop.run(cfg, progress=False)
+    assert summary["compiled_ahead"] == 2 and summary["compiles"] == 1, summary

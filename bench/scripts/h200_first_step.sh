@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 24's time to the first step, one H200, one `run` call: the train CLI with recipe h200 as written
+# (MBS 10, unrolled layers, whole-step capture), each run a fresh process with an empty compilation
+# cache AND no VQA set on disk (a new machine's first run: the set is generated, ~12 s), $STEPS steps,
+# one compiled training shape (train.reserve_largest_bucket) so the steady throughput is read from the same run:
+#   ahead_vscan  + compute.vision_scan_layers=true (the vision tower scanned, the decoder unrolled)
+#                + train.compile_ahead=true (the step compiled in a thread while the state and data start)
+#   vscan        + compute.vision_scan_layers=true
+#   as_written   the recipe's unrolled layers
+#   ahead        + train.compile_ahead=true (unrolled)
+# The summary's "first step done N s after the process started" and its steady useful tokens/s per run.
+# Results under $OUT: log.txt, {name}.log, {name}_metrics.jsonl.
+#   run(command="bash bench/scripts/h200_first_step.sh", carry=[".gpudeps"], timeout_s=600)
+set -uo pipefail
+T0=$(date +%s)
+source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
+unset JAX_COMPILATION_CACHE_DIR  # an empty cache: nothing read, nothing written
+left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
+STEPS=${STEPS:-20}
+COMMON="train.reserve_largest_bucket=true train.eval_every=0 train.eval_batches=0 train.show_answers=0
+ train.checkpointing=false train.log_every=1 train.tensorboard=false train.compilation_cache_dir=null"
+run() {  # name, extra overrides
+  local name=$1; shift
+  rm -rf "$HOME/.cache/moevlm_jax/vqa" "/tmp/fs_$name"
+  timeout "$(left "${END:-585}")" python3 -m moevlm_jax.train --recipe h200 --no-auto-fit --steps "$STEPS" \
+      --run-dir "/tmp/fs_$name" $COMMON "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/log.txt"
+  cp "/tmp/fs_$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  grep -E "compiled ahead|-> compile|run .*steps|throughput" "$OUT/$name.log" | cut -c1-300 | tail -5 | tee -a "$OUT/log.txt"
+}
+run ahead_vscan compute.vision_scan_layers=true train.compile_ahead=true
+run vscan compute.vision_scan_layers=true
+run as_written
+run ahead train.compile_ahead=true
+echo "wall $(( $(date +%s) - T0 )) s" | tee -a "$OUT/log.txt"
