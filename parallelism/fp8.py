@@ -7,9 +7,8 @@ no amax history to carry in the train state), the GEMM accumulates in float32, a
 output gradient is quantised to ``float8_e5m2`` (max 57344, 2 mantissa bits: the range gradients need)
 before both gradient GEMMs, which reuse the forward's quantised operands. ``Fp8Config.recipe``:
 
-  tensor     one scale per tensor (per expert for the experts' weights): the form XLA's GPU GEMM
-             rewriter turns into cuBLASLt FP8 GEMMs (a dot of fp8 operands converted and multiplied
-             by a scalar scale)
+  tensor     one scale per tensor (per expert for the experts' weights); the dense GEMMs hand the
+             fp8 arrays to the dot itself (:func:`dot`), which XLA:GPU compiles to cuBLASLt's FP8 GEMM
   blockwise  1 x B blocks along the contraction axis for activations and gradients, B x B blocks for
              weights (B = ``block``: 128 as in DeepSeek-V3 and Megatron's Hopper blockwise recipe):
              one outlier spoils only its block. Here in quantise-dequantise form: the numerics of
@@ -19,9 +18,14 @@ Everything else keeps the compute dtype or float32: the router, norms, softmax, 
 LM head and the loss (``Fp8Config`` names which GEMMs: the decoder's dense ones, the experts', the
 vision tower's).
 
-Both recipes are written as quantise-dequantise (:func:`qdq`): a tensor is rounded onto its scaled
-fp8 grid and carried on in its own dtype, so that every backend runs it (CPU tests, the Triton /
-ragged-dot experts) and the numerics are the recipe's exactly; the operand's gradient passes straight
+The tensor recipe's dense GEMMs (:func:`dot`) take the fp8 arrays themselves: ``dot_general`` of
+e4m3 x e4m3 (forward), e5m2 x e4m3 (both gradient GEMMs) with float32 accumulation and the two scales
+applied to the output, in one custom VJP (:func:`tensor_gemm`) that keeps the fp8 operands as its
+residuals. On the H200 that form compiles to ``__cublas$lt$matmul$f8``, where the quantise-dequantise
+form below stays a bf16 GEMM after a dequantise pass (bench/fp8_h200.md sections 3-4). Everything else
+(the blockwise recipe, the experts) is written as quantise-dequantise (:func:`qdq`): a tensor is rounded
+onto its scaled fp8 grid and carried on in its own dtype, so that every backend runs it (CPU tests, the
+Triton / ragged-dot experts) and the numerics are the recipe's exactly; the operand's gradient passes straight
 through the rounding (:func:`quantized`), and :func:`grad_quantized` rounds the incoming gradient of
 a GEMM's output. The experts' grouped matmuls are reached through :func:`scope`, which
 ``parallelism.experts.experts_forward`` opens with the config it was given (the grouped-matmul
@@ -203,11 +207,48 @@ def output(y: jax.Array, cfg: Fp8Config, axes: tuple[str, ...] = ()) -> jax.Arra
     return grad_quantized(y, cfg.grad_format, cfg.blocks(y.ndim, "lhs"), axes if cfg.recipe == "tensor" else ())
 
 
+def _per_tensor(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
+    """x -> (q in fp8 ``fmt``, x's shape; the scalar float32 scale): :func:`quantize` with one block."""
+    q, scale = quantize(x, fmt, (-1,) * x.ndim)
+    return q.reshape(x.shape), scale.reshape(())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def tensor_gemm(x: jax.Array, w: jax.Array, forward_format: str, grad_format: str) -> jax.Array:
+    """``x [M, K] . w [K, N]`` in the tensor recipe with the fp8 arrays handed to the dot (the module
+    docstring): ``y = (qx . qw) sx sw``; backward ``dx = (qg . qw^T) sg sw``, ``dw = (qx^T . qg) sx sg``
+    with ``qg`` the output gradient in ``grad_format``. Float32 accumulation; x and w of one dtype, the
+    outputs in it."""
+    if x.dtype != w.dtype:
+        raise ValueError(f"fp8 tensor_gemm operands of one dtype, got {x.dtype} and {w.dtype}")
+    return _tensor_gemm_fwd(x, w, forward_format, grad_format)[0]
+
+
+def _tensor_gemm_fwd(x, w, forward_format, grad_format):
+    (qx, sx), (qw, sw) = _per_tensor(x, forward_format), _per_tensor(w, forward_format)
+    y = jax.lax.dot_general(qx, qw, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * (sx * sw)).astype(x.dtype), (qx, sx, qw, sw)
+
+
+def _tensor_gemm_bwd(forward_format, grad_format, res, g):
+    qx, sx, qw, sw = res
+    qg, sg = _per_tensor(g, grad_format)
+    dx = jax.lax.dot_general(qg, qw, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw = jax.lax.dot_general(qx, qg, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (dx * (sg * sw)).astype(g.dtype), (dw * (sx * sg)).astype(g.dtype)  # g: y's dtype, x's and w's
+
+
+tensor_gemm.defvjp(_tensor_gemm_fwd, _tensor_gemm_bwd)
+
+
 def dot(x: jax.Array, kernel: jax.Array, n_in: int, cfg: Fp8Config) -> jax.Array:
     """``x [..., *in] . kernel [*in, *out]`` (the trailing ``n_in`` dims of x contracted) in FP8, in x's
-    dtype with float32 accumulation."""
+    dtype with float32 accumulation (the tensor recipe through :func:`tensor_gemm`)."""
     lead, ins, outs = x.shape[: x.ndim - n_in], kernel.shape[:n_in], kernel.shape[n_in:]
     k, n = math.prod(ins), math.prod(outs)
+    if cfg.recipe == "tensor":
+        y = tensor_gemm(x.reshape(-1, k), kernel.astype(x.dtype).reshape(k, n), cfg.forward_format, cfg.grad_format)
+        return y.reshape(*lead, *outs)
     x2, w2 = operands(x.reshape(*lead, k), kernel.astype(x.dtype).reshape(k, n), cfg)
     y = jax.lax.dot_general(x2, w2, (((x2.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return output(y.astype(x.dtype), cfg).reshape(*lead, *outs)

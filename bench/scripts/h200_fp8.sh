@@ -18,7 +18,7 @@ MBS=${MBS:-8}; STEPS=${STEPS:-200}; FP8=${FP8:-tensor}
 timeout "${GEMM_S:-60}" python3 bench/scripts/h200_fp8_gemm.py "$OUT/fp8_gemm.json" --iters 10 --hlo-dir "$OUT/hlo" 2>&1 | tail -12 | tee -a "$OUT/log.txt"
 RUNS=/tmp/fp8_runs; mkdir -p "$RUNS"
 # one compiled train step a run (the data's largest bucket from the start): four compiles cut the first call's runs to ~100 steps
-COMMON="train.micro_batch_size=$MBS compute.scan_layers=true train.reserve_largest_bucket=true train.eval_every=0 train.eval_batches=0 train.show_answers=0
+COMMON="train.micro_batch_size=$MBS compute.scan_layers=true train.reserve_largest_bucket=true train.compile_ahead=true train.eval_every=0 train.eval_batches=0 train.show_answers=0
  train.checkpointing=false train.log_every=1 train.tensorboard=false train.compilation_cache_dir=null"
 run() {  # name, seconds, extra overrides
   local name=$1 secs=$2; shift 2

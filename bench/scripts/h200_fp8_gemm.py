@@ -1,16 +1,17 @@
-"""GPU check of the FP8 GEMM (``parallelism.fp8``): does XLA turn our quantise-dequantise dot into an FP8
-cuBLASLt GEMM, how fast is it next to bf16, and how far is it from bf16 (per-GEMM error)?
+"""GPU check of the FP8 GEMM (``parallelism.fp8``): does XLA make an FP8 cuBLASLt GEMM of our dot, how fast
+is it next to bf16, and how far is it from bf16 (per-GEMM error)?
 
 Shapes: the proxy decoder's dense projections (tokens 8 x 4096, hidden 2048 -> 4096 and 4096 -> 2048)
 and one expert-sized GEMM. Variants per shape, forward + backward (``jax.vjp``): ``bf16`` (the plain
-dot), ``fp8_direct`` (per-tensor scaling with the fp8 arrays handed to the dot itself, scales on
-the output: a probe of whether XLA then emits an FP8 GEMM; not yet the library's path),
-``fp8_tensor`` (per-tensor current scaling), ``fp8_blockwise`` (1x128 / 128x128, quantise-
-dequantise: no FP8 kernel expected). For each: mean ms over ``--iters`` calls after a warm-up, TFLOP/s
-(3 GEMMs: 6 M K N flops), the relative error of y, dx and dw against a float32 HIGHEST reference on
-the same bf16 inputs (``rounded``: whether the error is FP8's, i.e. > 5x bf16's; on 2026-12-02 it was
-not: XLA:GPU had removed the fp8 converts, see parallelism/fp8.py ``qdq``), and whether the compiled HLO holds an FP8 GEMM (``__cublas$lt$matmul$f8`` or an
-f8e4m3 operand of a cuBLAS custom call).
+dot), ``fp8_tensor`` (the library's tensor recipe: per-tensor current scaling with the fp8 arrays
+handed to the dot, ``fp8.tensor_gemm``; until 2026-12-02 22:40 UTC a quantise-dequantise dot, which
+this script's former ``fp8_direct`` probe showed XLA does not make an FP8 GEMM of), ``fp8_blockwise``
+(1x128 / 128x128, quantise-dequantise: no FP8 kernel expected). For each: mean ms over ``--iters``
+calls after a warm-up, TFLOP/s (3 GEMMs: 6 M K N flops), the relative error of y, dx and dw against a
+float32 HIGHEST reference on the same bf16 inputs (``rounded``: whether the error is FP8's, i.e. > 5x
+bf16's; on 2026-12-02 it first was not: XLA:GPU had removed the fp8 converts, see parallelism/fp8.py
+``qdq``), and whether the compiled HLO holds an FP8 GEMM (``__cublas$lt$matmul$f8`` or an f8e4m3
+operand of a cuBLAS custom call).
 
 Usage: ``python bench/scripts/h200_fp8_gemm.py OUT.json [--iters N] [--hlo-dir DIR]`` (on CPU too, slowly: ``--small``).
 """
@@ -47,39 +48,7 @@ def _gemms(hlo: str) -> dict:
             "fp8_gemm_like_examples": [ln[:300] for ln in f8[:4]]}
 
 
-def _scaled(x, fmt):
-    """x -> (fp8 x / scale in x's shape, scalar scale): ``fp8.quantize`` with one block (per tensor)."""
-    q, scale = fp8.quantize(x, fmt, (-1,) * x.ndim)
-    return q.reshape(x.shape), scale.reshape(())
-
-
-@jax.custom_vjp
-def _direct(x, w):
-    """The tensor recipe with the fp8 arrays handed to the dot itself (no dequantise pass): y = (qx . qw)
-    sx sw, dx = (qg . qw^T) sg sw, dw = (qx^T . qg) sx sg; e4m3 operands, e5m2 output gradient."""
-    return _direct_fwd(x, w)[0]
-
-
-def _direct_fwd(x, w):
-    (qx, sx), (qw, sw) = _scaled(x, "e4m3"), _scaled(w, "e4m3")
-    y = jax.lax.dot_general(qx, qw, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return (y * (sx * sw)).astype(x.dtype), (qx, sx, qw, sw)
-
-
-def _direct_bwd(res, g):
-    qx, sx, qw, sw = res
-    qg, sg = _scaled(g, "e5m2")
-    dx = jax.lax.dot_general(qg, qw, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    dw = jax.lax.dot_general(qx, qg, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return (dx * (sg * sw)).astype(g.dtype), (dw * (sx * sg)).astype(g.dtype)
-
-
-_direct.defvjp(_direct_fwd, _direct_bwd)
-
-
 def _fn(variant: str):
-    if variant == "fp8_direct":
-        return _direct
     if variant == "bf16":
         return lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     cfg = fp8.Fp8Config(recipe=variant.removeprefix("fp8_"))
@@ -104,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--small", action="store_true")
     p.add_argument("--hlo-dir", help="also write each variant's compiled HLO text here")
-    p.add_argument("--variants", default="bf16,fp8_direct,fp8_tensor,fp8_blockwise",
+    p.add_argument("--variants", default="bf16,fp8_tensor,fp8_blockwise",
                    help="comma list (bf16 first: the others' `rounded` compares with it)")
     args = p.parse_args(argv)
     shapes = SMALL if args.small else SHAPES

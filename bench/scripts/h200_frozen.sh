@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 24's frozen-vision case and time to first step, one H200 in one `run` call:
-# 0. (PROBE=1) the FP8 GEMM check's fp8_direct probe (bench/scripts/h200_fp8_gemm.py);
+# 0. (PROBE=1) the FP8 GEMM check, bf16 and the tensor recipe (bench/scripts/h200_fp8_gemm.py);
 # 1. the train CLI, recipe h200 as written (unrolled layers, MBS 10), an empty compilation cache, 3 steps:
 #    the summary's "first step done N s after the process started" is the time to first step;
 # 2. the yardstick bench (recipe h200, real data, MBS 10) with the vision tower trained, then with
@@ -14,11 +14,11 @@ T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 unset JAX_COMPILATION_CACHE_DIR
 left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
-# PROBE=1 first: the FP8 GEMM check with the fp8_direct variant (fp8 arrays handed to the dot), its HLO kept
+# PROBE=1 first: the FP8 GEMM check, bf16 and the tensor recipe (fp8 arrays handed to the dot), its HLO kept
 if [ "${PROBE:-0}" = 1 ]; then
   timeout 50 python3 bench/scripts/h200_fp8_gemm.py "$OUT/fp8_gemm.json" --iters 10 --hlo-dir /tmp/hlo \
-      --variants bf16,fp8_direct,fp8_tensor 2>&1 | tail -9 | cut -c1-400 | tee -a "$OUT/log.txt"
-  cp /tmp/hlo/qkv_fp8_direct.hlo.txt "$OUT/" 2>/dev/null
+      --variants bf16,fp8_tensor 2>&1 | tail -9 | cut -c1-400 | tee -a "$OUT/log.txt"
+  cp /tmp/hlo/qkv_fp8_tensor.hlo.txt "$OUT/" 2>/dev/null
 fi
 timeout 170 python3 -m moevlm_jax.train --recipe h200 --no-auto-fit --steps 3 --run-dir /tmp/fs \
     train.eval_every=0 train.eval_batches=0 train.show_answers=0 train.checkpointing=false train.tensorboard=false \

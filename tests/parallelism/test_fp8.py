@@ -113,6 +113,28 @@ def test_dot_and_its_gradients_are_the_recipe(recipe):
     assert 1e-3 < err < 0.08
 
 
+def test_the_tensor_recipe_hands_the_fp8_arrays_to_the_dot():
+    """The tensor recipe's dense GEMMs are dots of fp8 arrays (e4m3 x e4m3 forward, e5m2 x e4m3 for both
+    gradients), the form XLA:GPU compiles to cuBLASLt's FP8 GEMM (bench/fp8_h200.md section 4), not a
+    dot of dequantised bf16 operands; the blockwise recipe stays quantise-dequantise."""
+    x, w, g = (jnp.ones(s, jnp.bfloat16) for s in ((32, 64), (64, 48), (32, 48)))
+
+    def dots(recipe):
+        cfg = fp8.Fp8Config(recipe=recipe)
+        def fwd_bwd(a, b, c):
+            y, vjp = jax.vjp(lambda a, b: fp8.dot(a, b, 1, cfg), a, b)
+            return y, vjp(c)
+
+        fwd_bwd = jax.jit(fwd_bwd)
+        text = fwd_bwd.lower(x, w, g).as_text()
+        return [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
+
+    tensor = dots("tensor")
+    assert len(tensor) == 3 and all("f8E4M3FN" in ln for ln in tensor), tensor
+    assert sum("f8E5M2" in ln for ln in tensor) == 2  # the output gradient in both gradient GEMMs
+    assert not any("f8E" in ln for ln in dots("blockwise"))
+
+
 def test_config_sites_and_refusals():
     on = fp8.Fp8Config(recipe="tensor", vision=False)
     assert on.at("dense") is on and on.at("experts") is on and on.at("vision") is None
