@@ -4,7 +4,7 @@ is it next to bf16, and how far is it from bf16 (per-GEMM error)?
 Shapes: the proxy decoder's dense projections (tokens 8 x 4096, hidden 2048 -> 4096 and 4096 -> 2048)
 and one expert-sized GEMM. Variants per shape, forward + backward (``jax.vjp``): ``bf16`` (the plain
 dot), ``fp8_tensor`` (the library's tensor recipe: per-tensor current scaling with the fp8 arrays
-handed to the dot, ``fp8.tensor_gemm``; until 2026-12-02 22:40 UTC a quantise-dequantise dot, which
+handed to the dot, ``fp8.tensor_gemm``; until 2026-12-02 22:35 UTC a quantise-dequantise dot, which
 this script's former ``fp8_direct`` probe showed XLA does not make an FP8 GEMM of), ``fp8_blockwise``
 (1x128 / 128x128, quantise-dequantise: no FP8 kernel expected). For each: mean ms over ``--iters``
 calls after a warm-up, TFLOP/s (3 GEMMs: 6 M K N flops), the relative error of y, dx and dw against a
