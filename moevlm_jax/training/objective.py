@@ -54,13 +54,11 @@ def loss_capacity(most: int, positions: int) -> int | None:
 def largest_capacity(positions: int) -> int | None:
     """The largest capacity :func:`loss_capacity` gives groups of ``positions`` short of whole rows
     (None: every capacity means whole rows): every batch of that row shape fits it."""
-    best = None
-    for k in range(max(positions, 1).bit_length()):
-        for m in (4, 5, 6, 7):
-            cap = m << k
-            if cap >= MIN_CAPACITY and 2 * cap <= positions and cap == capacity_step(cap):
-                best = max(best or 0, cap)
-    return best
+    half = positions // 2
+    if half < MIN_CAPACITY:
+        return None
+    k = half.bit_length() - 3  # half rounded down to a quarter step between powers of two
+    return (half >> k) << k
 
 
 def trained_positions(loss_mask: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:

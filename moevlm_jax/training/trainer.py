@@ -400,10 +400,14 @@ class Trainer:
             leading = 1
         return DeviceBatch(self._place(arrays, leading), capacity, counts, bounded)
 
+    @property
+    def _local_groups(self) -> int:
+        """This process's data-parallel row groups (the loss capacity is per group)."""
+        return max(self.spec.dp_size // jax.process_count(), 1)
+
     def _capacity(self, arrays: Mapping[str, np.ndarray], train: bool) -> int | None:
         """The batch's loss capacity, agreed over the processes (one ``agreed_max`` each call)."""
-        local_groups = max(self.spec.dp_size // jax.process_count(), 1)
-        most, positions = most_trained(arrays["loss_mask"], local_groups, self.spec.grad_accum if train else 1)
+        most, positions = most_trained(arrays["loss_mask"], self._local_groups, self.spec.grad_accum if train else 1)
         return loss_capacity(agreed_max(most), positions)
 
     def reserve(self, host_batches: Sequence[Mapping[str, Any]], *, train: bool = False) -> None:
@@ -420,8 +424,7 @@ class Trainer:
         """The largest loss capacity a training batch of ``rows`` (this process's) x ``seq_len`` tokens
         gets short of whole rows (``objective.largest_capacity`` of its row groups, as :meth:`prepare`
         groups them)."""
-        groups = max(self.spec.dp_size // jax.process_count(), 1) * self.spec.grad_accum
-        return largest_capacity(rows // groups * seq_len)
+        return largest_capacity(rows // (self._local_groups * self.spec.grad_accum) * seq_len)
 
     def reserve_patches(self, patches: int, *, capacity: int | None = 0, train: bool = True) -> None:
         """With ``reuse_shapes``: ``patches`` (a patch bucket) the floor of the patch axis of ``train`` /
