@@ -129,7 +129,6 @@ SLOW_MODULES = (
     "tests/parallelism/test_pipeline.py",
     "tests/training/test_bf16_params.py",
     "tests/training/test_autofit.py",
-    "tests/parallelism/test_pipeline_cli.py",
     "tests/training/test_qwen3_5_train.py",
     "tests/tools/test_sweep.py",
     "tests/parallelism/test_dispatch.py",

@@ -1,7 +1,8 @@
 """The train CLI under every layout preset: ``python -m moevlm_jax.train --layout <preset> --steps 3
 --run-dir D`` (in process, 8 CPU devices, the tiny model, with the Qwen3 vocabulary the
-built-in data needs) runs, and logs the FSDP run's losses step for step: same seed, same data,
-same global batch of 16 rows (micro batch = 16 / data-parallel size), AdamW.
+built-in data needs; real images, the vision tower frozen) runs, and logs the FSDP run's losses and
+gradient norms step for step: same seed, same data, same global batch of 16 rows (micro batch = 16 /
+data-parallel size), AdamW. The vision tower's gradients under every preset: tests/parallelism/test_layouts.py.
 
 In the default suite: one train-step compile per preset with the quick compile options, 12-30 s a
 preset on 2 cores (~3 minutes for the module, 2026-12-02). It needs the CLI's XLA:CPU collective
@@ -32,7 +33,8 @@ def recipe(tmp_path_factory):
         "name": "layouts-cli", "model": "tiny", "layout": "fsdp", "data": data_config(tmp / "cache"),
         "compute": COMPUTE, "optimizer": {"lr": 3e-3, "warmup_steps": 1},
         "train": {"steps": STEPS, "global_batch_size": ROWS, "seq_len": SEQ_LEN, "log_every": 1,
-                  "eval_every": 0, "eval_batches": 0, "checkpointing": False, "tensorboard": False},
+                  "eval_every": 0, "eval_batches": 0, "checkpointing": False, "tensorboard": False,
+                  "freeze_vision_model": True},
     }))
     return path
 
@@ -43,20 +45,22 @@ def _train(recipe, layout: str, run_dir) -> dict[int, float]:
     code = main(["--recipe", str(recipe), "--layout", layout, "--steps", str(STEPS), "--run-dir", str(run_dir),
                  f"train.micro_batch_size={mbs}", "--quiet"])
     assert code == 0
-    return {r["step"]: (r["loss"], r["tokens"]) for r in read_metrics(run_dir) if "loss" in r}
+    return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
 
 
 @pytest.fixture(scope="module")
-def fsdp_losses(recipe, tmp_path_factory):
+def fsdp_records(recipe, tmp_path_factory):
     return _train(recipe, "fsdp", tmp_path_factory.mktemp("fsdp"))
 
 
 @pytest.mark.parametrize("layout", PRESETS)
-def test_cli_trains_like_fsdp(recipe, fsdp_losses, layout, tmp_path):
+def test_cli_trains_like_fsdp(recipe, fsdp_records, layout, tmp_path):
     got = _train(recipe, layout, tmp_path / layout)
     assert sorted(got) == list(range(1, STEPS + 1))
+    ref = fsdp_records
     # the same rows: the global batch's tokens every step, as fsdp's
-    assert [got[s][1] for s in got] == [fsdp_losses[s][1] for s in got] == [ROWS * SEQ_LEN] * STEPS
-    assert got[1][0] == pytest.approx(fsdp_losses[1][0], rel=1e-5)
-    for step in range(2, STEPS + 1):  # after AdamW updates (float32 rounding, seen ~1e-7)
-        assert got[step][0] == pytest.approx(fsdp_losses[step][0], rel=2e-5)
+    assert [got[s]["tokens"] for s in got] == [ref[s]["tokens"] for s in got] == [ROWS * SEQ_LEN] * STEPS
+    assert got[1]["loss"] == pytest.approx(ref[1]["loss"], rel=1e-5)
+    for step in range(1, STEPS + 1):  # after AdamW updates from step 2 (float32 rounding, seen ~1e-7)
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(ref[step][key], rel=2e-5), f"step {step} {key}"

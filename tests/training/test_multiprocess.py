@@ -75,7 +75,15 @@ def test_two_processes_train_like_one_under_fsdp_ep_pp():
                     assert got[k] == pytest.approx(ref[k], rel=2e-6, abs=1e-7), (layout, r["process"], step, k)
 
 
-def _recipe(tmp: Path) -> Path:
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory) -> Path:
+    """One persistent compilation cache for the module's CLI runs: the killed-process test's two processes
+    load the step the two-process CLI test compiled (the same program: runs differ in steps and checkpoints
+    only, which stay on the host)."""
+    return tmp_path_factory.mktemp("mp_jax_cache")
+
+
+def _recipe(tmp: Path, jax_cache: Path) -> Path:
     from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
 
     recipe = tmp / "recipe.yaml"
@@ -86,7 +94,7 @@ def _recipe(tmp: Path) -> Path:
         "train": {"steps": 6, "global_batch_size": 8, "seq_len": SEQ_LEN, "log_every": 1, "checkpoint_every": 2,
                   "keep_checkpoints": 3, "freeze_vision_model": True,
                   # the resumed 1-process run loads the straight 1-process run's compiled step
-                  "compilation_cache_dir": str(tmp / "jax_cache"),
+                  "compilation_cache_dir": str(jax_cache),
                   "tensorboard": False},  # metrics.jsonl is what is read (tensorboardX imports torch: 2 s a process)
     }))
     return recipe
@@ -97,8 +105,8 @@ def _losses(run: Path) -> dict[int, float]:
             if "loss" in r}
 
 
-def test_cli_as_two_processes_checkpoints_resume_in_one(tmp_path):
-    recipe = _recipe(tmp_path)
+def test_cli_as_two_processes_checkpoints_resume_in_one(tmp_path, jax_cache):
+    recipe = _recipe(tmp_path, jax_cache)
     two, one = tmp_path / "two", tmp_path / "one"
     train = ["-m", "moevlm_jax.train", "--quiet", "--recipe", str(recipe)]
     done = subprocess.run([*LAUNCH, "--", *train, "--run-dir", str(two), "train.steps=4"], env=_env(4),
@@ -151,8 +159,8 @@ def _processes():
                 continue
 
 
-def test_a_killed_process_ends_every_process_within_60_s(tmp_path):
-    recipe = _recipe(tmp_path)
+def test_a_killed_process_ends_every_process_within_60_s(tmp_path, jax_cache):
+    recipe = _recipe(tmp_path, jax_cache)
     run = tmp_path / "run"
     proc = subprocess.Popen([*LAUNCH, "--", "-m", "moevlm_jax.train", "--quiet", "--recipe", str(recipe),
                              "--run-dir", str(run), "train.steps=200", "train.checkpoint_every=0"],
