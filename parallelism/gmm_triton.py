@@ -52,6 +52,10 @@ CONFIGS: dict[str, Config] = {
     "fwd": Config(128, 256, 64, 8, 3), "dx": Config(128, 256, 64, 8, 3), "dw": Config(64, 128, 128, 8, 3),
     "fwd:768x2048": Config(128, 256, 64, 8, 4), "dx:2048x768": Config(128, 256, 64, 8, 4),  # 30B-A3B down_proj
     "dw:2048x1536": Config(32, 128, 128, 4, 4),  # 30B-A3B gate_up_proj
+    # 235B-A22B experts, d(w) only (bench/moe_layer.md run 9, 2026-12-03 ~07:05 UTC; the fwd / d(x) kernels'
+    # best are the defaults, or within the repeat spread of them): down_proj (tgmm output 1536 x 4096) 5-9% faster
+    # than the default in two timings each; gate_up_proj (4096 x 3072) 3.4% in run 8, ~10% in the layer's profile
+    "dw:4096x3072": Config(64, 256, 128, 8, 3), "dw:1536x4096": Config(64, 256, 128, 8, 3),
 }
 CONFIG_ENV = "MOEVLM_GMM_TRITON_CONFIGS"
 _KEY = re.compile(r"^(fwd|dx|dw)(:\d+x\d+)?$")

@@ -7,13 +7,19 @@ reference (norm-wise relative error, as bench/scripts/probe_tokamax.py).
   out [M, N] = x @ w[g]  (fwd)    dx [M, K] = dy @ w[g]^T  (dx)    dw [G, K, N] = x_g^T dy_g  (dw)
 
 ``--best-out FILE`` writes the fastest accurate Triton config per kernel and shape (the format of
-``MOEVLM_GMM_TRITON_CONFIGS``, read by ``parallelism.gmm_triton``; the first shape's are the defaults).
+``MOEVLM_GMM_TRITON_CONFIGS``, read by ``parallelism.gmm_triton``; the first shape's are the defaults,
+unless ``--keyed-only``: then only the "KIND:KxN" keys, and the other shapes keep ``CONFIGS``' defaults).
+The file is rewritten after each shape, so a probe cut short keeps the shapes it finished. After its
+configs, each kernel's default config (``gmm_triton.CONFIGS``) and its fastest are timed once more: the
+best is chosen by each config's mean over its timings, and the spread of the repeats says what margin
+is noise.
 
   python bench/scripts/probe_gmm.py --out $OUT/gmm_probe.json --best-out $OUT/gmm_triton_configs.json
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -43,10 +49,20 @@ DW = [(64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (32, 128, 128, 4, 4), (128, 12
 ACCURATE = 5e-3  # bf16 inputs and output vs float32: ~1.7e-3 measured for correct kernels
 
 
+def _fastest(rows: list[dict], shape: str, kind: str) -> list | None:
+    """The accurate Triton config of ``kind`` at ``shape`` with the lowest mean time over its timings."""
+    times: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r["shape"] == shape and r["kernel"] == kind and "config" in r and "ms" in r and r.get("rel_err", 1.0) < ACCURATE:
+            times.setdefault(tuple(r["config"]), []).append(r["ms"])
+    return list(min(times, key=lambda c: sum(times[c]) / len(times[c]))) if times else None
+
+
 def main() -> int:
     p = probe_arguments(300.0)
     p.add_argument("--no-tokamax", action="store_true")
     p.add_argument("--best-out")
+    p.add_argument("--keyed-only", action="store_true", help="--best-out: only the per-shape keys, no defaults")
     args = p.parse_args()
     t_start = time.perf_counter()
     bf16 = jnp.bfloat16
@@ -87,16 +103,23 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             meta["tokamax_error"] = repr(e)
 
+    best: dict = {}  # per kernel (generic: the first shape's) and per kernel and shape ("KIND:KxN", gt.config_for)
+    fields = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
     for shape in args.shapes.split(","):
         k, n = SHAPES[shape]
         m, g = args.rows, args.groups
+        if time.perf_counter() - t_start > args.budget:  # its float32 references alone take tens of seconds
+            rows.append(dict(shape=shape, kernel="all", variant="all", skipped="budget"))
+            continue
         key = jax.random.split(jax.random.PRNGKey(0), 3)
         x = jax.random.normal(key[0], (m, k), jnp.float32).astype(bf16)
         w = (jax.random.normal(key[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(bf16)
         dy = jax.random.normal(key[2], (m, n), jnp.float32).astype(bf16)
         sizes_np = group_sizes(m, g, seed=1)
         gs = jnp.asarray(sizes_np)
-        ref = dict(zip(("fwd", "dx", "dw"), references(x, w, dy, sizes_np)[:3]))
+        t_ref = time.perf_counter()
+        ref = dict(zip(("fwd", "dx", "dw"), jax.block_until_ready(references(x, w, dy, sizes_np)[:3])))
+        meta[f"reference_s_{shape}"] = time.perf_counter() - t_ref
         valid = jnp.arange(m) < int(sizes_np.sum())
         fl = 2.0 * int(sizes_np.sum()) * k * n
         inputs = {"fwd": (x, w, gs), "dx": (dy, w, gs), "dw": (x, dy, gs)}
@@ -108,36 +131,45 @@ def main() -> int:
             if tok is not None:
                 record(dict(base_row, kernel=kind, variant="tokamax (grouped_matmul configs)"), tok(kind), inputs[kind],
                        ref[kind], valid, fl, sizes_np)
-            for c in (DW if kind == "dw" else FWD):
+            def run(c, again=False, kind=kind, ref=ref):
                 cfg = gt.Config(*c)
                 if kind == "dw":
                     fn = lambda a, b, s, cfg=cfg: gt.tgmm(a, b, s, config=cfg)  # noqa: E731
                 else:
                     fn = lambda a, b, s, cfg=cfg, t=kind == "dx": gt.gmm(a, b, s, trans_w=t, config=cfg)  # noqa: E731
-                record(dict(base_row, kernel=kind, variant=f"triton {c}", config=list(c)), fn, inputs[kind], ref[kind],
-                       valid, fl, sizes_np)
+                record(dict(base_row, kernel=kind, variant=f"triton {c}" + " again" * again, config=list(c)), fn,
+                       inputs[kind], ref[kind], valid, fl, sizes_np)
+
+            for c in (DW if kind == "dw" else FWD):
+                run(c)
+            keyed = gt.config_for(kind, *((n, k) if kind == "dx" else (k, n)))
+            fastest = _fastest(rows, shape, kind)
+            again = [dataclasses.astuple(gt.CONFIGS[kind]), dataclasses.astuple(keyed)] + ([tuple(fastest)] if fastest else [])
+            for c in dict.fromkeys(again):  # the kernel's default, this shape's entry in CONFIGS, the fastest
+                run(c, again=True)
         del ref
+        sizes = {"fwd": (k, n), "dx": (n, k), "dw": (k, n)}
+        for kind in ("fwd", "dx", "dw"):
+            fastest = _fastest(rows, shape, kind)
+            if any(r.get("skipped") for r in rows if r["shape"] == shape and r["kernel"] == kind):
+                continue  # cut short by the budget: no choice from a partial list (it would override CONFIGS)
+            if fastest:
+                cfg = dict(zip(fields, fastest))
+                if not args.keyed_only:
+                    best.setdefault(kind, cfg)
+                best[f"{kind}:{sizes[kind][0]}x{sizes[kind][1]}"] = cfg
+        if args.best_out and best:  # after every shape: a probe cut short keeps what it finished
+            with open(args.best_out, "w") as f:
+                json.dump(best, f, indent=1)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows, "best": best}, f, indent=1)
     print(f"\n{'shape':<8} {'kernel':<4} {'variant':<40} {'ms':>7} {'TFLOP/s':>8} {'rel err':>9}")
     for r in rows:
         print(f"{r['shape']:<8} {r['kernel']:<4} {r['variant'][:40]:<40} {r.get('ms', float('nan')):>7.3f} "
               f"{r.get('tflops', float('nan')):>8.1f} {r.get('rel_err', float('nan')):>9.2e} "
               f"{r.get('error', r.get('skipped', ''))[:80]}")
-    best = {}  # per kernel (generic: the first shape's) and per kernel and shape ("KIND:KxN", gt.config_for)
-    fields = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-    for shape in args.shapes.split(","):
-        k, n = SHAPES[shape]
-        sizes = {"fwd": (k, n), "dx": (n, k), "dw": (k, n)}
-        for kind in ("fwd", "dx", "dw"):
-            ok = [r for r in rows if r["shape"] == shape and r["kernel"] == kind and "config" in r
-                  and r.get("rel_err", 1.0) < ACCURATE]
-            if ok:
-                cfg = dict(zip(fields, min(ok, key=lambda r: r["ms"])["config"]))
-                best.setdefault(kind, cfg)
-                best[f"{kind}:{sizes[kind][0]}x{sizes[kind][1]}"] = cfg
     print("best triton configs:", json.dumps(best))
-    if args.best_out and best:
-        with open(args.best_out, "w") as f:
-            json.dump(best, f, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows, "best": best}, f, indent=1)
