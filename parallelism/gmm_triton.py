@@ -121,7 +121,8 @@ def tile_table(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array,
     tile_ends = jnp.cumsum(tiles_per_group)
     n_tiles = pl.cdiv(m, block_m) + g
     t = jnp.arange(n_tiles, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), g - 1).astype(jnp.int32)
+    # compare_all: one fused [T, G] comparison instead of a host-driven binary-search loop (permute.route_plan)
+    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right", method="compare_all"), g - 1).astype(jnp.int32)
     local = t - (tile_ends[group] - tiles_per_group[group])
     used = t < tile_ends[-1]
     row0 = jnp.where(used, starts[group] + local * block_m, 0).astype(jnp.int32)
