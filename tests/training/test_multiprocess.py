@@ -50,23 +50,27 @@ def _env(devices: int) -> dict[str, str]:
 
 
 def test_two_processes_train_like_one_under_fsdp_ep_pp():
-    from tests.parallelism.test_layouts import METRICS, train
-
-    child = Path(__file__).with_name("multiprocess_child.py")
-    done = subprocess.run([*LAUNCH, "--", str(child), "fsdp", "ep", "pp"], env=_env(4),
-                          capture_output=True, text=True, timeout=900, check=False)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    results = [json.loads(ln.split("RESULT ", 1)[1]) for ln in done.stdout.splitlines() if "RESULT " in ln]
-    assert sorted((r["layout"], r["process"]) for r in results) == sorted(
-        (lay, p) for lay in ("fsdp", "ep", "pp") for p in (0, 1))
     from moevlm_jax.config import load_layout
     from moevlm_jax.model.config import load_model_config
-    from tests.parallelism.test_layouts import random_params
+    from tests.parallelism.test_layouts import METRICS, random_params, train
 
-    config = load_model_config("tiny-v512")
-    setup = (config, random_params(config), global_batch(config))
-    for layout in ("fsdp", "ep", "pp"):
-        want, _, _ = train(setup, load_layout(layout))  # 1 process x 8 devices
+    child = Path(__file__).with_name("multiprocess_child.py")
+    proc = subprocess.Popen([*LAUNCH, "--", str(child), "fsdp", "ep", "pp"], env=_env(4),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:  # the references while the processes start, compile and wait on each other
+        config = load_model_config("tiny-v512")
+        setup = (config, random_params(config), global_batch(config))
+        wants = {layout: train(setup, load_layout(layout))[0] for layout in ("fsdp", "ep", "pp")}  # 1 process x 8 devices
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, (out + err)[-4000:]
+    results = [json.loads(ln.split("RESULT ", 1)[1]) for ln in out.splitlines() if "RESULT " in ln]
+    assert sorted((r["layout"], r["process"]) for r in results) == sorted(
+        (lay, p) for lay in ("fsdp", "ep", "pp") for p in (0, 1))
+    for layout, want in wants.items():
         for r in results:
             if r["layout"] != layout:
                 continue
