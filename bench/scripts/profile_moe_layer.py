@@ -8,9 +8,9 @@ the six grouped matmuls by kernel name and output shape; the rest by its name st
 masks inside ``expert_ffn``, the loss outside). Prints ms per layer step per pass; ``--out`` writes the
 table and the largest kernels as JSON, ``--tar`` the traces and HLO texts (re-read with
 ``--from-tar``, no GPU: ``python bench/scripts/profile_moe_layer.py --from-tar moe_profile.tgz``).
-``--searchsorted METHOD`` (a what-if): ``jnp.searchsorted``'s default method ('scan': a ``while`` loop of
-log2(n) + 1 steps, each a few tiny kernels and launch gaps) replaced by METHOD ('compare_all', 'sort',
-'scan_unrolled') for the whole layer (route_plan's expert counts, the kernels' tile tables); the layer is
+``--searchsorted METHOD`` (a what-if): every ``jnp.searchsorted`` of the layer forced to METHOD ('scan': jnp's
+default, a ``while`` loop of log2(n) + 1 steps, each a few tiny kernels and launch gaps; 'compare_all', what
+route_plan's expert counts and the kernels' tile tables use since run 9; 'sort', 'scan_unrolled'); the layer is
 timed as it is and with METHOD in the same process, and the METHOD one is traced.
 
   python bench/scripts/profile_moe_layer.py --shapes 235b-a22b --out $OUT/moe_profile.json --tar $OUT/moe_profile.tgz
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -118,7 +119,7 @@ def passes(trace_dir: Path, hlo_text: str, steps: int, shape: dict) -> dict:
 
 def table_text(name: str, res: dict) -> str:
     lines = [f"{name}: timed {res.get('ms', float('nan')):.3f} ms/step (median), kernels {res['kernel_ms']:.3f} ms/step, "
-             f"traced span {res['span_ms']:.3f} ms/step; searchsorted: {res.get('searchsorted', 'scan (jnp default)')}"
+             f"traced span {res['span_ms']:.3f} ms/step; searchsorted: {res.get('searchsorted', 'as the library has it')}"
              + (f" (as is, same process: {res['ms_as_is']:.3f} ms/step)" if "ms_as_is" in res else ""),
              f"  {'pass':<48} {'ms/step':>9} {'share':>7} {'kernels':>8}"]
     total = res["kernel_ms"]
@@ -139,6 +140,7 @@ def table_text(name: str, res: dict) -> str:
 def profile_shape(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     import jax
     import jax.numpy as jnp
+    from with_searchsorted import forced  # bench/scripts: the script's own directory
 
     from moevlm_jax.tools import bench_moe as bm
     from parallelism.experts import experts_forward
@@ -161,14 +163,9 @@ def profile_shape(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     extra = {}
     if args.searchsorted:  # the layer as it is first, then with the other method (traced)
         extra["ms_as_is"], _ = bm.time_jax(build(), xs, args.iters, 2)
-        original = jnp.searchsorted
-        jnp.searchsorted = lambda *a, **kw: original(*a, **{"method": args.searchsorted, **kw})
-    try:
+    with forced(args.searchsorted) if args.searchsorted else contextlib.nullcontext():
         t0 = time.perf_counter()
         step = build()
-    finally:
-        if args.searchsorted:
-            jnp.searchsorted = original
     compile_s = time.perf_counter() - t0
     hlo = step.as_text()
     ms, _ = bm.time_jax(step, xs, args.iters, 2)
@@ -182,7 +179,7 @@ def profile_shape(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     flops = bm.expert_flops(args.tokens * k, shape["hidden"], shape["inter"])
     res.update(shape=name, ms=ms, tflops=flops / ms / 1e9, compile_s=compile_s, steps=args.steps, tokens=args.tokens,
                backend=args.backend, device=jax.devices()[0].device_kind, jax=jax.__version__,
-               searchsorted=args.searchsorted or "scan (jnp default)", **extra)
+               searchsorted=args.searchsorted or "as the library has it", **extra)
     return res
 
 

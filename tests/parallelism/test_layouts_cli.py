@@ -4,8 +4,8 @@ built-in data needs; real images, the vision tower frozen) runs, and logs the FS
 gradient norms step for step: same seed, same data, same global batch of 16 rows (micro batch = 16 /
 data-parallel size), AdamW. The vision tower's gradients under every preset: tests/parallelism/test_layouts.py.
 
-In the default suite: one train-step compile per preset with the quick compile options, 12-30 s a
-preset on 2 cores (~3 minutes for the module, 2026-12-02). It needs the CLI's XLA:CPU collective
+In the default suite: one train-step compile per preset with the quick compile options, 9-23 s a
+preset on 2 cores (2 min 17 s for the module alone, 2026-12-03). It needs the CLI's XLA:CPU collective
 threads (parallelism/cpu_threads.py; the suite has them): with XLA's own pool the tp run deadlocked.
 """
 
