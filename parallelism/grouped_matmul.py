@@ -115,7 +115,8 @@ def resolve_backend(backend: str | None, platform: str | None = None) -> str:
     return backend
 
 
-def _valid_rows(m: int, group_sizes: jax.Array) -> jax.Array:
+def valid_rows(m: int, group_sizes: jax.Array) -> jax.Array:
+    """``[m]`` bool: row < ``sum(group_sizes)``."""
     return jnp.arange(m, dtype=jnp.int32) < jnp.sum(group_sizes)
 
 
@@ -176,7 +177,7 @@ def _tokamax_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_
     tokamax = import_tokamax()
     if tokamax is None:
         raise ImportError(f"backend 'tokamax' is not available: {_TOKAMAX.get('error')}")
-    valid = _valid_rows(lhs.shape[0], group_sizes)
+    valid = valid_rows(lhs.shape[0], group_sizes)
     lhs = zero_grad_where(lhs, valid)
     impl = _tokamax_implementation()
     kw = {} if impl is None else {"implementation": [impl]}
@@ -190,14 +191,14 @@ def _triton_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> ja
 
 
 def _triton_fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, tuple]:
-    valid = _valid_rows(lhs.shape[0], group_sizes)
+    valid = valid_rows(lhs.shape[0], group_sizes)
     out = gmm_triton.gmm(lhs, rhs, group_sizes)
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype)), (lhs, rhs, group_sizes)
 
 
 def _triton_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
     lhs, rhs, group_sizes = res
-    valid = _valid_rows(lhs.shape[0], group_sizes)
+    valid = valid_rows(lhs.shape[0], group_sizes)
     g = g.astype(lhs.dtype)
     dlhs = gmm_triton.gmm(g, rhs, group_sizes, trans_w=True)
     dlhs = jnp.where(valid[:, None], dlhs, jnp.zeros((), dlhs.dtype))

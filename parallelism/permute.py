@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from parallelism import fp8
-from parallelism.grouped_matmul import capacity_matmul, grouped_matmul
+from parallelism import fp8, gmm_triton
+from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, valid_rows
 
-MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input)
+MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with the
+# fused gather, FUSE "gather", there is none: the name is on the int32 row index the kernels read x through)
 MOE_GATE_UP = "moe_gate_up"  # first grouped matmul's output (SwiGLU's input, needed by its backward)
 MOE_ACT = "moe_act"  # SwiGLU output (the down projection's input)
 MOE_EXPERT_OUT = "moe_expert_out"  # down projection output, before the combine (d(routing weights) needs it)
@@ -188,6 +190,8 @@ def expert_ffn(
     """SwiGLU experts on expert-sorted rows ``[M, H]``; w_gate_up ``[G, H, 2I]``, w_down ``[G, I, H]``."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
     q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
+    if _fused(backend, q, "swiglu"):
+        return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down)
     with jax.named_scope(FFN_SCOPE):
         h = checkpoint_name(_fp8_gemm(grouped_matmul, rows, w_gate_up, q, group_sizes, backend=backend), MOE_GATE_UP)
         act = checkpoint_name(swiglu(h), MOE_ACT)
@@ -209,8 +213,112 @@ def capacity_ffn(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> ja
 def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                    backend: str) -> jax.Array:
     """The grouped matmul on expert-sorted rows (``plan``'s kept assignments): sort once, gather
-    once, combine with the routing weights fused in; x ``[T, H]``, w ``[T, K]`` -> ``[T, H]``."""
+    once, combine with the routing weights fused in; x ``[T, H]``, w ``[T, K]`` -> ``[T, H]``. With the
+    Triton kernels and FUSE "gather" the gather happens inside the first matmul's kernels."""
     slot = sorted_slots(plan)
     src = inverse_slots(slot, slot.shape[0])
-    y = expert_ffn(dispatch_rows(x, src, slot, w.shape[1]), plan.counts, w_gate_up, w_down, backend)
+    k = w.shape[1]
+    if _fused(backend, fp8.experts_scope(), "gather"):
+        index = checkpoint_name(jnp.where(src >= 0, src // k, 0), MOE_PERMUTED)
+        y = _fused_ffn(x, index, slot, k, plan.counts, w_gate_up, w_down)
+    else:
+        y = expert_ffn(dispatch_rows(x, src, slot, k), plan.counts, w_gate_up, w_down, backend)
     return combine_rows(y, w, slot, src)
+
+
+# ----------------------------------------------------------------------------- fused Triton experts
+
+# Which fusions the Triton experts use (outside FP8), from $MOEVLM_MOE_FUSE at import (a comma list, "" for
+# none); read when the experts are traced:
+# - "gather": the local dropless experts (sorted_experts) read the token rows x [T, H] through the int32 row
+#   index inside the gate_up forward and d(w) kernels: the permuted rows [A, H] are never built (no dispatch
+#   gather; the remat name moe_permuted goes on the index). The gate_up d(x) kernel writes rows in the sorted
+#   layout, summed back per token as dispatch_rows' backward does. Not for the all-to-all / all-gather
+#   dispatchers, whose rows are exchanged or gathered first.
+# - "swiglu": SwiGLU in the gate_up forward kernel's epilogue (it writes h and act = silu(gate) * up, float32
+#   from h's rounded values, as swiglu()) and its backward in the down projection's d(x) kernel's epilogue (d(act)
+#   never leaves the kernel; it writes d(h)). Every Triton expert_ffn. A recompute policy that saves moe_gate_up
+#   but not moe_act (recompute module "moe_act") then runs the gate_up kernel again for act in the backward.
+FUSE_ENV = "MOEVLM_MOE_FUSE"
+FUSIONS = ("gather", "swiglu")
+FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "").split(",") if f)
+if FUSE - set(FUSIONS):
+    raise ValueError(f"${FUSE_ENV}: unknown fusions {sorted(FUSE - set(FUSIONS))}; known: {FUSIONS}")
+
+
+def _fused(backend: str | None, q: fp8.ExpertsScope | None, fusion: str) -> bool:
+    return backend == "triton" and q is None and fusion in FUSE
+
+
+def _fused_ffn(x: jax.Array, index: jax.Array | None, slot: jax.Array | None, top_k: int, group_sizes: jax.Array,
+               w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """:func:`expert_ffn` on the Triton kernels with the fusions in :data:`FUSE`: rows ``x[index]`` (``index``
+    None: x's own rows, already named moe_permuted), ``slot`` / ``top_k`` as in :func:`dispatch_rows`."""
+    group_sizes = group_sizes.astype(jnp.int32)
+    w_gate_up, w_down = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
+    with jax.named_scope(FFN_SCOPE):
+        if "swiglu" in FUSE:
+            h, act = _gate_up(x, w_gate_up, group_sizes, index, slot, top_k, True)
+            h, act = checkpoint_name(h, MOE_GATE_UP), checkpoint_name(act, MOE_ACT)
+            y = _swiglu_down(h, act, w_down, group_sizes)
+        else:
+            h = checkpoint_name(_gate_up(x, w_gate_up, group_sizes, index, slot, top_k, False), MOE_GATE_UP)
+            act = checkpoint_name(swiglu(h), MOE_ACT)
+            y = grouped_matmul(act, w_down, group_sizes, backend="triton")
+    return checkpoint_name(y, MOE_EXPERT_OUT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gate_up(x, w, group_sizes, index, slot, top_k: int, fuse_swiglu: bool):
+    """The first expert matmul on the Triton kernels: ``h = x[index] @ w[g]`` (``index`` None: ``x @ w[g]``);
+    with ``fuse_swiglu`` ``(h, act)``, act's cotangent ignored: act goes only to :func:`_swiglu_down`, whose d(h)
+    holds SwiGLU's backward. Rows past ``sum(group_sizes)``: zero in h without ``fuse_swiglu``, else unwritten
+    (no later kernel reads them)."""
+    return _gate_up_fwd(x, w, group_sizes, index, slot, top_k, fuse_swiglu)[0]
+
+
+def _gate_up_fwd(x, w, group_sizes, index, slot, top_k, fuse_swiglu):
+    out = gmm_triton.gmm(x, w, group_sizes, rows=index, epilogue="swiglu" if fuse_swiglu else None)
+    if not fuse_swiglu:
+        out = jnp.where(valid_rows(out.shape[0], group_sizes)[:, None], out, jnp.zeros((), out.dtype))
+    return out, (x, w, group_sizes, index, slot)
+
+
+def _gate_up_bwd(top_k, fuse_swiglu, res, g):
+    x, w, group_sizes, index, slot = res
+    dh = (g[0] if fuse_swiglu else g).astype(x.dtype)
+    drows = gmm_triton.gmm(dh, w, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten
+    if index is None:
+        dx = jnp.where(valid_rows(drows.shape[0], group_sizes)[:, None], drows, jnp.zeros((), drows.dtype))
+    else:  # back per token: slot reads only kept (written) rows
+        dx = _dispatch_bwd(top_k, slot, drows)[0]
+    dw = gmm_triton.tgmm(x, dh, group_sizes, rows=index, out_dtype=w.dtype)
+    return dx, dw, None, None, None
+
+
+_gate_up.defvjp(_gate_up_fwd, _gate_up_bwd)
+
+
+@jax.custom_vjp
+def _swiglu_down(h, act, w, group_sizes):
+    """The down projection ``act @ w[g]`` on the Triton kernels for ``act = swiglu(h)`` (rows past
+    ``sum(group_sizes)`` zero). Its backward returns SwiGLU's d(h) from the d(x) kernel's epilogue (rows past
+    ``sum(group_sizes)`` unwritten) and no cotangent for act: act must be :func:`_gate_up`'s."""
+    return _swiglu_down_fwd(h, act, w, group_sizes)[0]
+
+
+def _swiglu_down_fwd(h, act, w, group_sizes):
+    y = gmm_triton.gmm(act, w, group_sizes)
+    y = jnp.where(valid_rows(y.shape[0], group_sizes)[:, None], y, jnp.zeros((), y.dtype))
+    return y, (h, act, w, group_sizes)
+
+
+def _swiglu_down_bwd(res, g):
+    h, act, w, group_sizes = res
+    g = g.astype(act.dtype)
+    dh = gmm_triton.gmm(g, w, group_sizes, trans_w=True, epilogue="swiglu_bwd", h=h)
+    dw = gmm_triton.tgmm(act, g, group_sizes, out_dtype=w.dtype)
+    return dh, None, dw, None
+
+
+_swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)

@@ -211,3 +211,50 @@ def test_triton_configs_from_file(tmp_path, monkeypatch):
     path.write_text('{"bwd": {}}')
     with pytest.raises(ValueError, match="unknown kernels"):
         gt.load_configs(str(path))
+
+
+@pytest.mark.parametrize("sizes", [[37, 0, 90, 3, 70], [0, 0, 5, 0, 0]])
+def test_triton_fused_kernels_match_per_group_einsum(sizes):
+    """The kernels' fusions (interpret mode on CPU) against numpy in float32: rows of x [T, K] read through an
+    index (gmm / tgmm ``rows``), SwiGLU in the forward's epilogue (h and act) and its backward in the d(x) kernel's
+    (d(h) from d(act)); uneven and empty groups, index entries past sum(group_sizes) out of range and NaN in the
+    padding rows of h and dy (none of which the kernels may read)."""
+    from parallelism import gmm_triton as gt
+
+    rng = np.random.default_rng(4)
+    m, t, k, i, g = 200, 50, 32, 24, len(sizes)
+    used = sum(sizes)
+    valid = np.arange(m) < used
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    index = np.where(valid, rng.integers(0, t, m), 10**6).astype(np.int32)
+    w = rng.standard_normal((g, k, 2 * i)).astype(np.float32) / np.sqrt(k)
+    w_down = rng.standard_normal((g, i, k)).astype(np.float32) / np.sqrt(i)
+    dy = np.where(valid[:, None], rng.standard_normal((m, 2 * i)), np.nan).astype(np.float32)
+    dy_down = np.where(valid[:, None], rng.standard_normal((m, k)), np.nan).astype(np.float32)
+    xr = x[np.minimum(index, t - 1)]
+    starts = np.cumsum([0] + sizes[:-1])
+    want_h, want_dw = np.zeros((m, 2 * i), np.float32), np.zeros((g, k, 2 * i), np.float32)
+    want_dact = np.zeros((m, i), np.float32)
+    for e, (s0, c) in enumerate(zip(starts, sizes)):
+        want_h[s0:s0 + c] = xr[s0:s0 + c] @ w[e]
+        want_dw[e] = xr[s0:s0 + c].T @ dy[s0:s0 + c]
+        want_dact[s0:s0 + c] = dy_down[s0:s0 + c] @ w_down[e].T
+    gate, up = want_h[:, :i], want_h[:, i:]
+    want_act = gate / (1 + np.exp(-gate)) * up
+    want_dh = np.asarray(jax.vjp(lambda h: jax.nn.silu(h[:, :i]) * h[:, i:], jnp.asarray(want_h))[1](
+        jnp.asarray(want_dact))[0])
+    gs, cfg = jnp.asarray(sizes, jnp.int32), gt.Config(block_m=16, block_n=16, block_k=16)
+    args = (jnp.asarray(x), jnp.asarray(w), gs)
+    h = np.asarray(gt.gmm(*args, rows=jnp.asarray(index), config=cfg))
+    h2, act = (np.asarray(a) for a in gt.gmm(*args, rows=jnp.asarray(index), epilogue="swiglu", config=cfg))
+    dw = np.asarray(gt.tgmm(jnp.asarray(x), jnp.asarray(dy), gs, rows=jnp.asarray(index), config=cfg))
+    h_nan = jnp.asarray(np.where(valid[:, None], want_h, np.nan))
+    dh = np.asarray(gt.gmm(jnp.asarray(dy_down), jnp.asarray(w_down), gs, trans_w=True, epilogue="swiglu_bwd",
+                           h=h_nan, config=cfg))
+    assert_close(h[valid], want_h[valid], atol=1e-4, rtol=1e-4, what="gmm rows")
+    assert_close(h2[valid], want_h[valid], atol=1e-4, rtol=1e-4, what="gmm rows + swiglu: h")
+    assert_close(act[valid], want_act[valid], atol=1e-4, rtol=1e-4, what="gmm rows + swiglu: act")
+    assert_close(dw, want_dw, atol=1e-4, rtol=1e-4, what="tgmm rows")
+    assert_close(dh[valid], want_dh[valid], atol=1e-4, rtol=1e-4, what="gmm trans + swiglu_bwd")
+    with pytest.raises(ValueError, match="epilogue"):
+        gt.gmm(*args, epilogue="swiglu_bwd")

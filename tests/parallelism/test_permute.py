@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from parallelism import permute
 from parallelism.hybrid import hybrid_slots
 from parallelism.experts import experts_forward, experts_forward_with_stats
 from parallelism.permute import CHECKPOINT_NAMES, expert_capacity, route_plan
@@ -153,6 +154,63 @@ def test_remat_names_are_on_the_expert_activations():
     f = jax.checkpoint(lambda *a: experts_forward(*a), policy=policy)
     got = value_and_grads(f, x, idx, w, w_gate_up, w_down)
     assert_close(got[1], value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)[1])
+
+
+FUSIONS = [(), ("gather",), ("swiglu",), ("gather", "swiglu")]
+# the Pallas-Triton kernels each fusion puts in the traced layer (interpret mode on CPU)
+FUSED_KERNELS = {"gather": ("gmm_gather", "tgmm_gather"), "swiglu": ("_swiglu", "gmm_trans_swiglu_bwd")}
+
+
+def _kernels(fn, *args):
+    text = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 2, 3, 4)))(*args))
+    return {name for names in FUSED_KERNELS.values() for name in names if name in text}, text
+
+
+@pytest.mark.parametrize("routing", ["random", "skewed"])
+def test_fused_triton_experts_match_dense_reference(monkeypatch, routing):
+    """The Triton experts with each set of fusions (permute.FUSE): output and every gradient against the dense
+    float32 reference; 'skewed' routing leaves half the experts empty and the groups uneven."""
+    x, idx, w, w_gate_up, w_down = make_problem(seed=5, routing=routing)
+    want = value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)
+    for fuse in FUSIONS:
+        monkeypatch.setattr(permute, "FUSE", frozenset(fuse))
+        fn = lambda *a: experts_forward(*a, backend="triton")  # noqa: E731
+        kernels, _ = _kernels(fn, x, idx, w, w_gate_up, w_down)
+        assert kernels == {k for f in fuse for k in FUSED_KERNELS[f]}, fuse
+        got = value_and_grads(fn, x, idx, w, w_gate_up, w_down)
+        assert_close(got[0], want[0], what=f"fuse {fuse} forward")
+        assert_close(got[1], want[1], what=f"fuse {fuse}")
+
+
+def test_fused_triton_experts_with_drops_and_in_bfloat16(monkeypatch):
+    """Rows past the kept assignments (a capacity drops: the sorted buffer has padding rows the kernels leave
+    unwritten) and bfloat16: the fused layer equals the unfused Triton layer."""
+    x, idx, w, w_gate_up, w_down = make_problem(seed=6, routing="skewed")
+    for dtype, opts, tol in ((jnp.float32, dict(capacity_factor=0.5), 2e-5), (jnp.bfloat16, {}, 2e-2)):
+        args = (x.astype(dtype), idx, w.astype(dtype), w_gate_up.astype(dtype), w_down.astype(dtype))
+        results = []
+        for fuse in ((), ("gather", "swiglu")):
+            monkeypatch.setattr(permute, "FUSE", frozenset(fuse))
+            out, grads = value_and_grads(lambda *a: experts_forward(*a, backend="triton", **opts), *args)
+            results.append([np.asarray(a, np.float32) for a in (out, *grads)])
+        for name, a, b in zip(("out", "d_x", "d_w", "d_w_gate_up", "d_w_down"), *results):
+            assert np.isfinite(a).all(), name
+            assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), f"{jnp.dtype(dtype).name} {opts} {name}"
+
+
+def test_fused_triton_experts_under_remat_policies(monkeypatch):
+    """With the gather fused the remat name moe_permuted is on the int32 row index; every name is still placed,
+    and the gradients are right whether the policy saves one name or all of them."""
+    monkeypatch.setattr(permute, "FUSE", frozenset(("gather", "swiglu")))
+    x, idx, w, w_gate_up, w_down = make_problem(seed=7)
+    fn = lambda *a: experts_forward(*a, backend="triton")  # noqa: E731
+    _, text = _kernels(fn, x, idx, w, w_gate_up, w_down)
+    for name in CHECKPOINT_NAMES:
+        assert f"name={name}" in text
+    want = value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)[1]
+    for names in (("moe_act",), CHECKPOINT_NAMES):
+        f = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*names))
+        assert_close(value_and_grads(f, x, idx, w, w_gate_up, w_down)[1], want, what=f"saving {names}")
 
 
 def test_option_errors_name_the_problem():
