@@ -147,7 +147,7 @@ def _load_rows(x_ref, x_rows: jax.Array | None, row0: jax.Array, k_i: jax.Array,
 
 
 def _gmm_kernel(group_ref, row0_ref, row1_ref, *refs, k: int, cfg: Config, trans_w: bool, gather: bool,
-                epilogue: str | None):
+                epilogue: str | None, gathered_out: bool):
     if gather:
         idx_ref, *refs = refs
     x_ref, w_ref, *refs = refs
@@ -168,6 +168,19 @@ def _gmm_kernel(group_ref, row0_ref, row1_ref, *refs, k: int, cfg: Config, trans
         if epilogue is not None:  # the up half's columns: w (swiglu) / h (swiglu_bwd) hold [gate | up]
             up_slice = pl.ds((w_ref.shape[2] if epilogue == "swiglu" else h_ref.shape[1]) // 2 + n0, cfg.block_n)
         x_rows = plgpu.load(idx_ref.at[pl.ds(row0, cfg.block_m)], mask=valid, other=0) if gather else None
+        out_rows = pl.ds(row0, cfg.block_m)
+        if gathered_out:  # the first column block's program also writes the tile's gathered rows x[rows]
+            xg_ref = refs[-1]
+
+            @pl.when(n_i == 0)
+            def _():
+                def copy(k_i, carry):
+                    a = _load_rows(x_ref, x_rows, row0, k_i, cfg.block_m, cfg.block_k, a_mask)
+                    k_slice = pl.ds(pl.multiple_of(k_i * cfg.block_k, cfg.block_k), cfg.block_k)
+                    plgpu.store(xg_ref.at[out_rows, k_slice], a, mask=a_mask)
+                    return carry
+
+                jax.lax.fori_loop(0, k // cfg.block_k, copy, 0)
 
         def body(k_i, accs):
             k_slice = pl.ds(pl.multiple_of(k_i * cfg.block_k, cfg.block_k), cfg.block_k)
@@ -182,17 +195,16 @@ def _gmm_kernel(group_ref, row0_ref, row1_ref, *refs, k: int, cfg: Config, trans
         zeros = jnp.zeros((cfg.block_m, cfg.block_n), jnp.float32)
         accs = jax.lax.fori_loop(0, k // cfg.block_k, body, (zeros, zeros) if epilogue == "swiglu" else (zeros,))
         o_mask = jnp.broadcast_to(row_mask, (cfg.block_m, cfg.block_n))
-        out_rows = pl.ds(row0, cfg.block_m)
         if epilogue is None:
             plgpu.store(refs[0].at[out_rows, n_slice], accs[0].astype(refs[0].dtype), mask=o_mask)
         elif epilogue == "swiglu":  # h = [gate | up] and act = silu(gate) * up, from h's rounded values
-            h_out, act_out = refs
+            h_out, act_out = refs[:2]
             gate, up = (a.astype(h_out.dtype) for a in accs)
             plgpu.store(h_out.at[out_rows, n_slice], gate, mask=o_mask)
             plgpu.store(h_out.at[out_rows, up_slice], up, mask=o_mask)
             plgpu.store(act_out.at[out_rows, n_slice], _swiglu(gate, up).astype(act_out.dtype), mask=o_mask)
         else:  # swiglu_bwd: accs[0] is d(act); d(h) = [d(gate) | d(up)]
-            (dh_out,) = refs
+            dh_out = refs[0]
             gate = plgpu.load(h_ref.at[out_rows, n_slice], mask=o_mask, other=0.0)
             up = plgpu.load(h_ref.at[out_rows, up_slice], mask=o_mask, other=0.0)
             dgate, dup = _swiglu_bwd(gate, up, accs[0].astype(h_ref.dtype))
@@ -214,13 +226,15 @@ def _swiglu_bwd(gate: jax.Array, up: jax.Array, dact: jax.Array) -> tuple[jax.Ar
 
 
 def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False, rows: jax.Array | None = None,
-        epilogue: str | None = None, h: jax.Array | None = None, config: Config | None = None,
-        interpret: bool | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        gathered_out: bool = False, epilogue: str | None = None, h: jax.Array | None = None,
+        config: Config | None = None, interpret: bool | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` (``[G, N, K]`` with ``trans_w``) -> ``[M, N]``.
     Rows past ``sum(group_sizes)`` are left unwritten.
 
     ``rows`` (int32 ``[M]``): row ``m`` of the product is ``x[rows[m]] @ w[g(m)]``, the rows of ``x [T, K]`` read
-    through the index inside the kernel (a gather fused into the loads; ``x[rows]`` is never built).
+    through the index inside the kernel (a gather fused into the loads; ``x[rows]`` is never built); with
+    ``gathered_out`` the kernel also returns ``x[rows] [M, K]`` (last), written by the first column block's programs
+    (rows past ``sum(group_sizes)`` unwritten).
     ``epilogue``: ``"swiglu"`` (forward, w ``[G, K, 2I]`` = [gate | up]): returns ``(h [M, 2I], act [M, I])``,
     ``act = silu(gate) * up`` in float32 from h's rounded values; ``"swiglu_bwd"`` (``trans_w``, w ``[G, I, K]``,
     ``h [M, 2I]`` the forward's): the product is d(act), and the kernel returns ``d(h) [M, 2I]`` = [d(gate) | d(up)]
@@ -241,10 +255,16 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
     out_n = 2 * n if epilogue == "swiglu_bwd" else n
     _check_size("gmm", x, w, jax.ShapeDtypeStruct((m, out_n), x.dtype))
     group, row0, row1 = tile_table(group_sizes, m, cfg.block_m)
-    kernel = functools.partial(_gmm_kernel, k=k, cfg=cfg, trans_w=trans_w, gather=rows is not None, epilogue=epilogue)
-    out_shape = jax.ShapeDtypeStruct((m, out_n), x.dtype)
+    if gathered_out and rows is None:
+        raise ValueError("gmm: gathered_out needs rows")
+    kernel = functools.partial(_gmm_kernel, k=k, cfg=cfg, trans_w=trans_w, gather=rows is not None, epilogue=epilogue,
+                               gathered_out=gathered_out)
+    out_shape = (jax.ShapeDtypeStruct((m, out_n), x.dtype),)
     if epilogue == "swiglu":
-        out_shape = (out_shape, jax.ShapeDtypeStruct((m, n // 2), x.dtype))
+        out_shape += (jax.ShapeDtypeStruct((m, n // 2), x.dtype),)
+    if gathered_out:
+        out_shape += (jax.ShapeDtypeStruct((m, k), x.dtype),)
+    out_shape = out_shape[0] if len(out_shape) == 1 else out_shape
     operands = (group, row0, row1) + ((rows.astype(jnp.int32),) if rows is not None else ()) + (x, w)
     return pl.pallas_call(
         kernel,

@@ -28,8 +28,8 @@ from jax.ad_checkpoint import checkpoint_name
 from parallelism import fp8, gmm_triton
 from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, valid_rows
 
-MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with the
-# fused gather, FUSE "gather", there is none: the name is on the int32 row index the kernels read x through)
+MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE
+# "gather" the rows the gate_up kernel writes for d(w), with "gather_dw" the int32 row index: no rows are built)
 MOE_GATE_UP = "moe_gate_up"  # first grouped matmul's output (SwiGLU's input, needed by its backward)
 MOE_ACT = "moe_act"  # SwiGLU output (the down projection's input)
 MOE_EXPERT_OUT = "moe_expert_out"  # down projection output, before the combine (d(routing weights) needs it)
@@ -214,13 +214,12 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
                    backend: str) -> jax.Array:
     """The grouped matmul on expert-sorted rows (``plan``'s kept assignments): sort once, gather
     once, combine with the routing weights fused in; x ``[T, H]``, w ``[T, K]`` -> ``[T, H]``. With the
-    Triton kernels and FUSE "gather" the gather happens inside the first matmul's kernels."""
+    Triton kernels and FUSE "gather" / "gather_dw" the gather happens inside the first matmul's kernels."""
     slot = sorted_slots(plan)
     src = inverse_slots(slot, slot.shape[0])
     k = w.shape[1]
     if _fused(backend, fp8.experts_scope(), "gather"):
-        index = checkpoint_name(jnp.where(src >= 0, src // k, 0), MOE_PERMUTED)
-        y = _fused_ffn(x, index, slot, k, plan.counts, w_gate_up, w_down)
+        y = _fused_ffn(x, jnp.where(src >= 0, src // k, 0), slot, k, plan.counts, w_gate_up, w_down)
     else:
         y = expert_ffn(dispatch_rows(x, src, slot, k), plan.counts, w_gate_up, w_down, backend)
     return combine_rows(y, w, slot, src)
@@ -229,25 +228,33 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
 # ----------------------------------------------------------------------------- fused Triton experts
 
 # Which fusions the Triton experts use (outside FP8), from $MOEVLM_MOE_FUSE at import (a comma list, "" for
-# none); read when the experts are traced:
-# - "gather": the local dropless experts (sorted_experts) read the token rows x [T, H] through the int32 row
-#   index inside the gate_up forward and d(w) kernels: the permuted rows [A, H] are never built (no dispatch
-#   gather; the remat name moe_permuted goes on the index). The gate_up d(x) kernel writes rows in the sorted
-#   layout, summed back per token as dispatch_rows' backward does. Not for the all-to-all / all-gather
-#   dispatchers, whose rows are exchanged or gathered first.
+# none); read when the experts are traced. Measured on an H200 in bench/moe_layer.md run 10.
+# - "gather": the local dropless experts (sorted_experts) pass the token rows x [T, H] and an int32 row index
+#   to the gate_up forward kernel, which reads the rows through it (no dispatch gather kernel) and, in the first
+#   column block's programs, writes the gathered rows [A, H] for the backward's d(w) (remat name moe_permuted,
+#   placed inside the forward rule). The gate_up d(x) kernel writes rows in the sorted layout, summed back per
+#   token as dispatch_rows' backward does. Not for the all-to-all / all-gather dispatchers, whose rows are
+#   exchanged or gathered first.
+# - "gather_dw": as "gather", but the d(w) kernel also reads x through the index: the gathered rows are never
+#   built (moe_permuted names the int32 index; A x H fewer elements kept for the backward; run 10: its d(w) kernel
+#   is ~30% slower).
 # - "swiglu": SwiGLU in the gate_up forward kernel's epilogue (it writes h and act = silu(gate) * up, float32
-#   from h's rounded values, as swiglu()) and its backward in the down projection's d(x) kernel's epilogue (d(act)
-#   never leaves the kernel; it writes d(h)). Every Triton expert_ffn. A recompute policy that saves moe_gate_up
-#   but not moe_act (recompute module "moe_act") then runs the gate_up kernel again for act in the backward.
+#   from h's rounded values, as swiglu()); its backward stays an XLA elementwise op. Every Triton expert_ffn. A
+#   recompute policy that saves moe_gate_up but not moe_act (recompute module "moe_act") then runs the gate_up
+#   kernel again for act in the backward.
+# - "swiglu_bwd": SwiGLU's backward in the down projection's d(x) kernel's epilogue (d(act) never leaves the
+#   kernel; it writes d(h)). Every Triton expert_ffn.
 FUSE_ENV = "MOEVLM_MOE_FUSE"
-FUSIONS = ("gather", "swiglu")
+FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd")
 FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "").split(",") if f)
 if FUSE - set(FUSIONS):
     raise ValueError(f"${FUSE_ENV}: unknown fusions {sorted(FUSE - set(FUSIONS))}; known: {FUSIONS}")
 
 
 def _fused(backend: str | None, q: fp8.ExpertsScope | None, fusion: str) -> bool:
-    return backend == "triton" and q is None and fusion in FUSE
+    """Whether the expert matmuls on ``backend`` (FP8 recipe ``q``) take a fusion of kind ``fusion``."""
+    kinds = {"gather": ("gather", "gather_dw"), "swiglu": ("swiglu", "swiglu_bwd")}[fusion]
+    return backend == "triton" and q is None and any(f in FUSE for f in kinds)
 
 
 def _fused_ffn(x: jax.Array, index: jax.Array | None, slot: jax.Array | None, top_k: int, group_sizes: jax.Array,
@@ -256,67 +263,86 @@ def _fused_ffn(x: jax.Array, index: jax.Array | None, slot: jax.Array | None, to
     None: x's own rows, already named moe_permuted), ``slot`` / ``top_k`` as in :func:`dispatch_rows`."""
     group_sizes = group_sizes.astype(jnp.int32)
     w_gate_up, w_down = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
+    keep_rows = "gather_dw" not in FUSE
+    if index is not None and not keep_rows:
+        index = checkpoint_name(index, MOE_PERMUTED)
+    fwd_swiglu = "swiglu" in FUSE
     with jax.named_scope(FFN_SCOPE):
-        if "swiglu" in FUSE:
-            h, act = _gate_up(x, w_gate_up, group_sizes, index, slot, top_k, True)
-            h, act = checkpoint_name(h, MOE_GATE_UP), checkpoint_name(act, MOE_ACT)
-            y = _swiglu_down(h, act, w_down, group_sizes)
+        out = _gate_up(x, w_gate_up, group_sizes, index, slot, top_k, fwd_swiglu, keep_rows)
+        h = checkpoint_name(out[0] if fwd_swiglu else out, MOE_GATE_UP)
+        act = checkpoint_name(out[1] if fwd_swiglu else swiglu(h), MOE_ACT)
+        if fwd_swiglu or "swiglu_bwd" in FUSE:
+            y = _swiglu_down(h, act, w_down, group_sizes, "swiglu_bwd" in FUSE)
         else:
-            h = checkpoint_name(_gate_up(x, w_gate_up, group_sizes, index, slot, top_k, False), MOE_GATE_UP)
-            act = checkpoint_name(swiglu(h), MOE_ACT)
             y = grouped_matmul(act, w_down, group_sizes, backend="triton")
     return checkpoint_name(y, MOE_EXPERT_OUT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _gate_up(x, w, group_sizes, index, slot, top_k: int, fuse_swiglu: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _gate_up(x, w, group_sizes, index, slot, top_k: int, fwd_swiglu: bool, keep_rows: bool):
     """The first expert matmul on the Triton kernels: ``h = x[index] @ w[g]`` (``index`` None: ``x @ w[g]``);
-    with ``fuse_swiglu`` ``(h, act)``, act's cotangent ignored: act goes only to :func:`_swiglu_down`, whose d(h)
-    holds SwiGLU's backward. Rows past ``sum(group_sizes)``: zero in h without ``fuse_swiglu``, else unwritten
-    (no later kernel reads them)."""
-    return _gate_up_fwd(x, w, group_sizes, index, slot, top_k, fuse_swiglu)[0]
+    with ``fwd_swiglu`` ``(h, act)``, act's cotangent ignored: act goes only to :func:`_swiglu_down`, whose d(h)
+    holds SwiGLU's backward. ``keep_rows``: the forward rule has the kernel write ``x[index]`` for d(w) (else
+    d(w) reads x through the index). Rows past ``sum(group_sizes)``: zero in h without ``fwd_swiglu``, else
+    unwritten (no later kernel reads them)."""
+    return _gate_up_out(gmm_triton.gmm(x, w, group_sizes, rows=index, epilogue="swiglu" if fwd_swiglu else None),
+                        group_sizes, fwd_swiglu)
 
 
-def _gate_up_fwd(x, w, group_sizes, index, slot, top_k, fuse_swiglu):
-    out = gmm_triton.gmm(x, w, group_sizes, rows=index, epilogue="swiglu" if fuse_swiglu else None)
-    if not fuse_swiglu:
-        out = jnp.where(valid_rows(out.shape[0], group_sizes)[:, None], out, jnp.zeros((), out.dtype))
-    return out, (x, w, group_sizes, index, slot)
+def _gate_up_out(out, group_sizes, fwd_swiglu):
+    if fwd_swiglu:
+        return out
+    return jnp.where(valid_rows(out.shape[0], group_sizes)[:, None], out, jnp.zeros((), out.dtype))
 
 
-def _gate_up_bwd(top_k, fuse_swiglu, res, g):
-    x, w, group_sizes, index, slot = res
-    dh = (g[0] if fuse_swiglu else g).astype(x.dtype)
+def _gate_up_fwd(x, w, group_sizes, index, slot, top_k, fwd_swiglu, keep_rows):
+    keep = index is not None and keep_rows
+    outs = gmm_triton.gmm(x, w, group_sizes, rows=index, gathered_out=keep, epilogue="swiglu" if fwd_swiglu else None)
+    if not keep:
+        return _gate_up_out(outs, group_sizes, fwd_swiglu), (x, w, group_sizes, index, slot)
+    *outs, rows = outs  # x[index], named here: a remat policy that saves moe_permuted keeps this residual
+    out = _gate_up_out(tuple(outs) if fwd_swiglu else outs[0], group_sizes, fwd_swiglu)
+    return out, (checkpoint_name(rows, MOE_PERMUTED), w, group_sizes, None, slot)
+
+
+def _gate_up_bwd(top_k, fwd_swiglu, keep_rows, res, g):
+    lhs, w, group_sizes, index, slot = res
+    dh = (g[0] if fwd_swiglu else g).astype(lhs.dtype)
     drows = gmm_triton.gmm(dh, w, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten
-    if index is None:
+    if slot is None:
         dx = jnp.where(valid_rows(drows.shape[0], group_sizes)[:, None], drows, jnp.zeros((), drows.dtype))
     else:  # back per token: slot reads only kept (written) rows
         dx = _dispatch_bwd(top_k, slot, drows)[0]
-    dw = gmm_triton.tgmm(x, dh, group_sizes, rows=index, out_dtype=w.dtype)
+    dw = gmm_triton.tgmm(lhs, dh, group_sizes, rows=index, out_dtype=w.dtype)
     return dx, dw, None, None, None
 
 
 _gate_up.defvjp(_gate_up_fwd, _gate_up_bwd)
 
 
-@jax.custom_vjp
-def _swiglu_down(h, act, w, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _swiglu_down(h, act, w, group_sizes, fused_bwd: bool):
     """The down projection ``act @ w[g]`` on the Triton kernels for ``act = swiglu(h)`` (rows past
-    ``sum(group_sizes)`` zero). Its backward returns SwiGLU's d(h) from the d(x) kernel's epilogue (rows past
-    ``sum(group_sizes)`` unwritten) and no cotangent for act: act must be :func:`_gate_up`'s."""
-    return _swiglu_down_fwd(h, act, w, group_sizes)[0]
+    ``sum(group_sizes)`` zero). Its backward returns SwiGLU's d(h), from the d(x) kernel's epilogue with
+    ``fused_bwd`` (rows past ``sum(group_sizes)`` unwritten) or XLA's, and no cotangent for act."""
+    return _swiglu_down_fwd(h, act, w, group_sizes, fused_bwd)[0]
 
 
-def _swiglu_down_fwd(h, act, w, group_sizes):
+def _swiglu_down_fwd(h, act, w, group_sizes, fused_bwd):
     y = gmm_triton.gmm(act, w, group_sizes)
     y = jnp.where(valid_rows(y.shape[0], group_sizes)[:, None], y, jnp.zeros((), y.dtype))
     return y, (h, act, w, group_sizes)
 
 
-def _swiglu_down_bwd(res, g):
+def _swiglu_down_bwd(fused_bwd, res, g):
     h, act, w, group_sizes = res
     g = g.astype(act.dtype)
-    dh = gmm_triton.gmm(g, w, group_sizes, trans_w=True, epilogue="swiglu_bwd", h=h)
+    if fused_bwd:
+        dh = gmm_triton.gmm(g, w, group_sizes, trans_w=True, epilogue="swiglu_bwd", h=h)
+    else:
+        dact = gmm_triton.gmm(g, w, group_sizes, trans_w=True)
+        dact = jnp.where(valid_rows(dact.shape[0], group_sizes)[:, None], dact, jnp.zeros((), dact.dtype))
+        dh = jax.vjp(swiglu, h)[1](dact)[0]
     dw = gmm_triton.tgmm(act, g, group_sizes, out_dtype=w.dtype)
     return dh, None, dw, None
 

@@ -217,8 +217,9 @@ def test_triton_configs_from_file(tmp_path, monkeypatch):
 def test_triton_fused_kernels_match_per_group_einsum(sizes):
     """The kernels' fusions (interpret mode on CPU) against numpy in float32: rows of x [T, K] read through an
     index (gmm / tgmm ``rows``), SwiGLU in the forward's epilogue (h and act) and its backward in the d(x) kernel's
-    (d(h) from d(act)); uneven and empty groups, index entries past sum(group_sizes) out of range and NaN in the
-    padding rows of h and dy (none of which the kernels may read)."""
+    (d(h) from d(act)), the gathered rows written for d(w) (``gathered_out``); uneven and empty groups, index
+    entries past sum(group_sizes) out of range and NaN in the padding rows of h and dy (none of which the kernels
+    may read)."""
     from parallelism import gmm_triton as gt
 
     rng = np.random.default_rng(4)
@@ -246,7 +247,9 @@ def test_triton_fused_kernels_match_per_group_einsum(sizes):
     gs, cfg = jnp.asarray(sizes, jnp.int32), gt.Config(block_m=16, block_n=16, block_k=16)
     args = (jnp.asarray(x), jnp.asarray(w), gs)
     h = np.asarray(gt.gmm(*args, rows=jnp.asarray(index), config=cfg))
-    h2, act = (np.asarray(a) for a in gt.gmm(*args, rows=jnp.asarray(index), epilogue="swiglu", config=cfg))
+    h2, act, xg = (np.asarray(a) for a in gt.gmm(*args, rows=jnp.asarray(index), gathered_out=True,
+                                                   epilogue="swiglu", config=cfg))
+    h3, xg3 = (np.asarray(a) for a in gt.gmm(*args, rows=jnp.asarray(index), gathered_out=True, config=cfg))
     dw = np.asarray(gt.tgmm(jnp.asarray(x), jnp.asarray(dy), gs, rows=jnp.asarray(index), config=cfg))
     h_nan = jnp.asarray(np.where(valid[:, None], want_h, np.nan))
     dh = np.asarray(gt.gmm(jnp.asarray(dy_down), jnp.asarray(w_down), gs, trans_w=True, epilogue="swiglu_bwd",
@@ -254,7 +257,12 @@ def test_triton_fused_kernels_match_per_group_einsum(sizes):
     assert_close(h[valid], want_h[valid], atol=1e-4, rtol=1e-4, what="gmm rows")
     assert_close(h2[valid], want_h[valid], atol=1e-4, rtol=1e-4, what="gmm rows + swiglu: h")
     assert_close(act[valid], want_act[valid], atol=1e-4, rtol=1e-4, what="gmm rows + swiglu: act")
+    assert_close(h3[valid], want_h[valid], atol=1e-4, rtol=1e-4, what="gmm rows + gathered_out: h")
+    for got in (xg, xg3):
+        np.testing.assert_array_equal(got[valid], xr[valid], err_msg="gathered_out: x[rows]")
     assert_close(dw, want_dw, atol=1e-4, rtol=1e-4, what="tgmm rows")
     assert_close(dh[valid], want_dh[valid], atol=1e-4, rtol=1e-4, what="gmm trans + swiglu_bwd")
     with pytest.raises(ValueError, match="epilogue"):
         gt.gmm(*args, epilogue="swiglu_bwd")
+    with pytest.raises(ValueError, match="gathered_out needs rows"):
+        gt.gmm(*args, gathered_out=True)

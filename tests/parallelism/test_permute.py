@@ -1,6 +1,7 @@
 """Token permutation, capacity dropping and the single-device experts against dense references."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from tests.parallelism.moe_reference import (
     make_problem,
     value_and_grads,
 )
+from tests.xla_options import FAST
 
 # quick compiles (tests/xla_options.py): the dense references compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
@@ -156,14 +158,33 @@ def test_remat_names_are_on_the_expert_activations():
     assert_close(got[1], value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)[1])
 
 
-FUSIONS = [(), ("gather",), ("swiglu",), ("gather", "swiglu")]
-# the Pallas-Triton kernels each fusion puts in the traced layer (interpret mode on CPU)
-FUSED_KERNELS = {"gather": ("gmm_gather", "tgmm_gather"), "swiglu": ("_swiglu", "gmm_trans_swiglu_bwd")}
+FUSIONS = [(), ("gather",), ("gather_dw",), ("swiglu",), ("swiglu_bwd",), ("gather", "swiglu"),
+           ("gather_dw", "swiglu", "swiglu_bwd")]
 
 
-def _kernels(fn, *args):
-    text = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 2, 3, 4)))(*args))
-    return {name for names in FUSED_KERNELS.values() for name in names if name in text}, text
+def _kernels(fn, *args, policy=None):
+    """The Pallas kernels (by name, with their count) in the jaxpr of fn's gradient, and the jaxpr's text."""
+    f = fn if policy is None else jax.checkpoint(fn, policy=policy)
+    text = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 2, 3, 4)))(*args))
+    names = re.findall(r"name=((?:t?gmm)\w*)", text)
+    return {n: names.count(n) for n in names}, text
+
+
+def _compiled_kernels(fn, args, policy):
+    """Kernel name -> count of its loops in the compiled gradient (interpret mode: each Pallas kernel is a while
+    loop named after it; XLA has dropped the recomputations whose results nothing uses)."""
+    f = fn if policy is None else jax.checkpoint(fn, policy=policy)
+    step = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 2, 3, 4)), compiler_options=FAST)
+    hlo = step.lower(*args).compile().as_text()
+    names = re.findall(r"= .*\bwhile\(.*op_name=\"[^\"]*/((?:t?gmm)\w*)/", hlo)
+    return {n: names.count(n) for n in names}
+
+
+def _expected_kernels(fuse):
+    gather = "gather" in fuse or "gather_dw" in fuse
+    fwd = "gmm" + ("_gather" if gather else "") + ("_swiglu" if "swiglu" in fuse else "")
+    dx = "gmm_trans_swiglu_bwd" if "swiglu_bwd" in fuse else "gmm_trans"
+    return {fwd, "gmm", "gmm_trans", dx, "tgmm_gather" if "gather_dw" in fuse else "tgmm", "tgmm"}
 
 
 @pytest.mark.parametrize("routing", ["random", "skewed"])
@@ -175,8 +196,7 @@ def test_fused_triton_experts_match_dense_reference(monkeypatch, routing):
     for fuse in FUSIONS:
         monkeypatch.setattr(permute, "FUSE", frozenset(fuse))
         fn = lambda *a: experts_forward(*a, backend="triton")  # noqa: E731
-        kernels, _ = _kernels(fn, x, idx, w, w_gate_up, w_down)
-        assert kernels == {k for f in fuse for k in FUSED_KERNELS[f]}, fuse
+        assert set(_kernels(fn, x, idx, w, w_gate_up, w_down)[0]) == _expected_kernels(fuse), fuse
         got = value_and_grads(fn, x, idx, w, w_gate_up, w_down)
         assert_close(got[0], want[0], what=f"fuse {fuse} forward")
         assert_close(got[1], want[1], what=f"fuse {fuse}")
@@ -188,25 +208,33 @@ def test_fused_triton_experts_with_drops_and_in_bfloat16(monkeypatch):
     x, idx, w, w_gate_up, w_down = make_problem(seed=6, routing="skewed")
     for dtype, opts, tol in ((jnp.float32, dict(capacity_factor=0.5), 2e-5), (jnp.bfloat16, {}, 2e-2)):
         args = (x.astype(dtype), idx, w.astype(dtype), w_gate_up.astype(dtype), w_down.astype(dtype))
-        results = []
-        for fuse in ((), ("gather", "swiglu")):
+        want = None
+        for fuse in ((), ("gather", "swiglu", "swiglu_bwd"), ("gather_dw",)):
             monkeypatch.setattr(permute, "FUSE", frozenset(fuse))
             out, grads = value_and_grads(lambda *a: experts_forward(*a, backend="triton", **opts), *args)
-            results.append([np.asarray(a, np.float32) for a in (out, *grads)])
-        for name, a, b in zip(("out", "d_x", "d_w", "d_w_gate_up", "d_w_down"), *results):
-            assert np.isfinite(a).all(), name
-            assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), f"{jnp.dtype(dtype).name} {opts} {name}"
+            got = [np.asarray(a, np.float32) for a in (out, *grads)]
+            want = want or got  # the unfused layer's
+            for name, a, b in zip(("out", "d_x", "d_w", "d_w_gate_up", "d_w_down"), got, want):
+                assert np.isfinite(a).all(), name
+                assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), f"{jnp.dtype(dtype).name} {opts} {fuse} {name}"
 
 
-def test_fused_triton_experts_under_remat_policies(monkeypatch):
-    """With the gather fused the remat name moe_permuted is on the int32 row index; every name is still placed,
-    and the gradients are right whether the policy saves one name or all of them."""
-    monkeypatch.setattr(permute, "FUSE", frozenset(("gather", "swiglu")))
+@pytest.mark.parametrize("fuse", [("gather", "swiglu"), ("gather_dw", "swiglu_bwd")])
+def test_fused_triton_experts_under_remat_policies(monkeypatch, fuse):
+    """Every remat name is still placed (moe_permuted: the rows the gate_up kernel writes, or with "gather_dw" the
+    int32 row index); a policy that saves them all runs no kernel twice; the gradients are right whether the
+    policy saves one name or all of them."""
+    monkeypatch.setattr(permute, "FUSE", frozenset(fuse))
     x, idx, w, w_gate_up, w_down = make_problem(seed=7)
     fn = lambda *a: experts_forward(*a, backend="triton")  # noqa: E731
     _, text = _kernels(fn, x, idx, w, w_gate_up, w_down)
     for name in CHECKPOINT_NAMES:
         assert f"name={name}" in text
+    save_all = jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES)
+    args = (x, idx, w, w_gate_up, w_down)
+    plain = _compiled_kernels(fn, args, None)
+    assert any(name.startswith("gmm_gather") for name in plain), plain
+    assert _compiled_kernels(fn, args, save_all) == plain
     want = value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)[1]
     for names in (("moe_act",), CHECKPOINT_NAMES):
         f = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*names))
