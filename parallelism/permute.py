@@ -228,25 +228,28 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
 # ----------------------------------------------------------------------------- fused Triton experts
 
 # Which fusions the Triton experts use (outside FP8), from $MOEVLM_MOE_FUSE at import (a comma list, "" for
-# none); read when the experts are traced. Measured on an H200 in bench/moe_layer.md run 10.
+# none; unset: "gather", the only one that paid on an H200, bench/moe_layer.md run 10); read when the experts
+# are traced.
 # - "gather": the local dropless experts (sorted_experts) pass the token rows x [T, H] and an int32 row index
 #   to the gate_up forward kernel, which reads the rows through it (no dispatch gather kernel) and, in the first
 #   column block's programs, writes the gathered rows [A, H] for the backward's d(w) (remat name moe_permuted,
 #   placed inside the forward rule). The gate_up d(x) kernel writes rows in the sorted layout, summed back per
 #   token as dispatch_rows' backward does. Not for the all-to-all / all-gather dispatchers, whose rows are
-#   exchanged or gathered first.
+#   exchanged or gathered first. Run 10: 0.1 ms (235B-A22B) / 0.2 ms (30B-A3B) off the layer's ~31.4 / ~9.4 ms.
 # - "gather_dw": as "gather", but the d(w) kernel also reads x through the index: the gathered rows are never
-#   built (moe_permuted names the int32 index; A x H fewer elements kept for the backward; run 10: its d(w) kernel
-#   is ~30% slower).
+#   built (moe_permuted names the int32 index; A x H fewer elements kept for the backward). Run 10: that d(w)
+#   kernel is ~30% slower (the row index is loaded inside its row loop), the layer 0.5 ms slower.
 # - "swiglu": SwiGLU in the gate_up forward kernel's epilogue (it writes h and act = silu(gate) * up, float32
 #   from h's rounded values, as swiglu()); its backward stays an XLA elementwise op. Every Triton expert_ffn. A
 #   recompute policy that saves moe_gate_up but not moe_act (recompute module "moe_act") then runs the gate_up
-#   kernel again for act in the backward.
+#   kernel again for act in the backward. Run 10: slower (the two-accumulator forward costs more than the
+#   elementwise kernel it replaces).
 # - "swiglu_bwd": SwiGLU's backward in the down projection's d(x) kernel's epilogue (d(act) never leaves the
-#   kernel; it writes d(h)). Every Triton expert_ffn.
+#   kernel; it writes d(h)). Every Triton expert_ffn. Run 10: that kernel +1.7 ms at 235B-A22B against the 0.5 ms
+#   elementwise backward it replaces.
 FUSE_ENV = "MOEVLM_MOE_FUSE"
 FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd")
-FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "").split(",") if f)
+FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather").split(",") if f)
 if FUSE - set(FUSIONS):
     raise ValueError(f"${FUSE_ENV}: unknown fusions {sorted(FUSE - set(FUSIONS))}; known: {FUSIONS}")
 

@@ -1,7 +1,6 @@
 """Issue 24: the Triton dropless MoE layer (forward + backward, ``moevlm_jax.tools.bench_moe``'s layer: same inputs,
 routing and ``experts_forward``) with each set of the kernel fusions of ``parallelism/permute.py`` (``FUSE``:
-'gather' = the dispatch gather inside the gate_up kernels, 'swiglu' = SwiGLU in the gate_up forward's epilogue and
-its backward in the down d(x) kernel's) in ONE process: the ceiling (balanced batched einsum), each variant
+'gather', 'gather_dw', 'swiglu', 'swiglu_bwd'; ``none`` = no fusion, whatever the library's default) in ONE process: the ceiling (balanced batched einsum), each variant
 checked against the float32 reference (output and every gradient) and timed, then timed again in ``--rounds``
 alternating orders (the spread), and HF transformers' ``grouped_mm`` block on the same tokens and weights.
 Prints a table per shape (median of the rounds' medians); ``--out`` writes every row as JSON.
