@@ -5,6 +5,10 @@
 #                 with_searchsorted.py scan); b: compare_all in permute.route_plan and gmm_triton.tile_table
 #   fuse          a: no Triton expert fusion (MOEVLM_MOE_FUSE=""); b: the default, the row gather inside the
 #                 gate_up kernel (parallelism/permute.py FUSE)
+#   base          a: the library of an earlier commit, extracted here beforehand (the device copy has no git):
+#                   rm -rf .ab_base && mkdir .ab_base && git archive <commit> moevlm_jax parallelism data configs \
+#                       | tar -x -C .ab_base     (.ab_base in .git/info/exclude, and in carry)
+#                 b: the working tree; C_XLA="<flags>" adds a side c: the working tree with those XLA flags too
 #   run(command="AB=fuse bash bench/scripts/h200_step_ab.sh", carry=[".gpudeps"], timeout_s=600)
 set -uo pipefail
 T0=$(date +%s)
@@ -15,15 +19,19 @@ ARGS="--recipe h200 --peer none --data real --mbs ${MBS:-10} --warmup 3 --steps 
 case "${AB:?AB=searchsorted or AB=fuse}" in
   searchsorted) A_RUN="python3 bench/scripts/with_searchsorted.py scan -m"; A_ENV=""; NAMES=(scan compare_all) ;;
   fuse) A_RUN="python3 -m"; A_ENV="MOEVLM_MOE_FUSE="; NAMES=(fuse_none fuse_gather) ;;
-  *) echo "AB must be searchsorted or fuse, got '$AB'"; exit 2 ;;
+  base) [ -d .ab_base/moevlm_jax ] || { echo "AB=base needs .ab_base (see the header)"; exit 2; }
+        A_RUN="python3 -m"; A_ENV="PYTHONPATH=${PYTHONPATH%:$PWD}:$PWD/.ab_base"; A_DIR=.ab_base; NAMES=(base head) ;;
+  *) echo "AB must be searchsorted, fuse or base, got '$AB'"; exit 2 ;;
 esac
-side() {  # $1: a (before) or b (as is); $2: seconds
-  local run="python3 -m" env="" name=${NAMES[1]}
-  [ "$1" = a ] && { run=$A_RUN; env=$A_ENV; name=${NAMES[0]}; }
+side() {  # $1: a (before), b (as is) or c (as is + C_XLA); $2: seconds
+  local run="python3 -m" env="" name=${NAMES[1]} dir=.
+  [ "$1" = a ] && { run=$A_RUN; env=$A_ENV; name=${NAMES[0]}; dir=${A_DIR:-.}; }
+  [ "$1" = c ] && { env="XLA_FLAGS=$C_XLA"; name=${NAMES[1]}_xla; }  # one flag (no spaces)
   mkdir -p "/tmp/w$1"
   echo "=== side $1 ($name)" | tee -a "$OUT/log.txt"
-  env $env timeout "$2" $run moevlm_jax.tools.bench $ARGS --work-dir "/tmp/w$1" --out "$OUT/step_$name.json" 2>&1 \
+  (cd "$dir" && env $env timeout "$2" $run moevlm_jax.tools.bench $ARGS --work-dir "/tmp/w$1" --out "$OUT/step_$name.json") 2>&1 \
       | grep -v "Autotuning cache miss" | tail -6 | tee -a "$OUT/log.txt"
 }
-if [ "${ORDER:-ab}" = ab ]; then side a "${A_S:-260}"; side b "$(left 585)"; else side b "${A_S:-260}"; side a "$(left 585)"; fi
+if [ "${ORDER:-ab}" = ab ]; then side a "${A_S:-260}"; side b "$(left "${B_END:-585}")"; else side b "${A_S:-260}"; side a "$(left "${B_END:-585}")"; fi
+[ -n "${C_XLA:-}" ] && side c "$(left 590)"
 echo "wall $(( $(date +%s) - T0 )) s"

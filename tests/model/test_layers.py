@@ -186,3 +186,22 @@ def test_activation_constraints_trace_under_a_layout():
         logits, aux = jax.eval_shape(lambda st: nnx.merge(graphdef, st).forward(batch), state)
     assert logits.shape == (8, 16, 512)
     assert aux["router"]["expert_counts"].shape == (4, 8, 8)
+
+
+def test_bias_add_gradient_is_the_float32_column_sum():
+    """bias_add: forward y + b; gradients: y's is the cotangent, b's the float32 sum of the cotangent over the
+    leading dims, rounded once (a multi-dim bias as the qkv projection's [3, N, D]); under jit and vmap."""
+    from moevlm_jax.model.layers import bias_add
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    y = jax.random.normal(k1, (4, 37, 3, 2, 8), jnp.bfloat16)
+    b = jax.random.normal(k2, (3, 2, 8), jnp.bfloat16)
+    g = jax.random.normal(k3, y.shape, jnp.bfloat16)
+    out, vjp = jax.vjp(jax.jit(bias_add), y, b)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(y + b, np.float32))
+    gy, gb = vjp(g)
+    np.testing.assert_array_equal(np.asarray(gy, np.float32), np.asarray(g, np.float32))
+    ref = np.asarray(g, np.float64).sum(axis=(0, 1))
+    np.testing.assert_array_equal(np.asarray(gb, np.float32), np.asarray(jnp.asarray(ref, jnp.float32).astype(jnp.bfloat16),
+                                                                         np.float32))
+    gbv = jax.vmap(lambda yy, bb: jax.vjp(bias_add, yy, bb)[1](g[0])[1])(y, jnp.stack([b] * 4))
+    np.testing.assert_allclose(np.asarray(gbv[1], np.float32), np.asarray(g[0], np.float32).sum(0), rtol=1e-2, atol=1e-2)

@@ -63,3 +63,25 @@ def test_embed_lookup_matches_take(problem, name):
         assert not [s for s in gathered if V in s], gathered
         assert collectives(hlo, "reduce-scatter"), "SP: partial rows reduce-scattered along the sequence"
         assert not [s for s in collectives(hlo, "all-reduce") if len(s) == 3], "rows reduce-scattered, not all-reduced"
+
+
+def test_take_rows_gradient_accumulates_in_float32():
+    """take_rows: rows equal jnp.take's; the bf16 table's gradient equals the float32 scatter-add of the
+    same cotangents rounded once (repeated ids, a wrapped negative id, an out-of-range id dropped), where
+    autodiff's bf16 scatter-add of jnp.take rounds at every repeat."""
+    from parallelism.vocab import take_rows
+    v, h = 16, 8
+    ids = jnp.array([[3, 3, 3, 3, 3, 3, 3, 3, 5, -1, 99, 0]], jnp.int32)
+    table = jax.random.normal(jax.random.key(0), (v, h), jnp.bfloat16)
+    g = (1.0 + jax.random.uniform(jax.random.key(1), (*ids.shape, h)) / 64).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(take_rows(table, ids), np.float32),
+                                  np.asarray(jnp.take(table, ids, axis=0), np.float32))
+    grad = jax.vjp(lambda t: take_rows(t, ids), table)[1](g)[0]
+    assert grad.dtype == jnp.bfloat16
+    ref = np.zeros((v, h), np.float64)
+    for i, r in zip(np.asarray(ids[0]), np.asarray(g[0], np.float64)):
+        if -v <= i < v:
+            ref[i % v] += r
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(jnp.asarray(ref, jnp.bfloat16), np.float32))
+    naive = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table)[1](g)[0]
+    assert np.abs(np.asarray(naive, np.float64) - ref).max() > np.abs(np.asarray(grad, np.float64) - ref).max()
