@@ -8,7 +8,9 @@
 #   base          a: the library of an earlier commit, extracted here beforehand (the device copy has no git):
 #                   rm -rf .ab_base && mkdir .ab_base && git archive <commit> moevlm_jax parallelism data configs \
 #                       | tar -x -C .ab_base     (.ab_base in .git/info/exclude, and in carry)
-#                 b: the working tree; C_XLA="<flags>" adds a side c: the working tree with those XLA flags too
+#                 b: the working tree
+#   C_ENV="VAR=value ..." and/or C_ARGS="<bench args>" (e.g. "--mbs 11") add a side c: the working tree with
+#   those (values without spaces; C_ENV=XLA_FLAGS=--flag=value merges with the recipe's capture flags)
 #   run(command="AB=fuse bash bench/scripts/h200_step_ab.sh", carry=[".gpudeps"], timeout_s=600)
 set -uo pipefail
 T0=$(date +%s)
@@ -23,15 +25,16 @@ case "${AB:?AB=searchsorted or AB=fuse}" in
         A_RUN="python3 -m"; A_ENV="PYTHONPATH=${PYTHONPATH%:$PWD}:$PWD/.ab_base"; A_DIR=.ab_base; NAMES=(base head) ;;
   *) echo "AB must be searchsorted, fuse or base, got '$AB'"; exit 2 ;;
 esac
-side() {  # $1: a (before), b (as is) or c (as is + C_XLA); $2: seconds
+side() {  # $1: a (before), b (as is) or c (as is + C_ENV, C_ARGS); $2: seconds
   local run="python3 -m" env="" name=${NAMES[1]} dir=.
   [ "$1" = a ] && { run=$A_RUN; env=$A_ENV; name=${NAMES[0]}; dir=${A_DIR:-.}; }
-  [ "$1" = c ] && { env="XLA_FLAGS=$C_XLA"; name=${NAMES[1]}_xla; }  # one flag (no spaces)
+  [ "$1" = c ] && { env=${C_ENV:-}; name=${NAMES[1]}_c; }
   mkdir -p "/tmp/w$1"
   echo "=== side $1 ($name)" | tee -a "$OUT/log.txt"
-  (cd "$dir" && env $env timeout "$2" $run moevlm_jax.tools.bench $ARGS --work-dir "/tmp/w$1" --out "$OUT/step_$name.json") 2>&1 \
+  local extra=""; [ "$1" = c ] && extra=${C_ARGS:-}
+  (cd "$dir" && env $env timeout "$2" $run moevlm_jax.tools.bench $ARGS $extra --work-dir "/tmp/w$1" --out "$OUT/step_$name.json") 2>&1 \
       | grep -v "Autotuning cache miss" | tail -6 | tee -a "$OUT/log.txt"
 }
 if [ "${ORDER:-ab}" = ab ]; then side a "${A_S:-260}"; side b "$(left "${B_END:-585}")"; else side b "${A_S:-260}"; side a "$(left "${B_END:-585}")"; fi
-[ -n "${C_XLA:-}" ] && side c "$(left 590)"
+[ -n "${C_ENV:-}${C_ARGS:-}" ] && side c "$(left 590)"
 echo "wall $(( $(date +%s) - T0 )) s"

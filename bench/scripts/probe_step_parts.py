@@ -199,6 +199,8 @@ def probe_vision(args):
                 "bias_split+keep_gelu": make(_bias_split, True)}
     if args.ln:
         variants["bias_split+ln_split"] = make(_bias_split, False, ln=True)
+    if args.variants:
+        variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     print(f"vision: {vcfg.depth} blocks, x [{b}, {p}, {vcfg.hidden_size}], fwd+bwd", flush=True)
     out = race(variants, (state, x), rounds=args.rounds, iters=args.iters, check=rel_err)
     for name in args.profile.split(",") if args.profile else []:
@@ -304,6 +306,7 @@ def main():
     ap.add_argument("--vision-layers", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ln", action="store_true", help="vision: also a LayerNorm with its own backward")
+    ap.add_argument("--variants", default="", help="vision: only these variants (comma list; the first is the reference)")
     ap.add_argument("--profile", default="", help="vision: variants to profile (comma list)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="parts.json")
