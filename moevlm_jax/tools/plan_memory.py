@@ -29,7 +29,8 @@ Parts (bytes per device):
   whole float32 d(kernel) before its reduce-scatter (on XLA:CPU an all-reduce: two copies), the
   gathered kernel in the compute dtype, the float32 d(kernel) carry (the kernel's shard).
 - ``embedding``: the float32 scatter-add target of the table's gradient, a whole gathered table
-  (XLA allocates it before the forward), less the table's own gradient shard; with grad_accum > 1
+  (XLA allocates it before the forward), less the table's own gradient shard where that is float32
+  (for a bf16 table the shard is the target's cast); with grad_accum > 1
   also the gathered table itself (loop-invariant: XLA hoists it out of the microbatch loop).
 - ``gathered_weights``: one layer's weights gathered over the FSDP axes in the compute dtype, with
   their parameter-dtype gradients before the reduce-scatter (inside a layer's backward).
@@ -387,9 +388,11 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
         + (dk if chunks > 1 else 0)
     embed = next(p for p in params if p.path == "language_model/embed_tokens")
     table = gathered[embed.path]
-    # the float32 scatter-add target of the table's gradient: a whole gathered table (XLA allocates it early),
-    # less the table's own gradient shard (counted in ``gradients``; not FSDP-sharded, the two are one buffer)
-    embedding = (table - local[embed.path]) * 4 if language_trained else 0.0
+    # the float32 scatter-add target of the table's gradient (parallelism.vocab.take_rows): a whole gathered
+    # table (XLA allocates it early), less the table's own gradient shard when that is float32 too (counted in
+    # ``gradients``; not FSDP-sharded, the two are one buffer; a bf16 shard is a cast of the target)
+    own = local[embed.path] * 4 if DTYPE_BYTES[embed.dtype] == 4 else 0.0
+    embedding = table * 4 - own if language_trained else 0.0
     if ga > 1 and table > local[embed.path]:  # the gathered table is loop-invariant: XLA hoists it out of the
         embedding += table * DTYPE_BYTES[embed.dtype]  # microbatch loop, so it lives through the step
     layer_gathered = _layer_weights(shards, "language_model/stacks/")

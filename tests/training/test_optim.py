@@ -218,31 +218,3 @@ def test_accumulation_sharded_matches_single_device():
     for k in w:
         np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)
 
-
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-def test_skip_nonfinite_equals_optax_apply_if_finite(state_dtype):
-    """The one-pass guard against optax.apply_if_finite on the same AdamW chain: same state type and
-    values, same updates, over finite steps, a NaN step, an inf step and the give-up after
-    max_consecutive_errors non-finite steps in a row."""
-    cfg = OptimizerConfig(lr=1e-2, warmup_steps=0, clip_grad_norm=1.0, state_dtype=state_dtype, weight_decay=0.1,
-                          skip_nonfinite=False)
-    inner, _ = optim.make_optimizer(cfg, total_steps=10)
-    ours, ref = optim.skip_nonfinite(inner, 1), optax.apply_if_finite(inner, 1)
-    params = {"w": jnp.arange(6.0, dtype=jnp.bfloat16).reshape(2, 3) / 7, "b": jnp.ones((3,), jnp.bfloat16)}
-    s_ours, s_ref = ours.init(params), ref.init(params)
-    assert jax.tree.structure(s_ours) == jax.tree.structure(s_ref)
-    rng = np.random.default_rng(0)
-    for k, bad in enumerate([None, None, np.nan, None, np.inf, -np.inf, None]):
-        g = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
-        if bad is not None:
-            g["w"] = g["w"].at[1, 2].set(bad)
-        u_ours, s_ours = ours.update(g, s_ours, params)
-        u_ref, s_ref = ref.update(g, s_ref, params)
-        for a, b in zip(jax.tree.leaves((u_ours, s_ours)), jax.tree.leaves((u_ref, s_ref))):
-            assert a.dtype == b.dtype  # the reference's update runs compiled inside its cond: 1-ulp differences
-            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-9,
-                                       err_msg=f"step {k}")
-        params = optax.apply_updates(params, u_ours)
-    # step 5 (-inf after inf) is the second non-finite in a row: max_consecutive_errors=1 gives up and applies it
-    assert int(s_ours.total_notfinite) == 3 and bool(s_ours.last_finite) and int(s_ours.notfinite_count) == 0
-    assert not all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
