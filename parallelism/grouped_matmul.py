@@ -120,6 +120,11 @@ def valid_rows(m: int, group_sizes: jax.Array) -> jax.Array:
     return jnp.arange(m, dtype=jnp.int32) < jnp.sum(group_sizes)
 
 
+def zero_tail(y: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``y [m, ...]`` with the rows past ``sum(group_sizes)`` (a kernel leaves them unwritten) set to zero."""
+    return jnp.where(valid_rows(y.shape[0], group_sizes)[:, None], y, jnp.zeros((), y.dtype))
+
+
 @jax.custom_vjp
 def zero_grad_where(x: jax.Array, valid: jax.Array) -> jax.Array:
     """Identity forward; the gradient is zeroed where ``valid`` (x's leading dims) is False. For
@@ -191,17 +196,13 @@ def _triton_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> ja
 
 
 def _triton_fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, tuple]:
-    valid = valid_rows(lhs.shape[0], group_sizes)
-    out = gmm_triton.gmm(lhs, rhs, group_sizes)
-    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype)), (lhs, rhs, group_sizes)
+    return zero_tail(gmm_triton.gmm(lhs, rhs, group_sizes), group_sizes), (lhs, rhs, group_sizes)
 
 
 def _triton_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
     lhs, rhs, group_sizes = res
-    valid = valid_rows(lhs.shape[0], group_sizes)
     g = g.astype(lhs.dtype)
-    dlhs = gmm_triton.gmm(g, rhs, group_sizes, trans_w=True)
-    dlhs = jnp.where(valid[:, None], dlhs, jnp.zeros((), dlhs.dtype))
+    dlhs = zero_tail(gmm_triton.gmm(g, rhs, group_sizes, trans_w=True), group_sizes)
     drhs = gmm_triton.tgmm(lhs, g, group_sizes, out_dtype=rhs.dtype)
     return dlhs, drhs, None
 

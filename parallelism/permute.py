@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from parallelism import fp8, gmm_triton
-from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, valid_rows
+from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, zero_tail
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE
 # "gather" the rows the gate_up kernel writes for d(w), with "gather_dw" the int32 row index: no rows are built)
@@ -295,7 +295,7 @@ def _gate_up(x, w, group_sizes, index, slot, top_k: int, fwd_swiglu: bool, keep_
 def _gate_up_out(out, group_sizes, fwd_swiglu):
     if fwd_swiglu:
         return out
-    return jnp.where(valid_rows(out.shape[0], group_sizes)[:, None], out, jnp.zeros((), out.dtype))
+    return zero_tail(out, group_sizes)
 
 
 def _gate_up_fwd(x, w, group_sizes, index, slot, top_k, fwd_swiglu, keep_rows):
@@ -313,7 +313,7 @@ def _gate_up_bwd(top_k, fwd_swiglu, keep_rows, res, g):
     dh = (g[0] if fwd_swiglu else g).astype(lhs.dtype)
     drows = gmm_triton.gmm(dh, w, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten
     if slot is None:
-        dx = jnp.where(valid_rows(drows.shape[0], group_sizes)[:, None], drows, jnp.zeros((), drows.dtype))
+        dx = zero_tail(drows, group_sizes)
     else:  # back per token: slot reads only kept (written) rows
         dx = _dispatch_bwd(top_k, slot, drows)[0]
     dw = gmm_triton.tgmm(lhs, dh, group_sizes, rows=index, out_dtype=w.dtype)
@@ -332,8 +332,7 @@ def _swiglu_down(h, act, w, group_sizes, fused_bwd: bool):
 
 
 def _swiglu_down_fwd(h, act, w, group_sizes, fused_bwd):
-    y = gmm_triton.gmm(act, w, group_sizes)
-    y = jnp.where(valid_rows(y.shape[0], group_sizes)[:, None], y, jnp.zeros((), y.dtype))
+    y = zero_tail(gmm_triton.gmm(act, w, group_sizes), group_sizes)
     return y, (h, act, w, group_sizes)
 
 
@@ -343,8 +342,7 @@ def _swiglu_down_bwd(fused_bwd, res, g):
     if fused_bwd:
         dh = gmm_triton.gmm(g, w, group_sizes, trans_w=True, epilogue="swiglu_bwd", h=h)
     else:
-        dact = gmm_triton.gmm(g, w, group_sizes, trans_w=True)
-        dact = jnp.where(valid_rows(dact.shape[0], group_sizes)[:, None], dact, jnp.zeros((), dact.dtype))
+        dact = zero_tail(gmm_triton.gmm(g, w, group_sizes, trans_w=True), group_sizes)
         dh = jax.vjp(swiglu, h)[1](dact)[0]
     dw = gmm_triton.tgmm(act, g, group_sizes, out_dtype=w.dtype)
     return dh, None, dw, None

@@ -63,7 +63,7 @@ _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 def embed_lookup(table: jax.Array, ids: jax.Array, table_axes: Sequence[str | None] = ("vocab", "embed"),
                  out_axes: Sequence[str | None] = ("act_batch", "act_norm_seq", "act_embed")) -> jax.Array:
     """table ``[V, H]``, ids ``[B, S]`` int -> rows ``[B, S, H]`` (table dtype), sharded as ``out_axes``
-    under the active layout; a plain ``jnp.take`` without one (or inside ``shard_map``)."""
+    under the active layout; a plain :func:`take_rows` without one (or inside ``shard_map``)."""
     ctx = logical.current()
     if ctx is None or logical.in_manual_region():
         return take_rows(table, ids)
