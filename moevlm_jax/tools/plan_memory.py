@@ -11,7 +11,8 @@ Parts (bytes per device):
 - ``optimizer``: AdamW's two moments of the trainable shards (``optimizer.state_dtype``).
 - ``gradients``: the gradient shards of the trainable parameters live at the peak: the layer scan's
   backward writes them in the parameter dtype (float32 after it, ``training.optimizer.
-  accumulate_gradients``, once the residuals are freed); with grad_accum > 1 also the float32 sum.
+  accumulate_gradients``, once the residuals are freed, except for one microbatch on one device);
+  with grad_accum > 1 also the float32 sum.
 - ``batch``: this device's rows of the step's batch (every microbatch), as the step's argument.
 - ``activations``: the residuals the backward reads, per recompute policy (``model.compute``
   checkpoint names; :func:`decoder_residuals`, :func:`vision_residuals`: equal to jax's own list of
@@ -48,8 +49,8 @@ Peak: parameters, optimizer state and batch live through the step (the state is 
 state reuses it); then the largest of three phases: the end of the forward (the LM head's chunk and
 the embedding's gradient buffer), a layer's backward (gathered weights, expert buffers, attention,
 the d(kernel) residual), both with every residual and (under the layer scan, whose backward writes
-the stacked gradients) the parameter-dtype gradients live; or the optimizer (the float32 gradients,
-the residuals gone). Unrolled layers (``compute.scan_layers: false``) free a layer's residuals as its
+the stacked gradients) the parameter-dtype gradients live; or the optimizer (the float32 gradients, in
+the parameter dtype for one microbatch on one device; the residuals gone). Unrolled layers (``compute.scan_layers: false``) free a layer's residuals as its
 gradients appear, so the gradients are not added to the residuals there.
 """
 
@@ -309,7 +310,10 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
     # the layer scan's backward writes its stacked gradients in the parameter dtype (float32 after the scan,
     # when the residuals are gone); with accumulation the sum over the microbatches (optimizer.grad_accum_dtype)
     # is live too, and each microbatch's gradients are cast to its dtype
-    ab = DTYPE_BYTES[knobs.accum_dtype] if ga > 1 else 4
+    # ... float32 where the sharding sums them over devices; one microbatch on one device keeps the parameter
+    # dtype (moevlm_jax.training.optimizer.accumulate_gradients' single_dtype)
+    one_device = math.prod(g.shape.values()) == 1
+    ab = DTYPE_BYTES[knobs.accum_dtype] if ga > 1 else (pb if one_device else 4)
     grads = trainable * pb + (trainable * ab if ga > 1 else 0)
     grads_f32 = trainable * ab
     # unrolled layers: the sum of the earlier microbatches is live through every later one

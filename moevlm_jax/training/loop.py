@@ -134,12 +134,13 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     log.info("batch: global %d rows x %d tokens = micro %d x accumulation %d x data-parallel %d",
              cfg.global_batch_size, tr.seq_len, tr.micro_batch_size, tr.grad_accum, cfg.data_parallel_size)
     abstract = trainer.abstract_state()
-    if ahead is not None:  # compiles while the state initialises and the data pipeline starts
-        trainer.compile_ahead(abstract, *ahead)
-    # room for the checkpoints kept at once (+1 while the next is written), as many as the run writes
+    # room for the checkpoints kept at once (+1 while the next is written), as many as the run writes; checked
+    # before a compile starts (a process leaving with XLA compiling in a thread can crash on its way out)
     saves = (tr.steps // tr.checkpoint_every if tr.checkpoint_every else 0) + 1 if tr.checkpointing else 0
     _check_run_dir(run_dir, min(tr.keep_checkpoints + 1, saves)
                    * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
+    if ahead is not None:  # compiles while the state initialises and the data pipeline starts
+        trainer.compile_ahead(abstract, *ahead)
     ckpt = Checkpointer(ckpt_dir, save_every=tr.checkpoint_every, keep=tr.keep_checkpoints,
                         async_save=tr.async_checkpointing)
     data_state = None

@@ -150,9 +150,10 @@ def decay_mask(params: PyTree, no_decay_patterns: Sequence[str]) -> PyTree:
 
 def with_state_dtype(inner: optax.GradientTransformation, dtype: Any = jnp.float32) -> optax.GradientTransformation:
     """Run ``inner`` on gradients/params cast to ``dtype`` (so its state is ``dtype``); updates
-    come back in each gradient's dtype (``optax.apply_updates`` casts the sum to each parameter's
-    dtype), which is also the dtype of ``apply_if_finite``'s zero updates: bf16 parameters with
-    float32 gradients take both branches of its ``cond`` in float32."""
+    come back in the wider of each gradient's dtype and ``dtype`` (``optax.apply_updates`` adds them
+    to the parameter and casts the sum to its dtype): float32 state gives float32 updates for bf16
+    gradients (one rounding, of the sum), bf16 state and bf16 gradients bf16 updates, exactly what the
+    state computed. Wrapped around ``apply_if_finite``, both branches of its ``cond`` are in ``dtype``."""
     def cast(tree: PyTree) -> PyTree:
         return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
@@ -161,7 +162,7 @@ def with_state_dtype(inner: optax.GradientTransformation, dtype: Any = jnp.float
 
     def update(grads: PyTree, state: Any, params: PyTree | None = None) -> tuple[PyTree, Any]:
         updates, state = inner.update(cast(grads), state, None if params is None else cast(params))
-        return jax.tree.map(lambda u, g: u.astype(g.dtype), updates, grads), state
+        return jax.tree.map(lambda u, g: u.astype(jnp.promote_types(g.dtype, dtype)), updates, grads), state
 
     return optax.GradientTransformation(init, update)
 
@@ -178,12 +179,13 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.Gradie
         patterns = list(cfg.no_decay_patterns)
         parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=lambda p: decay_mask(p, patterns)))
     parts.append(optax.scale_by_learning_rate(schedule))
-    tx = with_state_dtype(optax.chain(*parts), jnp.dtype(cfg.state_dtype))
+    tx = optax.chain(*parts)
     if cfg.skip_nonfinite:
         # never apply a non-finite update: the training loop stops the run after
         # cfg.max_consecutive_skips of them in a row (moevlm_jax.training.faults.NonFiniteGuard)
         tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
-    return tx, schedule
+    # outermost: apply_if_finite's two branches are both in the state dtype, whatever the gradients' dtype
+    return with_state_dtype(tx, jnp.dtype(cfg.state_dtype)), schedule
 
 
 def skipped_updates(opt_state: Any) -> jax.Array:
@@ -212,15 +214,18 @@ def split_microbatches(batch: Mapping[str, np.ndarray], grad_accum: int,
 
 def accumulate_gradients(loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]], params: PyTree,
                          microbatches: Mapping[str, jax.Array], *args: Any,
-                         grad_shardings: PyTree | None = None, accum_dtype: Any = jnp.float32
+                         grad_shardings: PyTree | None = None, accum_dtype: Any = jnp.float32,
+                         single_dtype: Any | None = jnp.float32
                          ) -> tuple[jax.Array, PyTree, dict[str, jax.Array]]:
     """Sum over the leading axis G of ``microbatches`` of ``loss_fn(params, mb, *args) -> (objective,
     metrics)``: returns (sum objective, sum of d objective / d params, summed metrics).
 
     Make ``objective`` a sum (e.g. masked token-loss sum divided by the trained tokens of the WHOLE
     global batch, known up front) so the result equals one pass over the G*B rows; gradients are
-    accumulated in ``accum_dtype`` (float32 by default; one microbatch's are returned in float32) and
-    constrained to ``grad_shardings`` when given."""
+    accumulated in ``accum_dtype`` (float32 by default) and constrained to ``grad_shardings`` when given.
+    One microbatch's gradients are cast to ``single_dtype`` (float32 by default: where the sharding sums
+    them over devices, the sum is then float32; None: left in each parameter's dtype, e.g. on one device,
+    where the cast only makes a float32 copy of bf16 gradients for the optimizer to read and cast back)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     leaves = jax.tree.leaves(microbatches)
     num = leaves[0].shape[0]
@@ -233,9 +238,11 @@ def accumulate_gradients(loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.A
     def f32(tree: PyTree) -> PyTree:
         return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
-    def one(mb: Any, dtype: Any = jnp.float32) -> tuple[jax.Array, PyTree, dict[str, jax.Array]]:
+    def one(mb: Any, dtype: Any = single_dtype) -> tuple[jax.Array, PyTree, dict[str, jax.Array]]:
         (obj, metrics), grads = grad_fn(params, mb, *args)
-        return obj.astype(jnp.float32), constrain(jax.tree.map(lambda x: x.astype(dtype), grads)), f32(metrics)
+        if dtype is not None:
+            grads = jax.tree.map(lambda x: x.astype(dtype), grads)
+        return obj.astype(jnp.float32), constrain(grads), f32(metrics)
 
     if num == 1:
         return one(jax.tree.map(lambda x: x[0], microbatches))

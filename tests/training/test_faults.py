@@ -161,10 +161,21 @@ def test_unwritable_or_full_run_dir_is_reported_before_compiling(setup, tmp_path
 
     import moevlm_jax.training.faults as faults
 
+    from moevlm_jax.training.trainer import Trainer
+
+    ahead = []  # the disk is checked before the step compiled ahead starts (no compile thread left behind)
+    monkeypatch.setattr(Trainer, "compile_ahead", lambda self, *a, **k: ahead.append(a))
     monkeypatch.setattr(faults.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1024, 1024))
-    assert main(["--recipe", str(recipe), "--run-dir", str(tmp_path / "full"), "--quiet"]) == 2
+    argv = ["--recipe", str(recipe), "--quiet", "train.reserve_largest_bucket=true", "train.compile_ahead=true"]
+    assert main([*argv, "--run-dir", str(tmp_path / "full")]) == 2
     err = capsys.readouterr().err
     assert "GiB free, but the kept checkpoints need" in err and "train.keep_checkpoints" in err
+    assert ahead == []
+    # with the space there, the same run gets to the compile ahead (stopped there: the test needs no steps)
+    monkeypatch.setattr(faults.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**15, 0, 10**15))
+    monkeypatch.setattr(Trainer, "init_state", lambda *a, **k: (_ for _ in ()).throw(FileExistsError("stop here")))
+    assert main([*argv, "--run-dir", str(tmp_path / "roomy")]) == 2
+    assert len(ahead) == 1 and "stop here" in capsys.readouterr().err
 
 
 # the run of the module's recipe with Checkpointer.save failing at step 3 (a full disk), in a subprocess: it loads the

@@ -102,8 +102,8 @@ def test_state_is_float32_for_bf16_params_and_nonfinite_steps_are_skipped():
     p = {"w": jnp.ones((3,), jnp.bfloat16)}
     state = tx.init(p)
     assert {x.dtype for x in jax.tree.leaves(state) if x.ndim == 1} == {jnp.dtype(jnp.float32)}
-    u, state = tx.update({"w": jnp.full((3,), 0.5, jnp.bfloat16)}, state, p)
-    assert u["w"].dtype == jnp.bfloat16 and int(optim.skipped_updates(state)) == 0
+    u, state = tx.update({"w": jnp.full((3,), 0.5, jnp.bfloat16)}, state, p)  # float32 updates: one rounding
+    assert u["w"].dtype == jnp.float32 and int(optim.skipped_updates(state)) == 0
     u, state = tx.update({"w": jnp.array([1.0, jnp.nan, 0.0], jnp.bfloat16)}, state, p)
     assert int(optim.skipped_updates(state)) == 1 and not np.any(np.asarray(u["w"], np.float32))
 
@@ -218,3 +218,39 @@ def test_accumulation_sharded_matches_single_device():
     for k in w:
         np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float32"])
+def test_one_microbatch_in_the_parameter_dtype_updates_like_the_float32_copy(state_dtype):
+    """single_dtype=None (one microbatch on one device: the trainer's choice) leaves bf16 gradients bf16,
+    with the float32 path's values; AdamW (clipping, weight decay, skipping) then updates the bf16
+    parameters bitwise like it does from the float32 copy, for bf16 and float32 optimizer state, and its
+    updates are as wide as the state (float32 state: float32 updates, one rounding of the sum)."""
+    rng = np.random.default_rng(3)
+    w = {"w": jnp.asarray(rng.normal(size=(3,)), jnp.bfloat16), "b": jnp.asarray(0.3, jnp.bfloat16)}
+    micro = optim.split_microbatches(_toy_batch(), 1)
+
+    def loss_fn(p, mb):
+        return _token_loss_sum(jax.tree.map(lambda x: x.astype(jnp.float32), p), mb) / 10.0, {}
+
+    cfg = OptimizerConfig(warmup_steps=0, lr=1e-2, weight_decay=0.1, clip_grad_norm=0.5, state_dtype=state_dtype)
+    tx, _ = optim.make_optimizer(cfg, total_steps=10)
+
+    def step(single_dtype):
+        def run(p, m):
+            _, grads, _ = optim.accumulate_gradients(loss_fn, p, m, single_dtype=single_dtype)
+            updates, _ = tx.update(grads, tx.init(p), p)
+            return grads, updates, optax.apply_updates(p, updates)
+        return jax.jit(run)(w, micro)
+
+    g32, u32, p32 = step(jnp.float32)
+    g16, u16, p16 = step(None)
+    wide = jnp.dtype(state_dtype)
+    for k in w:
+        assert g32[k].dtype == jnp.float32 and g16[k].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g16[k], np.float32), np.asarray(g32[k]))
+        assert u32[k].dtype == jnp.float32 and u16[k].dtype == wide
+        np.testing.assert_array_equal(np.asarray(u16[k], np.float32), np.asarray(u32[k]))
+        assert p16[k].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(p16[k], np.float32), np.asarray(p32[k], np.float32))
+        assert not np.array_equal(np.asarray(p16[k], np.float32), np.asarray(w[k], np.float32))  # it moved
