@@ -131,6 +131,32 @@ def test_local_experts_match_dense_reference(backend, routing):
     assert_close(got[1], want[1], what=f"{backend}/{routing}")
 
 
+def test_dispatch_backward_and_combine_are_float32_sums_rounded_once():
+    """dispatch_rows' backward (each token's K gathered gradient rows summed) and combine_rows (K rows times
+    their weights summed) add in float32 and round once: in bf16 they equal the float64 sums rounded to bf16,
+    dropped assignments (slot -1) and empty buffer rows (src -1) adding nothing."""
+    rng = np.random.default_rng(0)
+    t, k, h, s = 12, 4, 16, 56
+    slot = rng.permutation(s)[: t * k].astype(np.int32)
+    slot[[3, 10, 25]] = -1  # dropped
+    src = np.full(s, -1, np.int32)
+    src[slot[slot >= 0]] = np.flatnonzero(slot >= 0)
+    g = rng.normal(size=(s, h)).astype(np.float32)
+    y = rng.normal(size=(s, h)).astype(np.float32)
+    w = rng.uniform(size=(t, k)).astype(np.float32)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+    g16, y16, w16 = (np.asarray(bf(a), np.float64) for a in (g, y, w))
+    rows = np.where((slot >= 0)[:, None], g16[np.maximum(slot, 0)], 0.0).reshape(t, k, h)
+    _, vjp = jax.vjp(lambda x: permute.dispatch_rows(x, jnp.asarray(src), jnp.asarray(slot), k), bf(np.zeros((t, h))))
+    (dx,) = jax.jit(vjp)(bf(g))
+    assert dx.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(bf(rows.sum(axis=1)), np.float32))
+    out = jax.jit(permute.combine_rows)(bf(y), bf(w), jnp.asarray(slot), jnp.asarray(src))
+    rows = np.where((slot >= 0)[:, None], y16[np.maximum(slot, 0)], 0.0).reshape(t, k, h)
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(bf((rows * w16[:, :, None]).sum(axis=1)), np.float32))
+
+
 def test_gate_up_accepts_split_layout():
     x, idx, w, w_gate_up, w_down = make_problem(seed=2)
     e, h, two_i = w_gate_up.shape
