@@ -7,7 +7,9 @@ and the grouped backend with the same capacity factor, which must equal the capa
 (c) Hugging Face transformers' ``Qwen3VLMoeTextSparseMoeBlock`` in torch with the ``grouped_mm``
 experts implementation on the same tokens and weights, and with ``--ep N`` the expert-parallel
 dispatchers on N devices plus the achieved ragged all-to-all bandwidth. Backends are checked for
-numerical agreement; the exit code is 1 when a check fails.
+numerical agreement; the exit code is 1 when a check fails. Timing: our calls back to back with one
+synchronisation (the device time of a call, :func:`time_calls`; each synchronised call's median beside it,
+``ms_synchronised``), HF's steps by CUDA events around each (the device span of a step).
 
 GPU: ``python -m moevlm_jax.tools.bench_moe --out bench_moe.json`` (one H200), add ``--ep 2`` on two.
 CPU smoke run (tiny shapes): ``python -m moevlm_jax.tools.bench_moe --tiny --ep 2``.
@@ -74,17 +76,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- helpers
 
 
-def time_jax(fn: Callable, args: tuple, iters: int, warmup: int) -> tuple[float, Any]:
-    """Median milliseconds of ``fn(*args)`` (synchronised each iteration) and its last result."""
+def time_calls(fn: Callable, args: tuple, iters: int, warmup: int, rounds: int = 3) -> tuple[float, float, Any]:
+    """Milliseconds one call of ``fn(*args)`` takes: (pipelined, synchronised, the last result).
+
+    Pipelined: the median over ``rounds`` of ``iters`` calls issued back to back and synchronised once, as a
+    training step runs its layers (the host's dispatch overlaps the device's work): the device time of a
+    call, like the CUDA-event span HF's side is timed by (``bench_moe_hf``). Synchronised: the median of
+    ``iters`` calls each waited for, which adds the host's round trip between calls (~1 ms at the 235B-A22B
+    layer on the H200: bench/moe_layer.md run 10's profile, idle gaps between steps)."""
     out = None
     for _ in range(max(1, warmup)):
         out = jax.block_until_ready(fn(*args))
-    times = []
+    synced = []
     for _ in range(iters):
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), out
+        synced.append((time.perf_counter() - t0) * 1e3)
+    piped = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        out = jax.block_until_ready(out)
+        piped.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(piped), statistics.median(synced), out
+
+
+def time_jax(fn: Callable, args: tuple, iters: int, warmup: int) -> tuple[float, Any]:
+    """Pipelined milliseconds of one call of ``fn(*args)`` (:func:`time_calls`) and its last result."""
+    ms, _, out = time_calls(fn, args, iters, warmup)
+    return ms, out
 
 
 def rel_err(a: Any, b: Any) -> float:
@@ -202,6 +223,8 @@ class Report(list):
         for key, what in (("dropped_frac", "dropped"), ("overflow_frac", "past capacity, via grouped matmul")):
             if key in r:
                 notes.append(f"{100 * r[key]:.1f}% {what}")
+        if "ms_synchronised" in r:
+            notes.append(f"{r['ms_synchronised']:.3f} ms synchronised per call")
         if "gbps" in r:
             notes.append(f"{r['gbps']:.1f} GB/s ({r['bytes_per_device'] / 1e6:.1f} MB/device)")
         if "max_rel_err" in r:
@@ -263,8 +286,8 @@ def bench_shape(name: str, shape: dict, args: argparse.Namespace, dtype: Any, re
 
     def timed(variant: str, step: Callable, inputs: tuple, iters: int, **extra: Any) -> Any:
         def go():
-            ms, out = time_jax(step, inputs, iters, min(args.warmup, iters))
-            report.add(dict(base, variant=variant, ms=ms, flops=flops, **extra))
+            ms, synced, out = time_calls(step, inputs, iters, min(args.warmup, iters))
+            report.add(dict(base, variant=variant, ms=ms, ms_synchronised=synced, flops=flops, **extra))
             return out
 
         return guarded(report, base, variant, go)

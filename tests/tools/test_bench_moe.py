@@ -2,6 +2,8 @@
 
 import json
 
+import jax.numpy as jnp
+
 from moevlm_jax.tools import bench_moe
 
 
@@ -35,4 +37,22 @@ def test_bench_moe_tiny_runs_and_agrees(tmp_path, capsys):
     hybrid = next(r for r in results if r["variant"] == "hybrid")  # the same rows past capacity, computed
     assert hybrid["overflow_frac"] == capacity["dropped_frac"] and "dropped_frac" not in hybrid
     assert all(r["ms"] > 0 for r in results if "ms" in r)
+    for name in ("ceiling (balanced einsum)", "triton"):  # pipelined calls, and each call synchronised beside it
+        row = next(r for r in results if r["variant"] == name)
+        assert row["ms_synchronised"] > 0 and "ms synchronised per call" in table
     assert "ceiling (balanced einsum)" in table
+
+
+def test_time_calls_synchronises_each_warmup_and_timed_call_then_once_a_round(monkeypatch):
+    """Synchronised: every warmup and timed call waited for; pipelined: ``iters`` calls issued, one wait a round."""
+    calls, waits = [], []
+    monkeypatch.setattr(bench_moe.jax, "block_until_ready", lambda x: (waits.append(len(calls)), x)[1])
+
+    def fn(a):
+        calls.append(1)
+        return a + len(calls)
+
+    ms, synced, out = bench_moe.time_calls(fn, (jnp.zeros(()),), iters=4, warmup=2, rounds=3)
+    assert len(calls) == 2 + 4 + 3 * 4
+    assert waits == [1, 2, 3, 4, 5, 6, 10, 14, 18]
+    assert float(out) == 18.0 and ms > 0 and synced > 0
