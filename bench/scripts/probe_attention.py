@@ -1,6 +1,7 @@
 """GPU probe: environment versions + packed (segment) attention paths through cuDNN vs XLA.
 
-Run on the H200: python bench/scripts/probe_attention.py --out $OUT/attn.json
+Run on the H200: python bench/scripts/probe_attention.py --out $OUT/attn.json (--cases, below; tokamax's kernels
+need it on the path: source bench/scripts/gpu_env.sh first)
 Checks each variant against an XLA float32 reference, then times forward and forward+backward.
 """
 
@@ -84,6 +85,45 @@ def cudnn_per_image(q, k, v, segment_ids, causal, images_per_row, scale=None):
     return out.reshape(b, s, n, d)
 
 
+def segment_ranges(segment_ids):
+    """[B, T] contiguous segment ids (0 = padding) -> (k_start, k_end) [B, T]: the key range each query may see
+    (its segment; a padding query sees only itself, its output is zeroed after). tokamax's ``Mask`` takes these
+    per query row and skips key blocks outside them."""
+    b, t = segment_ids.shape
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    first = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    last = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones((b, 1), bool)], axis=1)
+    start = jax.lax.cummax(jnp.where(first, pos, 0), axis=1)
+    end = jax.lax.cummin(jnp.where(last, pos + 1, t), axis=1, reverse=True)
+    pad = segment_ids == 0
+    return jnp.where(pad, pos, start), jnp.where(pad, pos + 1, end)
+
+
+def check_ranges(segment_ids):
+    """The ranges reproduce the segment mask on the segments' queries (numpy, once per case)."""
+    seg = np.asarray(segment_ids)
+    ks, ke = (np.asarray(x) for x in segment_ranges(segment_ids))
+    cols = np.arange(seg.shape[1])
+    got = (cols[None, None, :] >= ks[:, :, None]) & (cols[None, None, :] < ke[:, :, None])
+    want = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+    assert np.array_equal(got[seg > 0], want[seg > 0]), "segment_ranges disagrees with the segment mask"
+
+
+def tokamax_ranges(impl):
+    """tokamax's flash attention (``impl``: mosaic_gpu, the Hopper kernel; triton) with each query's key range
+    from its segment (no dense mask: blocks outside the ranges are skipped)."""
+    def run(q, k, v, segment_ids, causal, scale=None):
+        from tokamax._src.ops.attention import api, base
+
+        ks, ke = segment_ranges(segment_ids)
+        mask = base.Mask(k_start=ks[:, None, :], k_end=ke[:, None, :], is_causal=causal)
+        out = api.IMPLEMENTATIONS[impl](q, k, v, bias=None, mask=mask,
+                                        logits_scale=1.0 / np.sqrt(q.shape[-1]) if scale is None else scale,
+                                        precision=None, logits_soft_cap=None, q_sharding=None)
+        return jnp.where((segment_ids > 0)[:, :, None, None], out, 0).astype(q.dtype)
+    return run
+
+
 def timeit(f, *args, iters=20):
     out = f(*args)
     jax.block_until_ready(out)
@@ -113,6 +153,7 @@ def run_case(name, b, s, n, nk, d, lens, causal, variants, results):
     v = jax.random.normal(kv, (b, s, nk, d), jnp.bfloat16)
     g = jax.random.normal(kg, (b, s, n, d), jnp.bfloat16)
     seg = make_segments(b, s, lens)
+    check_ranges(seg)
     useful = sum(L * L for L in lens) * (0.5 if causal else 1.0)
     flops_fwd = 4 * b * n * d * useful
     ref = jax.jit(lambda q, k, v: ref_attention(q, k, v, seg, causal))(q, k, v)
@@ -144,7 +185,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="attn.json")
     ap.add_argument("--cases", default="dec,vis", help="dec,vis (the first probe) and/or bounds,vis_pad "
-                    "(segment bounds at the step's MBS 8; the vision head dim 72 padded for faster kernels)")
+                    "(segment bounds at the step's MBS 8; the vision head dim 72 padded for faster kernels), "
+                    "tokamax (the proxy step's MBS 10: the library's cuDNN ragged kernel vs tokamax's flash "
+                    "attention with per-query key ranges)")
     args = ap.parse_args()
     cases = set(args.cases.split(","))
     env = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
@@ -190,6 +233,14 @@ def main():
     # vision: 4 images of 784 patches per row, 16 heads, hd 72, bidirectional
     if "vis" in cases:
         run_case("vis_4img", 4, 3136, 16, 16, 72, [784] * 4, False, vis, results)
+    if "tokamax" in cases:  # recipe h200's shapes at MBS 10: is a Hopper flash kernel faster at head dim 72?
+        pk = lambda m: lambda q, k, v, s, c, scale=None: cudnn_packed(q, k, v, s, c, m, scale)
+        tk = {"cudnn_packed_M4 (the library's vision bound)": pk(4), "tokamax_mosaic_gpu": tokamax_ranges("mosaic_gpu"),
+              "tokamax_triton": tokamax_ranges("triton")}
+        run_case("vis_4img_b10", 10, 3136, 16, 16, 72, [784] * 4, False, tk, results)
+        run_case("vis_3img_b10", 10, 3456, 16, 16, 72, [1024, 1200, 1100], False, tk, results)
+        td = {"cudnn_packed_M2 (the library's decoder bound)": pk(2), "tokamax_mosaic_gpu": tokamax_ranges("mosaic_gpu")}
+        run_case("dec_1doc_b10", 10, 4096, 32, 4, 128, [3900], True, td, results)
     with open(args.out, "w") as f:
         json.dump({"env": env, "results": results}, f, indent=1)
 
