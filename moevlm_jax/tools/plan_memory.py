@@ -50,8 +50,9 @@ state reuses it); then the largest of three phases: the end of the forward (the 
 the embedding's gradient buffer), a layer's backward (gathered weights, expert buffers, attention,
 the d(kernel) residual), both with every residual and (under the layer scan, whose backward writes
 the stacked gradients) the parameter-dtype gradients live; or the optimizer (the float32 gradients, in
-the parameter dtype for one microbatch on one device; the residuals gone). Unrolled layers (``compute.scan_layers: false``) free a layer's residuals as its
-gradients appear, so the gradients are not added to the residuals there.
+the parameter dtype for one microbatch on one device; the residuals gone). Unrolled layers
+(``compute.scan_layers: false``) free a layer's residuals as its gradients appear, so the gradients are
+not added to the residuals there.
 """
 
 from __future__ import annotations

@@ -202,8 +202,9 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
             model = nnx.merge(graphdef, optim.combine(tr, frozen))
             return microbatch_objective(model, mb, total, spec.grad_accum, capacity, spec.dp_size)
 
-        # one microbatch on one device: nothing sums the gradients, they stay in the parameters' dtype (a
-        # float32 copy of bf16 gradients cost the h200 recipe ~12 GiB and the optimizer's reads of it)
+        # one microbatch on one device: nothing sums the gradients, they stay in the parameters' dtype (the h200
+        # recipe's bf16 gradients copied to float32, 24.6 GB, and the optimizer's reads of it: 8.9 ms a step,
+        # bench/step_h200.md run 21)
         objective, grads, sums = optim.accumulate_gradients(loss_fn, trainable, micro, grad_shardings=grad_shardings,
                                                             accum_dtype=jnp.dtype(spec.optimizer.grad_accum_dtype),
                                                             single_dtype=None if spec.mesh.size == 1 else jnp.float32)
