@@ -10,7 +10,9 @@
 #                       | tar -x -C .ab_base     (.ab_base in .git/info/exclude, and in carry)
 #                 b: the working tree
 #   C_ENV="VAR=value ..." and/or C_ARGS="<bench args>" (e.g. "--mbs 11") add a side c: the working tree with
-#   those (values without spaces; C_ENV=XLA_FLAGS=--flag=value merges with the recipe's capture flags)
+#   those (values without spaces; C_ENV=XLA_FLAGS=--flag=value merges with the recipe's capture flags);
+#   C_DIR=.ab_c runs side c from another extracted library instead (a variant of the tree, e.g. extracted as
+#   .ab_base is and edited; .ab_c in .git/info/exclude, and in carry)
 #   run(command="AB=fuse bash bench/scripts/h200_step_ab.sh", carry=[".gpudeps"], timeout_s=600)
 set -uo pipefail
 T0=$(date +%s)
@@ -29,6 +31,7 @@ side() {  # $1: a (before), b (as is) or c (as is + C_ENV, C_ARGS); $2: seconds
   local run="python3 -m" env="" name=${NAMES[1]} dir=.
   [ "$1" = a ] && { run=$A_RUN; env=$A_ENV; name=${NAMES[0]}; dir=${A_DIR:-.}; }
   [ "$1" = c ] && { env=${C_ENV:-}; name=${NAMES[1]}_c; }
+  [ "$1" = c ] && [ -n "${C_DIR:-}" ] && { env="$env PYTHONPATH=${PYTHONPATH%:$PWD}:$PWD/$C_DIR"; dir=$C_DIR; }
   mkdir -p "/tmp/w$1"
   echo "=== side $1 ($name)" | tee -a "$OUT/log.txt"
   local extra=""; [ "$1" = c ] && extra=${C_ARGS:-}
@@ -36,5 +39,5 @@ side() {  # $1: a (before), b (as is) or c (as is + C_ENV, C_ARGS); $2: seconds
       | grep -v "Autotuning cache miss" | tail -6 | tee -a "$OUT/log.txt"
 }
 if [ "${ORDER:-ab}" = ab ]; then side a "${A_S:-260}"; side b "$(left "${B_END:-585}")"; else side b "${A_S:-260}"; side a "$(left "${B_END:-585}")"; fi
-[ -n "${C_ENV:-}${C_ARGS:-}" ] && side c "$(left 590)"
+[ -n "${C_ENV:-}${C_ARGS:-}${C_DIR:-}" ] && side c "$(left 590)"
 echo "wall $(( $(date +%s) - T0 )) s"
