@@ -76,8 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- helpers
 
 
-def time_calls(fn: Callable, args: tuple, iters: int, warmup: int, rounds: int = 3) -> tuple[float, float, Any]:
-    """Milliseconds one call of ``fn(*args)`` takes: (pipelined, synchronised, the last result).
+def time_calls(fn: Callable, args: tuple, iters: int, warmup: int, rounds: int = 3,
+               synchronised: bool = True) -> tuple[float, float | None, Any]:
+    """Milliseconds one call of ``fn(*args)`` takes: (pipelined, synchronised or None without
+    ``synchronised``, the last result).
 
     Pipelined: the median over ``rounds`` of ``iters`` calls issued back to back and synchronised once, as a
     training step runs its layers (the host's dispatch overlaps the device's work): the device time of a
@@ -88,7 +90,7 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int, rounds: int =
     for _ in range(max(1, warmup)):
         out = jax.block_until_ready(fn(*args))
     synced = []
-    for _ in range(iters):
+    for _ in range(iters if synchronised else 0):
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
         synced.append((time.perf_counter() - t0) * 1e3)
@@ -99,12 +101,12 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int, rounds: int =
             out = fn(*args)
         out = jax.block_until_ready(out)
         piped.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(piped), statistics.median(synced), out
+    return statistics.median(piped), statistics.median(synced) if synced else None, out
 
 
 def time_jax(fn: Callable, args: tuple, iters: int, warmup: int) -> tuple[float, Any]:
     """Pipelined milliseconds of one call of ``fn(*args)`` (:func:`time_calls`) and its last result."""
-    ms, _, out = time_calls(fn, args, iters, warmup)
+    ms, _, out = time_calls(fn, args, iters, warmup, synchronised=False)
     return ms, out
 
 

@@ -173,7 +173,10 @@ def test_unwritable_or_full_run_dir_is_reported_before_compiling(setup, tmp_path
     assert ahead == []
     # with the space there, the same run gets to the compile ahead (stopped there: the test needs no steps)
     monkeypatch.setattr(faults.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**15, 0, 10**15))
-    monkeypatch.setattr(Trainer, "init_state", lambda *a, **k: (_ for _ in ()).throw(FileExistsError("stop here")))
+    def stop_here(*_, **__):
+        raise FileExistsError("stop here")
+
+    monkeypatch.setattr(Trainer, "init_state", stop_here)
     assert main([*argv, "--run-dir", str(tmp_path / "roomy")]) == 2
     assert len(ahead) == 1 and "stop here" in capsys.readouterr().err
 
