@@ -35,6 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from moevlm_jax.config import load_config
 from moevlm_jax.model import layers, vision
 from moevlm_jax.training import optimizer as optim
+from op_bandwidth import hlo_table, op_rows, print_rows
 from parallelism.vocab import take_rows
 
 
@@ -195,30 +196,31 @@ def probe_vision(args):
     return out
 
 
-def top_kernels(fn, args, path, n=24):
-    """One profiled call: the kernels by total time (ms) with their HLO op's op_name, printed."""
-    import re
+def top_kernels(fn, args, path, n=24, n_ops=60):
+    """One profiled call: the kernels by total time (ms) with their HLO op's op_name, printed; then the
+    ``n_ops`` longest HLO ops (per ``hlo_op``) with the bytes their instruction reads and writes and the
+    bandwidth that gives (GB/s; the H200's HBM is ~4,800): memory-bound kernels far below it are the targets."""
     from moevlm_jax.tools.trace_breakdown import device_events, load_trace
     jax.block_until_ready(fn(*args))
     jax.profiler.start_trace(path, create_perfetto_trace=True)
     jax.block_until_ready(fn(*args))
     jax.profiler.stop_trace()
-    ops = {}
-    try:  # op_name of each fusion from the compiled HLO
-        text = fn.lower(*args).compile().as_text()
-        for m in re.finditer(r"^\s*%?([\w.-]+) = .*?op_name=\"([^\"]+)\"", text, re.M):
-            ops.setdefault(m.group(1).replace(".", "_"), m.group(2))
+    ops, nbytes = {}, {}
+    try:  # op_name and bytes of each instruction from the compiled HLO
+        ops, nbytes = hlo_table(fn.lower(*args).compile().as_text())
     except Exception as e:  # noqa: BLE001 - names are a convenience
         print("  (no HLO names:", e, ")")
+    events = device_events(load_trace(path))
     tot = {}
-    for e in device_events(load_trace(path)):
-        k = str(e.get("name"))
-        tot[k] = tot.get(k, 0.0) + float(e.get("dur", 0.0)) * 1e-3
+    for e in events:
+        tot[str(e.get("name"))] = tot.get(str(e.get("name")), 0.0) + float(e.get("dur", 0.0)) * 1e-3
     rows = sorted(tot.items(), key=lambda kv: -kv[1])[:n]
     print(f"  profile {path}: {sum(tot.values()):.2f} ms of kernels", flush=True)
     for k, ms in rows:
         print(f"    {ms:8.3f} ms  {k[:48]:48s} {ops.get(k, '')[-80:]}", flush=True)
-    return [{"kernel": k, "ms": ms, "op_name": ops.get(k, "")} for k, ms in rows]
+    ops_table = op_rows(events, ops, nbytes, n=n_ops)
+    print_rows(ops_table)
+    return {"kernels": [{"kernel": k, "ms": ms, "op_name": ops.get(k, "")} for k, ms in rows], "ops": ops_table}
 
 
 # ------------------------------------------------------------------------------------------------ embed

@@ -1,0 +1,90 @@
+"""Per HLO op of a profiled program: device ms, the bytes its instruction reads and writes (output and operand
+shapes of the compiled HLO) and the bandwidth that gives. Memory-bound fusions far below the HBM's ~4,800 GB/s
+(H200) are what is left to win in the elementwise and reduction rows of a step's breakdown.
+
+    python3 bench/scripts/op_bandwidth.py /tmp/prof0 --hlo '/tmp/prof0/*/train_step_*.hlo.txt' --steps 4 --out ops.json
+
+``probe_step_parts.py --profile`` prints the same table for its parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+
+import numpy as np
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+_SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64|s64)\[([\d,]*)\]")
+
+
+def hlo_bytes(line: str) -> int:
+    """Bytes an HLO instruction's line names before its attributes: its output(s) and its operands (compiled HLO
+    prints operand shapes), i.e. what a memory-bound fusion reads and writes at least once."""
+    head = re.split(r", (?:kind|calls|custom_call_target|backend_config|metadata)=", line)[0]
+    return sum(_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+               for dt, dims in _SHAPE.findall(head))
+
+
+def hlo_table(text: str) -> tuple[dict[str, str], dict[str, int]]:
+    """op_name (by instruction name, and with '.' -> '_' as kernels are named) and bytes of each instruction."""
+    ops, nbytes = {}, {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.-]+) = (.*)$", text, re.M):
+        name = m.group(1)
+        on = re.search(r'op_name="([^"]+)"', m.group(2))
+        if on:
+            ops.setdefault(name, on.group(1))
+            ops.setdefault(name.replace(".", "_"), on.group(1))
+        nbytes.setdefault(name, hlo_bytes(m.group(2)))
+    return ops, nbytes
+
+
+def op_rows(events, ops: dict[str, str], nbytes: dict[str, int], steps: int = 1, n: int = 60) -> list[dict]:
+    """The ``n`` longest HLO ops (ms per step), with bytes and GB/s where the op is in the HLO."""
+    per_op: dict[str, list] = {}
+    for e in events:
+        op = str(e.get("args", {}).get("hlo_op", "")) or str(e.get("name"))
+        row = per_op.setdefault(op, [0.0, str(e.get("name")), 0])
+        row[0] += float(e.get("dur", 0.0)) * 1e-3 / steps
+        row[2] += 1
+    rows = []
+    for op, (ms, kernel, count) in sorted(per_op.items(), key=lambda kv: -kv[1][0])[:n]:
+        b = nbytes.get(op)
+        calls = count / steps
+        rows.append({"hlo_op": op, "kernel": kernel, "ms": ms, "calls": calls, "bytes": b,
+                     "gb_s": b * calls / ms * 1e-6 if b and ms else None, "op_name": ops.get(op, ops.get(kernel, ""))})
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print("    ms/step  MB/call   GB/s  calls  hlo_op                             op_name", flush=True)
+    for r in rows:
+        mb = f"{r['bytes'] / 1e6:8.1f}" if r["bytes"] else "       ?"
+        bw = f"{r['gb_s']:6.0f}" if r["gb_s"] else "     ?"
+        print(f"    {r['ms']:7.3f} {mb} {bw} {r['calls']:6.1f}  {r['hlo_op'][:34]:34s} {r['op_name'][-70:]}", flush=True)
+
+
+def main():
+    from moevlm_jax.tools.trace_breakdown import device_events, load_trace
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace", help="a profile directory (perfetto_trace.json.gz under it) or the trace file")
+    ap.add_argument("--hlo", required=True, help="glob of the profiled programs' compiled HLO text")
+    ap.add_argument("--steps", type=int, default=1, help="profiled steps (the ms are per step)")
+    ap.add_argument("--top", type=int, default=150)
+    ap.add_argument("--out", default="ops.json")
+    args = ap.parse_args()
+    ops, nbytes = {}, {}
+    for f in sorted(glob.glob(args.hlo)):
+        o, b = hlo_table(open(f).read())
+        ops.update(o)
+        nbytes.update(b)
+    rows = op_rows(device_events(load_trace(args.trace)), ops, nbytes, args.steps, args.top)
+    print_rows(rows)
+    with open(args.out, "w") as f:
+        json.dump({"trace": args.trace, "steps": args.steps, "ops": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
