@@ -197,17 +197,22 @@ def _fp8_gemm(matmul: Callable, lhs: jax.Array, rhs: jax.Array, q: fp8.ExpertsSc
 
 
 def expert_ffn(
-    rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, backend: str | None
+    rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, backend: str | None,
+    zero_tail_rows: bool = True,
 ) -> jax.Array:
-    """SwiGLU experts on expert-sorted rows ``[M, H]``; w_gate_up ``[G, H, 2I]``, w_down ``[G, I, H]``."""
+    """SwiGLU experts on expert-sorted rows ``[M, H]``; w_gate_up ``[G, H, 2I]``, w_down ``[G, I, H]``.
+    ``zero_tail_rows=False``: the caller reads no output row past ``sum(group_sizes)`` and uses no gradient
+    of those input rows, so the Triton kernels may leave them unwritten (no masking passes; see
+    :func:`grouped_matmul`)."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
     q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
     if _fused(backend, q, "swiglu"):
-        return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down)
+        return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down, zero_tail_rows)
+    gmm = functools.partial(grouped_matmul, backend=backend, zero_tail_rows=zero_tail_rows)
     with jax.named_scope(FFN_SCOPE):
-        h = checkpoint_name(_fp8_gemm(grouped_matmul, rows, w_gate_up, q, group_sizes, backend=backend), MOE_GATE_UP)
+        h = checkpoint_name(_fp8_gemm(gmm, rows, w_gate_up, q, group_sizes), MOE_GATE_UP)
         act = checkpoint_name(swiglu(h), MOE_ACT)
-        y = _fp8_gemm(grouped_matmul, act, w_down, q, group_sizes, backend=backend)
+        y = _fp8_gemm(gmm, act, w_down, q, group_sizes)
     return checkpoint_name(y, MOE_EXPERT_OUT)
 
 
@@ -226,14 +231,17 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
                    backend: str) -> jax.Array:
     """The grouped matmul on expert-sorted rows (``plan``'s kept assignments): sort once, gather
     once, combine with the routing weights fused in; x ``[T, H]``, w ``[T, K]`` -> ``[T, H]``. With the
-    Triton kernels and FUSE "gather" / "gather_dw" the gather happens inside the first matmul's kernels."""
+    Triton kernels and FUSE "gather" / "gather_dw" the gather happens inside the first matmul's kernels.
+    The combine reads only the kept rows and the gather's backward only their gradients, so the expert
+    matmuls leave the rows past the kept ones unwritten (dropless: none; the masking of h and y cost
+    ~1.5 ms a layer at the proxy's MBS 11 on an H200, bench/step_h200.md run 22)."""
     slot = sorted_slots(plan)
     src = inverse_slots(slot, slot.shape[0])
     k = w.shape[1]
     if _fused(backend, fp8.experts_scope(), "gather"):
-        y = _fused_ffn(x, jnp.where(src >= 0, src // k, 0), slot, k, plan.counts, w_gate_up, w_down)
+        y = _fused_ffn(x, jnp.where(src >= 0, src // k, 0), slot, k, plan.counts, w_gate_up, w_down, False)
     else:
-        y = expert_ffn(dispatch_rows(x, src, slot, k), plan.counts, w_gate_up, w_down, backend)
+        y = expert_ffn(dispatch_rows(x, src, slot, k), plan.counts, w_gate_up, w_down, backend, zero_tail_rows=False)
     return combine_rows(y, w, slot, src)
 
 
@@ -273,9 +281,10 @@ def _fused(backend: str | None, q: fp8.ExpertsScope | None, fusion: str) -> bool
 
 
 def _fused_ffn(x: jax.Array, index: jax.Array | None, slot: jax.Array | None, top_k: int, group_sizes: jax.Array,
-               w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+               w_gate_up: jax.Array, w_down: jax.Array, tail: bool = True) -> jax.Array:
     """:func:`expert_ffn` on the Triton kernels with the fusions in :data:`FUSE`: rows ``x[index]`` (``index``
-    None: x's own rows, already named moe_permuted), ``slot`` / ``top_k`` as in :func:`dispatch_rows`."""
+    None: x's own rows, already named moe_permuted), ``slot`` / ``top_k`` as in :func:`dispatch_rows`;
+    ``tail``: rows past ``sum(group_sizes)`` zero (else unwritten, as ``expert_ffn``'s ``zero_tail_rows``)."""
     group_sizes = group_sizes.astype(jnp.int32)
     w_gate_up, w_down = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
     keep_rows = "gather_dw" not in FUSE
@@ -283,49 +292,49 @@ def _fused_ffn(x: jax.Array, index: jax.Array | None, slot: jax.Array | None, to
         index = checkpoint_name(index, MOE_PERMUTED)
     fwd_swiglu = "swiglu" in FUSE
     with jax.named_scope(FFN_SCOPE):
-        out = _gate_up(x, w_gate_up, group_sizes, index, slot, top_k, fwd_swiglu, keep_rows)
+        out = _gate_up(x, w_gate_up, group_sizes, index, slot, top_k, fwd_swiglu, keep_rows, tail)
         h = checkpoint_name(out[0] if fwd_swiglu else out, MOE_GATE_UP)
         act = checkpoint_name(out[1] if fwd_swiglu else swiglu(h), MOE_ACT)
         if fwd_swiglu or "swiglu_bwd" in FUSE:
-            y = _swiglu_down(h, act, w_down, group_sizes, "swiglu_bwd" in FUSE)
+            y = _swiglu_down(h, act, w_down, group_sizes, "swiglu_bwd" in FUSE, tail)
         else:
-            y = grouped_matmul(act, w_down, group_sizes, backend="triton")
+            y = grouped_matmul(act, w_down, group_sizes, backend="triton", zero_tail_rows=tail)
     return checkpoint_name(y, MOE_EXPERT_OUT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _gate_up(x, w, group_sizes, index, slot, top_k: int, fwd_swiglu: bool, keep_rows: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _gate_up(x, w, group_sizes, index, slot, top_k: int, fwd_swiglu: bool, keep_rows: bool, tail: bool):
     """The first expert matmul on the Triton kernels: ``h = x[index] @ w[g]`` (``index`` None: ``x @ w[g]``);
     with ``fwd_swiglu`` ``(h, act)``, act's cotangent ignored: act goes only to :func:`_swiglu_down`, whose d(h)
     holds SwiGLU's backward. ``keep_rows``: the forward rule has the kernel write ``x[index]`` for d(w) (else
-    d(w) reads x through the index). Rows past ``sum(group_sizes)``: zero in h without ``fwd_swiglu``, else
-    unwritten (no later kernel reads them)."""
+    d(w) reads x through the index). Rows past ``sum(group_sizes)``: zero in h with ``tail`` and without
+    ``fwd_swiglu``, else unwritten (no later kernel reads them)."""
     return _gate_up_out(gmm_triton.gmm(x, w, group_sizes, rows=index, epilogue="swiglu" if fwd_swiglu else None),
-                        group_sizes, fwd_swiglu)
+                        group_sizes, fwd_swiglu, tail)
 
 
-def _gate_up_out(out, group_sizes, fwd_swiglu):
+def _gate_up_out(out, group_sizes, fwd_swiglu, tail):
     if fwd_swiglu:
         return out
-    return zero_tail(out, group_sizes)
+    return zero_tail(out, group_sizes, tail)
 
 
-def _gate_up_fwd(x, w, group_sizes, index, slot, top_k, fwd_swiglu, keep_rows):
+def _gate_up_fwd(x, w, group_sizes, index, slot, top_k, fwd_swiglu, keep_rows, tail):
     keep = index is not None and keep_rows
     outs = gmm_triton.gmm(x, w, group_sizes, rows=index, gathered_out=keep, epilogue="swiglu" if fwd_swiglu else None)
     if not keep:
-        return _gate_up_out(outs, group_sizes, fwd_swiglu), (x, w, group_sizes, index, slot)
+        return _gate_up_out(outs, group_sizes, fwd_swiglu, tail), (x, w, group_sizes, index, slot)
     *outs, rows = outs  # x[index], named here: a remat policy that saves moe_permuted keeps this residual
-    out = _gate_up_out(tuple(outs) if fwd_swiglu else outs[0], group_sizes, fwd_swiglu)
+    out = _gate_up_out(tuple(outs) if fwd_swiglu else outs[0], group_sizes, fwd_swiglu, tail)
     return out, (checkpoint_name(rows, MOE_PERMUTED), w, group_sizes, None, slot)
 
 
-def _gate_up_bwd(top_k, fwd_swiglu, keep_rows, res, g):
+def _gate_up_bwd(top_k, fwd_swiglu, keep_rows, tail, res, g):
     lhs, w, group_sizes, index, slot = res
     dh = (g[0] if fwd_swiglu else g).astype(lhs.dtype)
     drows = gmm_triton.gmm(dh, w, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten
     if slot is None:
-        dx = zero_tail(drows, group_sizes)
+        dx = zero_tail(drows, group_sizes, tail)
     else:  # back per token: slot reads only kept (written) rows
         dx = _dispatch_bwd(top_k, slot, drows)[0]
     dw = gmm_triton.tgmm(lhs, dh, group_sizes, rows=index, out_dtype=w.dtype)
@@ -335,26 +344,26 @@ def _gate_up_bwd(top_k, fwd_swiglu, keep_rows, res, g):
 _gate_up.defvjp(_gate_up_fwd, _gate_up_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _swiglu_down(h, act, w, group_sizes, fused_bwd: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _swiglu_down(h, act, w, group_sizes, fused_bwd: bool, tail: bool = True):
     """The down projection ``act @ w[g]`` on the Triton kernels for ``act = swiglu(h)`` (rows past
     ``sum(group_sizes)`` zero). Its backward returns SwiGLU's d(h), from the d(x) kernel's epilogue with
     ``fused_bwd`` (rows past ``sum(group_sizes)`` unwritten) or XLA's, and no cotangent for act."""
-    return _swiglu_down_fwd(h, act, w, group_sizes, fused_bwd)[0]
+    return _swiglu_down_fwd(h, act, w, group_sizes, fused_bwd, tail)[0]
 
 
-def _swiglu_down_fwd(h, act, w, group_sizes, fused_bwd):
-    y = zero_tail(gmm_triton.gmm(act, w, group_sizes), group_sizes)
+def _swiglu_down_fwd(h, act, w, group_sizes, fused_bwd, tail):
+    y = zero_tail(gmm_triton.gmm(act, w, group_sizes), group_sizes, tail)
     return y, (h, act, w, group_sizes)
 
 
-def _swiglu_down_bwd(fused_bwd, res, g):
+def _swiglu_down_bwd(fused_bwd, tail, res, g):
     h, act, w, group_sizes = res
     g = g.astype(act.dtype)
     if fused_bwd:
         dh = gmm_triton.gmm(g, w, group_sizes, trans_w=True, epilogue="swiglu_bwd", h=h)
     else:
-        dact = zero_tail(gmm_triton.gmm(g, w, group_sizes, trans_w=True), group_sizes)
+        dact = zero_tail(gmm_triton.gmm(g, w, group_sizes, trans_w=True), group_sizes, tail)
         dh = jax.vjp(swiglu, h)[1](dact)[0]
     dw = gmm_triton.tgmm(act, g, group_sizes, out_dtype=w.dtype)
     return dh, None, dw, None

@@ -20,24 +20,37 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, 
 _SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64|s64)\[([\d,]*)\]")
 
 
-def hlo_bytes(line: str) -> int:
-    """Bytes an HLO instruction's line names before its attributes: its output(s) and its operands (compiled HLO
-    prints operand shapes), i.e. what a memory-bound fusion reads and writes at least once."""
-    head = re.split(r", (?:kind|calls|custom_call_target|backend_config|metadata)=", line)[0]
+def shape_bytes(text: str) -> int:
+    """Bytes of every array shape written in ``text`` (one shape or a tuple of them)."""
     return sum(_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-               for dt, dims in _SHAPE.findall(head))
+               for dt, dims in _SHAPE.findall(text))
 
 
 def hlo_table(text: str) -> tuple[dict[str, str], dict[str, int]]:
-    """op_name (by instruction name, and with '.' -> '_' as kernels are named) and bytes of each instruction."""
-    ops, nbytes = {}, {}
+    """op_name (by instruction name, and with '.' -> '_' as kernels are named) and the bytes each instruction reads
+    and writes: its output shape(s) plus its operands' (looked up by name: instruction names are unique in a
+    module), i.e. what a memory-bound fusion moves at least once."""
+    ops, out, lines = {}, {}, {}
     for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.-]+) = (.*)$", text, re.M):
-        name = m.group(1)
-        on = re.search(r'op_name="([^"]+)"', m.group(2))
+        name, rest = m.group(1), m.group(2)
+        on = re.search(r'op_name="([^"]+)"', rest)
         if on:
             ops.setdefault(name, on.group(1))
             ops.setdefault(name.replace(".", "_"), on.group(1))
-        nbytes.setdefault(name, hlo_bytes(m.group(2)))
+        kind = re.match(r"(\(.*?\)|\S+)\s+([\w-]+)\(", rest)
+        if kind and name not in out:
+            out[name] = shape_bytes(kind.group(1))
+            lines[name] = rest[kind.end():]
+    nbytes = {}
+    for name, args in lines.items():
+        depth, end = 1, 0
+        for i, ch in enumerate(args):  # the operand list: up to the parenthesis that closes the call
+            depth += (ch == "(") - (ch == ")")
+            if depth == 0:
+                end = i
+                break
+        operands = re.findall(r"%([\w.-]+)", args[:end])
+        nbytes[name] = out[name] + sum(out.get(o, 0) for o in operands)
     return ops, nbytes
 
 

@@ -160,11 +160,40 @@ def with_state_dtype(inner: optax.GradientTransformation, dtype: Any = jnp.float
     def init(params: PyTree) -> Any:
         return inner.init(cast(params))
 
-    def update(grads: PyTree, state: Any, params: PyTree | None = None) -> tuple[PyTree, Any]:
-        updates, state = inner.update(cast(grads), state, None if params is None else cast(params))
+    inner = optax.with_extra_args_support(inner)
+
+    def update(grads: PyTree, state: Any, params: PyTree | None = None, **extra_args: Any) -> tuple[PyTree, Any]:
+        updates, state = inner.update(cast(grads), state, None if params is None else cast(params), **extra_args)
         return jax.tree.map(lambda u, g: u.astype(jnp.promote_types(g.dtype, dtype)), updates, grads), state
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def global_norm(tree: PyTree) -> jax.Array:
+    """The L2 norm of every leaf together, squares summed in float32 (a float32 scalar; 0 for no leaves)."""
+    leaves = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(leaves)) if leaves else jnp.zeros((), jnp.float32)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm`` with the norm of :func:`global_norm` (float32 squares; optax squares in the
+    gradients' dtype) and the scaling in float32, rounded once. A caller that has the norm already passes it
+    (``tx.update(..., grad_norm=)``: the trainer's logged gradient norm): the gradients are read once for it.
+    Computed twice, XLA:GPU fused the second sum of squares into the AdamW update's elementwise kernels, which
+    then ran as reductions (bench/step_h200.md run 22)."""
+    def init(params: PyTree) -> optax.EmptyState:
+        del params
+        return optax.EmptyState()
+
+    def update(updates: PyTree, state: optax.EmptyState, params: PyTree | None = None, *,
+               grad_norm: jax.Array | None = None, **extra_args: Any) -> tuple[PyTree, optax.EmptyState]:
+        del params, extra_args
+        norm = global_norm(updates) if grad_norm is None else grad_norm.astype(jnp.float32)
+        keep = norm < max_norm
+        scale = max_norm / jnp.where(keep, 1.0, norm)
+        return jax.tree.map(lambda t: jnp.where(keep, t, (t.astype(jnp.float32) * scale).astype(t.dtype)), updates), state
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
@@ -173,7 +202,7 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.Gradie
     schedule = lr_schedule(cfg.lr, cfg.warmup_steps, decay_steps, cfg.min_lr_ratio, cfg.schedule)
     parts = []
     if cfg.clip_grad_norm > 0:
-        parts.append(optax.clip_by_global_norm(cfg.clip_grad_norm))
+        parts.append(clip_by_global_norm(cfg.clip_grad_norm))
     parts.append(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps))
     if cfg.weight_decay > 0:
         patterns = list(cfg.no_decay_patterns)

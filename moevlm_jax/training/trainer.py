@@ -181,11 +181,6 @@ def _longest_segments(ids: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- compiled steps
 
-def _tree_norm(tree: PyTree) -> jax.Array:
-    leaves = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum(leaves)) if leaves else jnp.zeros((), jnp.float32)
-
-
 @functools.partial(jax.jit, static_argnames=("spec", "capacity", "bounded"), donate_argnames=("state",))
 def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: StepSpec,
                 capacity: int | None, bounded: bool = False) -> tuple[dict[str, Any], dict[str, jax.Array]]:
@@ -212,8 +207,9 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
         # them (82 ms/step, step_h200.md run 7)
         if not (spec.compute.stack_scan("text") and spec.compute.stack_scan("vision")):
             grads = jax.lax.optimization_barrier(grads)
+        grad_norm = optim.global_norm(grads)  # logged, and the clipping's (read once: bench/step_h200.md run 22)
         with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
-            updates, opt_state = tx.update(grads, state["opt_state"], trainable)
+            updates, opt_state = tx.update(grads, state["opt_state"], trainable, grad_norm=grad_norm)
             params = optim.combine(optax.apply_updates(trainable, updates), frozen)
         load = sums.get("router_load")
         if load is not None and spec.compute.router.expert_bias:  # aux-loss-free balancing, outside the grads
@@ -222,7 +218,7 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
         new = {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": rng}
         new = jax.lax.with_sharding_constraint(new, shardings)
         metrics = {"loss": objective, "ce_loss": sums["ce_sum"] / jnp.maximum(sums["trained_tokens"], 1.0),
-                   "grad_norm": _tree_norm(grads), "lr": schedule(state["step"]),
+                   "grad_norm": grad_norm, "lr": schedule(state["step"]),
                    "skipped": optim.skipped_updates(opt_state), "trained_tokens": sums["trained_tokens"]}
         for k in ("router_aux_loss", "router_z_loss", "router_loss"):
             if k in sums:

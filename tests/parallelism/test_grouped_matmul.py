@@ -266,3 +266,37 @@ def test_triton_fused_kernels_match_per_group_einsum(sizes):
         gt.gmm(*args, epilogue="swiglu_bwd")
     with pytest.raises(ValueError, match="gathered_out needs rows"):
         gt.gmm(*args, gathered_out=True)
+
+
+def test_triton_tail_rows_zero_or_left_unwritten(monkeypatch):
+    """The Triton backend's rows past sum(group_sizes) (unwritten by the kernels; NaN here, as uninitialised
+    memory may be): zero in the output and d(lhs) by default; with zero_tail_rows=False left as they are and the
+    valid rows and d(rhs) unchanged (the sorted experts read none of them, tests/parallelism/test_permute.py)."""
+    real = gm.gmm_triton.gmm
+
+    def poisoned(x, w, group_sizes, *args, **kwargs):
+        return _poison(real(x, w, group_sizes, *args, **kwargs), group_sizes)
+
+    monkeypatch.setattr(gm.gmm_triton, "gmm", poisoned)
+    lhs, rhs = _inputs()
+    sizes = GROUP_SIZES["padding_rows"]
+    gs = jnp.asarray(sizes, jnp.int32)
+    valid = np.arange(lhs.shape[0]) < sum(sizes)
+    assert not valid.all()
+    want = per_group_reference(lhs, rhs, sizes)
+    out = gm.grouped_matmul(lhs, rhs, gs, backend="triton")
+    assert_close(out, want, what="masked forward")
+    assert (np.asarray(out)[~valid] == 0).all()
+    got = _value_and_grads(lambda a, b: gm.grouped_matmul(a, b, gs, backend="triton"), lhs, rhs)
+    ref = _value_and_grads(lambda a, b: per_group_reference(a, b, sizes), lhs, rhs)
+    assert_close(got[1], ref[1], what="masked grads")
+    raw = gm.grouped_matmul(lhs, rhs, gs, backend="triton", zero_tail_rows=False)
+    assert np.isnan(np.asarray(raw)[~valid]).all()
+    assert_close(np.asarray(raw)[valid], np.asarray(want)[valid], what="unmasked forward, valid rows")
+    probe = jnp.asarray(valid[:, None], jnp.float32)  # a caller that reads only the valid rows
+    d_lhs, d_rhs = jax.grad(lambda a, b: jnp.sum(jnp.where(valid[:, None], gm.grouped_matmul(
+        a, b, gs, backend="triton", zero_tail_rows=False), 0) * probe), argnums=(0, 1))(lhs, rhs)
+    r_lhs, r_rhs = jax.grad(lambda a, b: jnp.sum(per_group_reference(a, b, sizes) * probe), argnums=(0, 1))(lhs, rhs)
+    assert np.isnan(np.asarray(d_lhs)[~valid]).all()
+    assert_close(np.asarray(d_lhs)[valid], np.asarray(r_lhs)[valid], what="unmasked d(lhs), valid rows")
+    assert_close(d_rhs, r_rhs, what="unmasked d(rhs)")

@@ -254,3 +254,30 @@ def test_one_microbatch_in_the_parameter_dtype_updates_like_the_float32_copy(sta
         assert p16[k].dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(p16[k], np.float32), np.asarray(p32[k], np.float32))
         assert not np.array_equal(np.asarray(p16[k], np.float32), np.asarray(w[k], np.float32))  # it moved
+
+
+def test_clipping_takes_the_callers_norm():
+    """The trainer passes its logged gradient norm to the clipping (``grad_norm=``, read once): the same updates as
+    the norm computed inside (float32 squares), which is optax's clip up to its bf16 squares; another norm passed
+    scales by it."""
+    cfg = OptimizerConfig(lr=0.1, warmup_steps=0, schedule="constant", weight_decay=0.0, clip_grad_norm=1.0)
+    tx, _ = optim.make_optimizer(cfg, total_steps=10)
+    p = {"a": jnp.array([1.0, -2.0], jnp.bfloat16), "b": jnp.array([3.0], jnp.bfloat16)}
+    g = {"a": jnp.array([6.0, 0.0], jnp.bfloat16), "b": jnp.array([8.0], jnp.bfloat16)}  # norm 10
+    norm = optim.global_norm(g)
+    assert norm.dtype == jnp.float32 and float(norm) == 10.0
+    inside = tx.update(g, tx.init(p), p)[0]
+    passed = tx.update(g, tx.init(p), p, grad_norm=norm)[0]
+    for k in p:
+        np.testing.assert_array_equal(np.asarray(inside[k], np.float32), np.asarray(passed[k], np.float32))
+    clip = optim.clip_by_global_norm(1.0)
+    want = optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]
+    got = clip.update(g, clip.init(p))[0]
+    halved = clip.update(g, clip.init(p), grad_norm=jnp.float32(20.0))[0]
+    for k in p:
+        np.testing.assert_allclose(np.asarray(got[k], np.float32), np.asarray(g[k], np.float32) / 10.0, rtol=4e-3)
+        np.testing.assert_allclose(np.asarray(got[k], np.float32), np.asarray(want[k], np.float32), rtol=8e-3)
+        np.testing.assert_allclose(np.asarray(halved[k], np.float32), np.asarray(g[k], np.float32) / 20.0, rtol=4e-3)
+    small = clip.update(g, clip.init(p), grad_norm=jnp.float32(0.5))[0]  # below the threshold: unchanged
+    for k in p:
+        np.testing.assert_array_equal(np.asarray(small[k]), np.asarray(g[k]))
