@@ -175,6 +175,9 @@ class ComputeConfig:
     moe: ExpertsConfig = ExpertsConfig()  # how the experts run: dispatcher, grouped-matmul backend, capacity
     router: RouterConfig = RouterConfig()  # router dtype and load-balancing losses
     loss_chunk_size: int = 2048  # sequence chunk of the fused LM head + cross-entropy
+    # the LM head's logits written in float32 (more exact than HF); false: in the activation dtype, as HF's
+    # LM head and MaxText's logits_dot_in_fp32 false (the softmax and loss stay float32; moevlm_jax.model.loss)
+    logits_fp32: bool = True
     # FP8 GEMMs (Hopper): e4m3 operands, e5m2 gradients, per-tensor or blockwise current scaling, for the
     # decoder's dense GEMMs, the experts and optionally the vision tower (parallelism.fp8); recipe none: off
     fp8: Fp8Config = Fp8Config()

@@ -13,6 +13,7 @@ global_aux_loss, z-loss per layer) and the options that pick them live in
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +27,13 @@ __all__ = ["lm_loss", "load_balancing_loss", "router_z_loss"]
 VOCAB_ACT = ("act_batch", "act_seq", "act_vocab")
 
 
-def _chunk_ce(h: jax.Array, kernel: jax.Array, t: jax.Array, m: jax.Array, grads: bool):
-    """One chunk: float32 logits (bf16 GEMM, float32 accumulation), masked CE sum; with ``grads``
-    also d(CE)/d(logits) = (softmax - onehot) * mask in the inputs' dtype, d(h) and d(kernel)."""
-    logits = constrain(jnp.einsum("bch,hv->bcv", h, kernel, preferred_element_type=jnp.float32), VOCAB_ACT)
+def _chunk_ce(h: jax.Array, kernel: jax.Array, t: jax.Array, m: jax.Array, grads: bool, fp32_logits: bool = True):
+    """One chunk: logits (bf16 GEMM, float32 accumulation) written in float32, or with ``fp32_logits`` False
+    rounded to the inputs' dtype as HF's LM head writes them; the softmax and the masked CE sum in float32.
+    With ``grads`` also d(CE)/d(logits) = (softmax - onehot) * mask in the inputs' dtype, d(h) and d(kernel)."""
+    out = jnp.float32 if fp32_logits else h.dtype
+    logits = jnp.einsum("bch,hv->bcv", h, kernel, preferred_element_type=out)
+    logits = constrain(logits, VOCAB_ACT).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t[..., None].astype(jnp.int32)
     ce = jnp.sum((lse - jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)) * m)
@@ -42,10 +46,11 @@ def _chunk_ce(h: jax.Array, kernel: jax.Array, t: jax.Array, m: jax.Array, grads
     return ce, dh, dk
 
 
-@jax.custom_vjp
-def chunked_ce(hc: jax.Array, kernel: jax.Array, tc: jax.Array, mc: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def chunked_ce(hc: jax.Array, kernel: jax.Array, tc: jax.Array, mc: jax.Array, fp32_logits: bool = True) -> jax.Array:
     """Masked cross-entropy summed over chunks: hc ``[n, B, c, H]``, kernel ``[H, V]``, tc / mc
-    ``[n, B, c]`` -> float32 scalar. One chunk's logits live at a time.
+    ``[n, B, c]`` -> float32 scalar. One chunk's logits live at a time; ``fp32_logits`` as in
+    :func:`lm_loss`.
 
     Fused linear cross-entropy (as Liger's / Megatron's): under differentiation the forward scan also
     computes each chunk's d(hidden) and accumulates d(kernel) in float32, from the logits it already
@@ -55,16 +60,16 @@ def chunked_ce(hc: jax.Array, kernel: jax.Array, tc: jax.Array, mc: jax.Array) -
     the H200) GEMMs at about half the bf16 rate, on the step's largest matmuls."""
     def step(total, xs):
         h, t, m = xs
-        return total + _chunk_ce(h, kernel, t, m, grads=False)[0], None
+        return total + _chunk_ce(h, kernel, t, m, grads=False, fp32_logits=fp32_logits)[0], None
 
     return jax.lax.scan(step, jnp.zeros((), jnp.float32), (hc, tc, mc))[0]
 
 
-def _chunked_ce_fwd(hc, kernel, tc, mc):
+def _chunked_ce_fwd(hc, kernel, tc, mc, fp32_logits):
     def step(carry, xs):
         total, dk = carry
         h, t, m = xs
-        ce, dh, dk_c = _chunk_ce(h, kernel, t, m, grads=True)
+        ce, dh, dk_c = _chunk_ce(h, kernel, t, m, grads=True, fp32_logits=fp32_logits)
         return (total + ce, dk + dk_c), dh
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros(kernel.shape, jnp.float32))
@@ -72,7 +77,7 @@ def _chunked_ce_fwd(hc, kernel, tc, mc):
     return total, (dh, dk, jnp.zeros((0,), kernel.dtype))  # the last: kernel's dtype, as an array
 
 
-def _chunked_ce_bwd(res, g):
+def _chunked_ce_bwd(fp32_logits, res, g):
     dh, dk, kernel_like = res
     return (g * dh).astype(dh.dtype), (g * dk).astype(kernel_like.dtype), None, None
 
@@ -81,7 +86,7 @@ chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
 
 
 def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask: jax.Array,
-            chunk_size: int = 2048) -> tuple[jax.Array, jax.Array]:
+            chunk_size: int = 2048, fp32_logits: bool = True) -> tuple[jax.Array, jax.Array]:
     """hidden ``[B, S, H]``, LM head kernel ``[H, V]``, targets ``[B, S]``, loss_mask ``[B, S]`` ->
     (sum of masked token cross-entropies, sum of the mask), both float32 scalars.
 
@@ -90,6 +95,10 @@ def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask:
     holds positions ``j, j + n, j + 2n, ...`` (strided): a sequence split into contiguous blocks
     over devices (context parallelism) keeps each device's share in every chunk, so the scan never
     slices a sharded axis. The logits are vocabulary-parallel when the layout splits ``act_vocab``.
+
+    ``fp32_logits`` (``compute.logits_fp32``): the logits GEMM writes float32 (more exact than HF); False:
+    it writes the activations' dtype, as HF's LM head (and MaxText's ``logits_dot_in_fp32: false``) do before
+    their float32 loss: half the bytes in each pass over a chunk's ``[B, c, vocab]`` logits.
     """
     hidden = constrain(hidden, ("act_batch", "act_seq", "act_embed"))  # sequence-parallel stream gathered
     b, s, h = hidden.shape
@@ -102,5 +111,5 @@ def lm_loss(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, loss_mask:
     n = (s + pad) // c
     mc = loss_mask.astype(jnp.float32).reshape(b, c, n).transpose(2, 0, 1)
     total = chunked_ce(hidden.reshape(b, c, n, h).transpose(2, 0, 1, 3), kernel.astype(hidden.dtype),
-                       targets.reshape(b, c, n).transpose(2, 0, 1), mc)
+                       targets.reshape(b, c, n).transpose(2, 0, 1), mc, fp32_logits)
     return total, jnp.sum(mc)

@@ -323,7 +323,8 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
         total = jnp.maximum(jnp.sum(mask > 0).astype(jnp.float32), 1.0)
         if capacity is not None:
             hidden, targets, mask, _ = gather_trained(hidden, targets, mask, 1, capacity)
-        return lm_loss(hidden, w.T if tied else w, targets, mask, compute.loss_chunk_size)[0] / total
+        return lm_loss(hidden, w.T if tied else w, targets, mask, compute.loss_chunk_size,
+                       compute.logits_fp32)[0] / total
 
     comps.append(("lm_head_loss", head_loss, (kernel, inter["hidden"]), (batch,)))
     return comps

@@ -127,7 +127,8 @@ def microbatch_objective(model: Any, mb: Mapping[str, jax.Array], total_trained:
     if capacity is not None:
         hidden, targets, mask, _ = gather_trained(hidden, targets, mask, groups, capacity)
     with jax.named_scope("lm_head"):  # the chunked LM head + cross-entropy (profiler trace labels)
-        ce_sum, count = lm_loss(hidden, model.lm_head_kernel(), targets, mask, compute.loss_chunk_size)
+        ce_sum, count = lm_loss(hidden, model.lm_head_kernel(), targets, mask, compute.loss_chunk_size,
+                                compute.logits_fp32)
     objective = ce_sum / total_trained
     metrics = {"ce_sum": ce_sum, "trained_tokens": count}
     router = aux["router"]

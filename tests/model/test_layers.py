@@ -107,6 +107,32 @@ def test_lm_loss_backward_matmuls_run_in_bf16():
         np.testing.assert_allclose(got, 3.0 * want, rtol=1e-5, atol=1e-6)
 
 
+def test_lm_loss_with_logits_in_the_activation_dtype_is_hfs():
+    """compute.logits_fp32 false: the logits rounded to bf16 as HF's LM head writes them, then a float32
+    cross-entropy (HF's loss upcasts): the loss equals that reference to float32 rounding, differs from the
+    float32-logits loss by the bf16 rounding, and the gradients stay within bf16 rounding of the float32 ones."""
+    rng = np.random.default_rng(5)
+    hidden = jnp.asarray(rng.standard_normal((2, 40, 16)), jnp.bfloat16)
+    kernel = jnp.asarray(rng.standard_normal((16, 48)) * 0.5, jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, 48, (2, 40)), jnp.int32)
+    mask = jnp.asarray(rng.random((2, 40)) < 0.6, jnp.float32)
+
+    def hf(hd, kn):
+        logits = jnp.einsum("bsh,hv->bsv", hd, kn, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], -1)[..., 0] * mask)
+
+    loss = lambda hd, kn, fp32: lm_loss(hd, kn, targets, mask, chunk_size=16, fp32_logits=fp32)[0]  # noqa: E731
+    got, want, f32 = float(loss(hidden, kernel, False)), float(hf(hidden, kernel)), float(loss(hidden, kernel, True))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got != f32 and abs(got - f32) < 1e-2 * abs(f32)
+    grads = jax.grad(loss, argnums=(0, 1))(hidden, kernel, False)
+    ref = jax.grad(loss, argnums=(0, 1))(hidden.astype(jnp.float32), kernel.astype(jnp.float32), True)
+    for g, r in zip(grads, ref):
+        assert g.dtype == jnp.bfloat16
+        assert float(jnp.linalg.norm(g.astype(jnp.float32) - r) / jnp.linalg.norm(r)) < 1e-2
+
+
 def test_router_losses_match_hf_load_balancing():
     rng = np.random.default_rng(2)
     layers, b, s, e, k = 3, 2, 5, 6, 2
