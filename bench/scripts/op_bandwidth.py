@@ -29,7 +29,8 @@ def shape_bytes(text: str) -> int:
 def hlo_table(text: str) -> tuple[dict[str, str], dict[str, int]]:
     """op_name (by instruction name, and with '.' -> '_' as kernels are named) and the bytes each instruction reads
     and writes: its output shape(s) plus its operands' (looked up by name: instruction names are unique in a
-    module), i.e. what a memory-bound fusion moves at least once."""
+    module), i.e. what a memory-bound fusion moves at least once; a slice twice its output. An upper bound where a
+    fusion reads only part of an operand in other ways (a gather's table, a dynamic slice inside a larger fusion)."""
     ops, out, lines = {}, {}, {}
     for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.-]+) = (.*)$", text, re.M):
         name, rest = m.group(1), m.group(2)
@@ -50,7 +51,10 @@ def hlo_table(text: str) -> tuple[dict[str, str], dict[str, int]]:
                 end = i
                 break
         operands = re.findall(r"%([\w.-]+)", args[:end])
-        nbytes[name] = out[name] + sum(out.get(o, 0) for o in operands)
+        if "slice" in name.split(".")[0]:  # a (dynamic-)slice reads only what it writes, not its whole operand
+            nbytes[name] = 2 * out[name]
+        else:
+            nbytes[name] = out[name] + sum(out.get(o, 0) for o in operands)
     return ops, nbytes
 
 

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import time
 
 import jax
@@ -321,6 +322,8 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="parts.json")
     args = ap.parse_args()
+    if args.profile:  # every kernel in the trace, not one command buffer (run 22's first profile was one)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": str(jax.devices()[0]), "jax": jax.__version__,
            "args": vars(args)}
     for part in args.parts.split(","):
