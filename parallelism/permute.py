@@ -116,7 +116,12 @@ def inverse_slots(slot: jax.Array, size: int) -> jax.Array:
 
 
 def _take_rows(x: jax.Array, idx: jax.Array, valid: jax.Array) -> jax.Array:
-    return jnp.take(x, jnp.where(valid, idx, x.shape[0]), axis=0, mode="fill", fill_value=0)
+    """Rows ``x[idx]`` (``[A, ...]``), zero where not ``valid``. The row index is computed once per row, behind an
+    optimization barrier: fused into the gather, XLA:GPU recomputed it (e.g. the combine backward's signed
+    ``src // K``, ~20 integer operations) for every element of every row, which bounded the gather by the integer
+    ALUs at ~1.3 TB/s (1.24 ms a layer at the proxy's MBS 11, bench/step_h200.md run 22)."""
+    rows = jax.lax.optimization_barrier(jnp.where(valid, idx, x.shape[0]))
+    return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
 
 
 def _sum_of_choices(x: jax.Array, slot: jax.Array, k: int) -> jax.Array:
