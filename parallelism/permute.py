@@ -208,12 +208,13 @@ def expert_ffn(
     """SwiGLU experts on expert-sorted rows ``[M, H]``; w_gate_up ``[G, H, 2I]``, w_down ``[G, I, H]``.
     ``zero_tail_rows=False``: the caller reads no output row past ``sum(group_sizes)`` and uses no gradient
     of those input rows, so the Triton kernels may leave them unwritten (no masking passes; see
-    :func:`grouped_matmul`)."""
+    :func:`grouped_matmul`); under an FP8 recipe they are zeroed anyway (its scales are maxima over all rows)."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
     q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
     if _fused(backend, q, "swiglu"):
         return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down, zero_tail_rows)
-    gmm = functools.partial(grouped_matmul, backend=backend, zero_tail_rows=zero_tail_rows)
+    # FP8 scales each operand by its amax over every row: unwritten rows (any values, NaN included) would set it
+    gmm = functools.partial(grouped_matmul, backend=backend, zero_tail_rows=zero_tail_rows or q is not None)
     with jax.named_scope(FFN_SCOPE):
         h = checkpoint_name(_fp8_gemm(gmm, rows, w_gate_up, q, group_sizes), MOE_GATE_UP)
         act = checkpoint_name(swiglu(h), MOE_ACT)

@@ -286,14 +286,14 @@ def test_option_errors_name_the_problem():
         experts_forward(x, idx, w, w_gate_up[:, :, :10], w_down)
 
 
-def _poisoned_gmm(gmm):
-    """gmm_triton.gmm whose outputs' rows past sum(group_sizes) are NaN, as uninitialised GPU memory may be (the
-    interpret mode on CPU starts its output buffers at zero)."""
+def _poisoned_gmm(gmm, fill=float("nan")):
+    """gmm_triton.gmm whose outputs' rows past sum(group_sizes) are ``fill`` (NaN, or a huge value), as
+    uninitialised GPU memory may be (the interpret mode on CPU starts its output buffers at zero)."""
     def run(x, w, group_sizes, *args, **kwargs):
         out = gmm(x, w, group_sizes, *args, **kwargs)
         m = kwargs["rows"].shape[0] if kwargs.get("rows") is not None else x.shape[0]
         rows = jnp.arange(m)[:, None] < jnp.sum(group_sizes)
-        poison = lambda a: jnp.where(rows, a, jnp.nan).astype(a.dtype) if a.shape[0] == m else a  # noqa: E731
+        poison = lambda a: jnp.where(rows, a, fill).astype(a.dtype) if a.shape[0] == m else a  # noqa: E731
         return tuple(poison(a) for a in out) if isinstance(out, tuple) else poison(out)
     return run
 
@@ -316,3 +316,23 @@ def test_sorted_experts_never_read_the_unwritten_rows(monkeypatch, fuse):
         assert np.isfinite(np.asarray(a)).all()
     assert_close(got[0], want[0], what="forward")
     assert_close(got[1], want[1], what=f"grads, fuse {fuse}")
+
+
+def test_fp8_experts_zero_the_unwritten_rows(monkeypatch):
+    """Under a per-tensor FP8 recipe the operands' scales are maxima over every row: the sorted experts zero the
+    unwritten rows there (1e30 in every kernel output here: NaN would not show it on XLA:CPU, whose max skips NaN,
+    and a NaN maximum gives scale 1), and the layer equals the unpoisoned one."""
+    from parallelism import fp8
+
+    _, _, _, w_gate_up, w_down = make_problem(seed=3, t=6, h=8, e=3, i=4, k=2)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((6, 8), np.float32))
+    idx, w = jnp.asarray(HAND_IDX), jnp.asarray(HAND_W)
+    cfg = fp8.Fp8Config(recipe="tensor")
+    opts = dict(backend="triton", capacity_factor=0.5, drop_policy="position", fp8_config=cfg)
+    monkeypatch.setattr(permute, "FUSE", frozenset())
+    want = value_and_grads(lambda *a: experts_forward(*a, **opts), x, idx, w, w_gate_up, w_down)
+    monkeypatch.setattr(permute.gmm_triton, "gmm", _poisoned_gmm(permute.gmm_triton.gmm, 1e30))
+    got = value_and_grads(lambda *a: experts_forward(*a, **opts), x, idx, w, w_gate_up, w_down)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
