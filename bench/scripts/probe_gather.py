@@ -1,11 +1,11 @@
 """Issue 24: the experts' combine backward gathers each assignment's token gradient row into the expert-sorted
 layout, ``dy[s] = w[src[s]] * g[src[s] // K]`` (``parallelism/permute.py`` ``_combine_bwd``). In the proxy step at
 MBS 11 on an H200 it ran at ~1.3 TB/s (1.24 ms a layer, 11.2 ms a step; bench/step_h200.md run 22), a third of the
-HBM's rate for a row gather of 4 KB rows. This times forms of it alone, each checked bitwise against the library's:
+HBM's rate for a row gather of 4 KB rows. This times forms of it alone, each checked bitwise against the first:
 
-- ``library``: ``_combine_bwd``'s dy as written (the index arithmetic inside the gather fusion);
+- ``fused_index``: dy as run 22 ran it (the index arithmetic inside the gather fusion);
 - ``index_barrier``: the clamped row index computed first, behind an optimization barrier (the gather fusion
-  only loads through it);
+  only loads through it): the library's ``_take_rows`` since run 22;
 - ``u32_rows``: the rows gathered as uint32 pairs of bf16 (half the elements, 4-byte loads), then the scale;
 - ``clip_mask``: ``mode="clip"`` and a multiply by the validity mask instead of ``mode="fill"``.
 
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moevlm_jax.tools.bench_moe import time_calls
 
-def library(g, weights, src, k):
+
+def fused_index(g, weights, src, k):
     t = g.shape[0]
     valid = src >= 0
     g_rows = jnp.take(g, jnp.where(valid, src // k, t), axis=0, mode="fill", fill_value=0).astype(jnp.float32)
@@ -57,7 +58,7 @@ def clip_mask(g, weights, src, k):
     return (g_rows * jnp.where(valid, w_rows, 0.0)[:, None]).astype(g.dtype)
 
 
-VARIANTS = {"library": library, "index_barrier": index_barrier, "u32_rows": u32_rows, "clip_mask": clip_mask}
+VARIANTS = {"fused_index": fused_index, "index_barrier": index_barrier, "u32_rows": u32_rows, "clip_mask": clip_mask}
 
 
 def main():
@@ -81,15 +82,8 @@ def main():
         y = jax.block_until_ready(f(g, weights, src, k))
         ref = y if ref is None else ref
         same = bool(jnp.array_equal(y, ref))
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                y = f(g, weights, src, k)
-            jax.block_until_ready(y)
-            times.append((time.perf_counter() - t0) / args.iters * 1e3)
-        ms = min(times)
-        out["results"][name] = {"ms": ms, "gb_s": moved / ms * 1e-6, "equal_to_library": same}
+        ms = time_calls(f, (g, weights, src, k), args.iters, 1, synchronised=False)[0]
+        out["results"][name] = {"ms": ms, "gb_s": moved / ms * 1e-6, "equal_to_first": same}
         print(f"{name:14s} {ms:7.3f} ms  {moved / ms * 1e-6:6.0f} GB/s  equal: {same}", flush=True)
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=1)

@@ -7,7 +7,8 @@ of 2048, vocabulary 151,936), forward + backward, in the library's forms and one
 - ``online_fp32`` / ``online_bf16``: the chunk's (max, sum of exps, target logit) in one variadic reduction (an
   online logsumexp: one read of the logits instead of three), then d(logits) as the library computes it.
 
-Each is checked against ``fp32`` (loss and gradients) and timed (best of 3 rounds of ``--iters`` calls).
+Each is checked against ``fp32`` (loss and gradients) and timed (``bench_moe.time_calls``: calls back to back, median of 3
+rounds of ``--iters``).
 
     python3 bench/scripts/probe_lm_head.py --out $OUT/lm_head.json     (--positions 16384 --chunk 2048)
 """
@@ -17,13 +18,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moevlm_jax.model import loss as loss_lib
+from moevlm_jax.tools.bench_moe import time_calls
 
 
 def _online_stats(logits: jax.Array, is_target: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -59,16 +60,14 @@ def online_chunk_ce(h, kernel, t, m, grads, fp32_logits=True):
 
 def run(variant: str, hidden, kernel, targets, mask, chunk: int):
     fp32 = variant.endswith("fp32")
-    if variant.startswith("online"):
-        orig = loss_lib._chunk_ce
+    orig = loss_lib._chunk_ce
+    if variant.startswith("online"):  # traced with the one-pass chunk in the library's scan and custom VJP
         loss_lib._chunk_ce = online_chunk_ce
-        try:
-            return jax.value_and_grad(lambda h, k: loss_lib.lm_loss(h, k, targets, mask, chunk, fp32)[0],
-                                      argnums=(0, 1))(hidden, kernel)
-        finally:
-            loss_lib._chunk_ce = orig
-    return jax.value_and_grad(lambda h, k: loss_lib.lm_loss(h, k, targets, mask, chunk, fp32)[0],
-                              argnums=(0, 1))(hidden, kernel)
+    try:
+        return jax.value_and_grad(lambda h, k: loss_lib.lm_loss(h, k, targets, mask, chunk, fp32)[0],
+                                  argnums=(0, 1))(hidden, kernel)
+    finally:
+        loss_lib._chunk_ce = orig
 
 
 def main():
@@ -95,14 +94,8 @@ def main():
             ref = (val, grads)
         rel = [float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
                for a, b in zip(grads, ref[1])]
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                res = f(hidden, kernel, targets, mask)
-            jax.block_until_ready(res)
-            times.append((time.perf_counter() - t0) / args.iters * 1e3)
-        row = {"ms": min(times), "loss": float(val), "loss_rel_vs_fp32": abs(float(val) - float(ref[0])) / abs(float(ref[0])),
+        ms = time_calls(f, (hidden, kernel, targets, mask), args.iters, 1, synchronised=False)[0]
+        row = {"ms": ms, "loss": float(val), "loss_rel_vs_fp32": abs(float(val) - float(ref[0])) / abs(float(ref[0])),
                "grad_rel_vs_fp32": rel}
         out["results"][name] = row
         print(f"{name:12s} {row['ms']:8.3f} ms  loss {row['loss']:.6f}  vs fp32 {row['loss_rel_vs_fp32']:.2e}  "
