@@ -14,6 +14,10 @@
 #   C_DIR=.ab_c runs side c from another extracted library instead (a variant of the tree, e.g. extracted as
 #   .ab_base is and edited; .ab_c in .git/info/exclude, and in carry)
 #   run(command="AB=fuse bash bench/scripts/h200_step_ab.sh", carry=[".gpudeps"], timeout_s=600)
+# Budget: the first side on a new machine takes ~230 s (the VQA set generated, an empty autotuning cache: its
+# compile ~186 s against ~105 s for the later sides; bench/step_h200.md run 23 lost two sides at A_S=225-230),
+# each later side ~140 s: A_S >= 290, and a side c only where ~140 s are left. Each side's whole log is
+# $OUT/side_{a,b,c}.log, ending with its exit status (124: its timeout).
 set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
@@ -36,8 +40,11 @@ side() {  # $1: a (before), b (as is) or c (as is + C_ENV, C_ARGS); $2: seconds
   echo "=== side $1 ($name)" | tee -a "$OUT/log.txt"
   local extra=""; [ "$1" = c ] && extra=${C_ARGS:-}
   (cd "$dir" && env $env timeout "$2" $run moevlm_jax.tools.bench $ARGS $extra --work-dir "/tmp/w$1" --out "$OUT/step_$name.json") 2>&1 \
-      | grep -v "Autotuning cache miss" | tail -6 | tee -a "$OUT/log.txt"
+      | grep -v "Autotuning cache miss" > "$OUT/side_$1.log"
+  local rc=${PIPESTATUS[0]}
+  echo "side $1 exit $rc (full log: side_$1.log)" >> "$OUT/side_$1.log"
+  tail -6 "$OUT/side_$1.log" | tee -a "$OUT/log.txt"
 }
-if [ "${ORDER:-ab}" = ab ]; then side a "${A_S:-260}"; side b "$(left "${B_END:-585}")"; else side b "${A_S:-260}"; side a "$(left "${B_END:-585}")"; fi
+if [ "${ORDER:-ab}" = ab ]; then side a "${A_S:-300}"; side b "$(left "${B_END:-585}")"; else side b "${A_S:-300}"; side a "$(left "${B_END:-585}")"; fi
 [ -n "${C_ENV:-}${C_ARGS:-}${C_DIR:-}" ] && side c "$(left 590)"
 echo "wall $(( $(date +%s) - T0 )) s"
