@@ -14,8 +14,8 @@
 #   C_DIR=.ab_c runs side c from another extracted library instead (a variant of the tree, e.g. extracted as
 #   .ab_base is and edited; .ab_c in .git/info/exclude, and in carry)
 #   run(command="AB=fuse bash bench/scripts/h200_step_ab.sh", carry=[".gpudeps"], timeout_s=600)
-# Budget: the first side on a new machine takes ~230 s (the VQA set generated, an empty autotuning cache: its
-# compile ~186 s against ~105 s for the later sides; bench/step_h200.md run 23 lost two sides at A_S=225-230),
+# Budget: the first side on a new machine takes ~230 s (the VQA set generated, and its compile 150-186 s against
+# ~100-110 s for the later sides, runs 17-23; bench/step_h200.md run 23 lost two sides at A_S=225-230),
 # each later side ~140 s: A_S >= 290, and a side c only where ~140 s are left. Each side's whole log is
 # $OUT/side_{a,b,c}.log, ending with its exit status (124: its timeout).
 set -uo pipefail
