@@ -133,7 +133,8 @@ def _closure_value(fn: Any, name: str) -> Any:
 
 def gdn_implementation(modeling: Any) -> dict[str, Any]:
     """Which code HF's Qwen3.5 GDN layers run: for each of :data:`GDN_FUNCTIONS`, the function the
-    module-level wrapper (``use_kernel_func_from_hub_with_fallback``) resolved to at import time
+    module-level wrapper (``use_kernel_func_from_hub_with_fallback``; with the ``kernels`` package installed,
+    transformers 5.25 hands that wrapper to a ``Func`` module's forward) resolved to at import time
     (``module.qualname``) and whether that is the optional package's kernel or transformers' own
     PyTorch code; ``"gdn"``: ``"fla"`` when the chunked rule is fla's, else ``"torch"``. Empty for a
     module without GDN (Qwen3-VL)."""
@@ -142,6 +143,8 @@ def gdn_implementation(modeling: Any) -> dict[str, Any]:
         fn = getattr(modeling, name, None)
         if fn is None:
             continue
+        if getattr(fn, "__code__", None) is None:  # the `kernels` package installed (transformers 5.25): a module
+            fn = _closure_value(getattr(type(fn), "forward", None), "func") or fn  # whose forward calls the wrapper
         impl = _closure_value(fn, "implementation") or fn  # no wrapper (an older transformers): the function itself
         qual = f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__qualname__', getattr(impl, '__name__', '?'))}"
         ours = qual.startswith("transformers.")

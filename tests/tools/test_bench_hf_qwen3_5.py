@@ -115,6 +115,17 @@ def test_gdn_implementation_reads_the_resolved_function():
     assert got["gdn"] == "fla"
     assert got["torch_chunk_gated_delta_rule"]["implementation"] == "fla.ops.gated_delta_rule.chunk_gated_delta_rule"
     assert got["causal_conv1d_fn"]["kind"] == "torch"
+
+    def as_module(func):  # transformers 5.25 with the `kernels` package: a module whose forward calls the wrapper
+        def forward(self, *a):
+            return func(*a)
+        return type("Func", (), {"forward": forward})()
+
+    module = type("M", (), {"torch_chunk_gated_delta_rule": as_module(make(fla_rule)),
+                            "causal_conv1d_fn": as_module(make(torch_conv))})
+    got = bench_hf.gdn_implementation(module)
+    assert got["gdn"] == "fla" and got["causal_conv1d_fn"]["kind"] == "torch"
+    assert got["torch_chunk_gated_delta_rule"]["implementation"] == "fla.ops.gated_delta_rule.chunk_gated_delta_rule"
     from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe
 
     assert bench_hf.gdn_implementation(modeling_qwen3_vl_moe) == {}
