@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
     # command buffers). An explicit setting wins.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     try:  # the capture's XLA flags, then the processes connected, before anything starts the jax backend
-        capture.apply_capture(*capture.recipe_capture(args.recipe, args.overrides, run_dir=args.run_dir,
-                                                      resume=args.resume))
+        capture.apply_capture(capture.recipe_compute(args.recipe, args.overrides, run_dir=args.run_dir,
+                                                     resume=args.resume))
         if distributed.initialize(args) > 1 and distributed.process_index() > 0:
             setup_logging(logging.WARNING)  # one process logs the run; the others only their warnings
     except (ValueError, capture.CaptureError) as e:

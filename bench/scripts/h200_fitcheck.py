@@ -16,7 +16,7 @@ from moevlm_jax.tools.plan import estimate  # noqa: E402
 from moevlm_jax.tools.plan_fit import candidate_of, compiled_memory, device_memory_bytes, workload_of  # noqa: E402
 from moevlm_jax.training import capture  # noqa: E402
 
-capture.apply_capture(*capture.recipe_capture("h200"))  # before the backend starts, as the train command
+capture.apply_capture(capture.recipe_compute("h200"))  # before the backend starts, as the train command
 cfg = load_config("h200")
 devices = jax.devices()
 limit = device_memory_bytes(devices)

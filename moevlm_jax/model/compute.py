@@ -23,6 +23,8 @@ from parallelism.fp8 import Fp8Config
 Dtype = Literal["float32", "bfloat16", "float16"]
 RecomputeMode = Literal["none", "full", "selective"]
 RECOMPUTE_MODES = ("none", "full", "selective")
+# the XLA flags compute.capture sets (moevlm_jax.training.capture), which compute.xla_flags may not
+XLA_FLAGS_OF_CAPTURE = ("--xla_gpu_enable_command_buffer", "--xla_gpu_graph_min_graph_size")
 # Checkpoint names (``jax.ad_checkpoint.checkpoint_name``) a recompute policy chooses among:
 #   layernorm  norm outputs                core_attn  attention output before the out-projection
 #   qkv_proj   q/k/v projections           attn_out   attention out-projection output
@@ -172,6 +174,9 @@ class ComputeConfig:
     # XLA GPU command buffers standing in for CUDA graphs: none | step (the whole step) | scopes
     capture: Literal["none", "step", "scopes"] = "step"
     capture_scopes: tuple[str, ...] = ("attn", "moe_router", "moe_preprocess")  # attn, moe_router, moe_preprocess, full_iteration
+    # further XLA flags the run needs, each "--xla_name=value", set with the capture's before the backend starts
+    # (moevlm_jax.training.capture); not the command-buffer flags, which compute.capture sets
+    xla_flags: tuple[str, ...] = ()
     moe: ExpertsConfig = ExpertsConfig()  # how the experts run: dispatcher, grouped-matmul backend, capacity
     router: RouterConfig = RouterConfig()  # router dtype and load-balancing losses
     loss_chunk_size: int = 2048  # sequence chunk of the fused LM head + cross-entropy
@@ -209,6 +214,14 @@ class ComputeConfig:
                f"compute.capture_scopes must be a list of {CAPTURE_SCOPES}, got {list(self.capture_scopes)}")
         _check(self.capture != "scopes" or self.capture_scopes,
                "compute.capture: scopes needs at least one compute.capture_scopes entry")
+        for flag in self.xla_flags:
+            name, eq, value = str(flag).partition("=")
+            _check(isinstance(flag, str) and name.startswith("--xla_") and eq and value and " " not in flag,
+                   f"compute.xla_flags entries are '--xla_<name>=<value>', got {flag!r}")
+            _check(name not in XLA_FLAGS_OF_CAPTURE,
+                   f"compute.xla_flags: {name} is compute.capture's (set compute.capture / capture_scopes instead)")
+        names = [str(f).partition("=")[0] for f in self.xla_flags]
+        _check(len(set(names)) == len(names), f"compute.xla_flags names a flag twice: {list(self.xla_flags)}")
 
     def stack_recompute(self, tower: str = "text") -> tuple[str, tuple[str, ...]]:
         """(mode, recompute modules) for the decoder ("text") or the vision tower ("vision")."""

@@ -445,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(logging.WARNING if args.quiet else logging.INFO)
     from moevlm_jax.training import capture
 
-    try:  # the recipe's compute.capture (XLA command-buffer flags) before anything starts the jax backend
-        capture.apply_capture(*capture.recipe_capture(args.recipe, args.overrides))
+    try:  # the recipe's XLA flags (compute.capture's command buffers, compute.xla_flags) before the jax backend starts
+        capture.apply_capture(capture.recipe_compute(args.recipe, args.overrides))
     except (ValueError, capture.CaptureError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -84,8 +84,10 @@ def capture_flags(capture: str, scopes: Iterable[str] = ()) -> dict[str, str]:
 
 
 def compute_flags(compute: ComputeConfig) -> dict[str, str]:
-    """:func:`capture_flags` for a ComputeConfig's ``capture`` / ``capture_scopes``."""
-    return capture_flags(compute.capture, compute.capture_scopes)
+    """The XLA flags a ComputeConfig sets: :func:`capture_flags` for its ``capture`` / ``capture_scopes``,
+    then its ``xla_flags`` (other flags, e.g. recipe h200's ``--xla_gpu_enable_triton_gemm=false``)."""
+    extra = {name: value for name, _, value in (f.partition("=") for f in compute.xla_flags)}
+    return {**capture_flags(compute.capture, compute.capture_scopes), **extra}
 
 
 def parse_flags(xla_flags: str) -> dict[str, str | None]:
@@ -114,8 +116,8 @@ def backend_started() -> bool:
 
 def apply_capture(compute_or_capture: ComputeConfig | str, scopes: Iterable[str] = (),
                   environ: dict[str, str] | None = None) -> str:
-    """Merge the capture flags into ``XLA_FLAGS`` (``environ``, default ``os.environ``) and return it.
-    Call before the first jax device use; once the backend has started, raises CaptureError unless
+    """Merge the capture flags (and a ComputeConfig's ``xla_flags``) into ``XLA_FLAGS`` (``environ``,
+    default ``os.environ``; the config's values replace the same flags there) and return it. Call before the first jax device use; once the backend has started, raises CaptureError unless
     XLA_FLAGS already holds the same values (then nothing changes)."""
     if isinstance(compute_or_capture, ComputeConfig):
         flags = compute_flags(compute_or_capture)
@@ -137,10 +139,18 @@ def apply_capture(compute_or_capture: ComputeConfig | str, scopes: Iterable[str]
 
 def recipe_capture(recipe: str | os.PathLike | None, overrides: Iterable[str] = (), *, run_dir: str | None = None,
                    resume: bool | None = None) -> tuple[str, tuple[str, ...]]:
-    """``(compute.capture, compute.capture_scopes)`` of a train recipe and its ``key=value`` overrides,
-    read without starting jax (the full config asks jax for devices): what the train CLI applies
-    before anything else. Without a recipe the platform default (cpu-default, gpu-default) is the
-    one :func:`guess_platform` names; the config checks it against the backend once jax has started."""
+    """``(compute.capture, compute.capture_scopes)`` of a train recipe and its overrides (:func:`recipe_compute`)."""
+    compute = recipe_compute(recipe, overrides, run_dir=run_dir, resume=resume)
+    return compute.capture, compute.capture_scopes
+
+
+def recipe_compute(recipe: str | os.PathLike | None, overrides: Iterable[str] = (), *, run_dir: str | None = None,
+                   resume: bool | None = None) -> ComputeConfig:
+    """The ``compute`` section of a train recipe and its ``key=value`` overrides, read without starting
+    jax (the full config asks jax for devices): what the train CLI passes to :func:`apply_capture`
+    before anything else (the capture's flags and ``compute.xla_flags``). Without a recipe the platform
+    default (cpu-default, gpu-default) is the one :func:`guess_platform` names; the config checks it
+    against the backend once jax has started."""
     from pathlib import Path
 
     from moevlm_jax.config.files import find_config
@@ -150,15 +160,12 @@ def recipe_capture(recipe: str | os.PathLike | None, overrides: Iterable[str] = 
         recipe = Path(run_dir) / "config.yaml"
     from moevlm_jax.config.run import default_recipe
 
-    found = set()
-    for name in [recipe if recipe is not None else default_recipe(guess_platform())]:
-        tree = {"compute": dict(read_yaml(find_config("recipes", name)).get("compute") or {})}
-        for key, value in map(parse_override, overrides):
-            if key.startswith("compute."):
-                set_dotted(tree, key, value)
-        config = build(ComputeConfig, tree["compute"], "compute")
-        found.add((config.capture, config.capture_scopes))
-    return found.pop()
+    name = recipe if recipe is not None else default_recipe(guess_platform())
+    tree = {"compute": dict(read_yaml(find_config("recipes", name)).get("compute") or {})}
+    for key, value in map(parse_override, overrides):
+        if key.startswith("compute."):
+            set_dotted(tree, key, value)
+    return build(ComputeConfig, tree["compute"], "compute")
 
 
 def guess_platform() -> str:

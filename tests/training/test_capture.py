@@ -85,6 +85,33 @@ def test_recipe_capture_reads_without_jax(tmp_path):
         capture.recipe_capture(str(recipe), ["compute.capture=graph"])
 
 
+def test_compute_xla_flags_join_the_capture_flags(tmp_path):
+    """compute.xla_flags: set with the capture's flags (replacing the same flags in XLA_FLAGS), read from a
+    recipe and its overrides without jax, and parsed by XLA in a fresh process."""
+    compute = ComputeConfig(capture="none", xla_flags=("--xla_gpu_enable_triton_gemm=false",))
+    assert capture.compute_flags(compute) == {"--xla_gpu_enable_command_buffer": "",
+                                              "--xla_gpu_enable_triton_gemm": "false"}
+    env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true --xla_force_host_platform_device_count=2"}
+    assert capture.merge_flags(env["XLA_FLAGS"], capture.compute_flags(compute)) == (
+        "--xla_force_host_platform_device_count=2 --xla_gpu_enable_command_buffer= --xla_gpu_enable_triton_gemm=false")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("compute: {capture: none, xla_flags: [--xla_gpu_enable_triton_gemm=false]}\n")
+    assert capture.recipe_compute(str(recipe)).xla_flags == ("--xla_gpu_enable_triton_gemm=false",)
+    assert capture.recipe_compute(str(recipe), ["compute.xla_flags=[]"]).xla_flags == ()
+    for bad, match in [(("xla_gpu_enable_triton_gemm=false",), "entries are"),
+                       (("--xla_gpu_enable_triton_gemm",), "entries are"),
+                       (("--xla_gpu_graph_min_graph_size=3",), "is compute.capture's"),
+                       (("--xla_a=1", "--xla_a=2"), "twice")]:
+        with pytest.raises(ValueError, match=match):
+            ComputeConfig(xla_flags=bad)
+    code = ("from moevlm_jax.training import capture; from moevlm_jax.model.compute import ComputeConfig; "
+            "capture.apply_capture(ComputeConfig(capture='none', xla_flags=('--xla_gpu_enable_triton_gemm=false',))); "
+            "import jax; print(jax.numpy.ones(3).sum())")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "3.0", done.stderr[-2000:]
+
+
 def test_train_cli_sets_the_flags_before_the_backend_starts():
     """The train CLI applies compute.capture before the recipe loader starts jax (here the run then
     stops at a config error, after the backend started with the flags)."""
