@@ -10,7 +10,6 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 unset JAX_COMPILATION_CACHE_DIR
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 rm -rf "$HOME/.cache/moevlm_jax/vqa"
 timeout 120 python3 -m moevlm_jax.train --recipe h200 --no-auto-fit --steps 15 --run-dir /tmp/h200 \
     train.eval_every=0 train.eval_batches=0 train.show_answers=0 train.checkpointing=false train.log_every=1 \

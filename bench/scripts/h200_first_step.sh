@@ -15,7 +15,6 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 unset JAX_COMPILATION_CACHE_DIR  # an empty cache: nothing read, nothing written
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 STEPS=${STEPS:-20}
 COMMON="train.reserve_largest_bucket=true train.eval_every=0 train.eval_batches=0 train.show_answers=0
  train.checkpointing=false train.log_every=1 train.tensorboard=false train.compilation_cache_dir=null"

@@ -5,13 +5,13 @@
 # off) once per XLA flag set of FLAGSETS (';'-separated; "-" = XLA's defaults), each a fresh process, with its
 # kernel profile; PROBE=compile instead times the training step's trace / lower / XLA compile and the state
 # initialiser's compile per flag set (bench/scripts/probe_compile.py). FIRST_ENV="VAR=value ..." is the first-step
-# run's environment (e.g. XLA_FLAGS=...). Results under $OUT: log.txt, first_step.log, first_step_metrics.jsonl,
+# run's environment (e.g. XLA_FLAGS=...). The recipe's own flags (its capture's, compute.xla_flags: since run 24
+# --xla_gpu_enable_triton_gemm=false) replace the same flags of the environment in the first-step run and PROBE=compile. Results under $OUT: log.txt, first_step.log, first_step_metrics.jsonl,
 # vision_<i>.json or compile_<i>.json.
 #   run(command="bash bench/scripts/h200_flags.sh", carry=[".gpudeps"], timeout_s=600)
 set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 if [ "${FIRST:-1}" = 1 ]; then
   ( unset JAX_COMPILATION_CACHE_DIR; rm -rf "$HOME/.cache/moevlm_jax/vqa" /tmp/fs
     env ${FIRST_ENV:-} timeout "$(left "${FIRST_END:-300}")" python3 -m moevlm_jax.train --recipe h200 --no-auto-fit --steps "${STEPS:-6}" \

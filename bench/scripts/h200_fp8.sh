@@ -14,7 +14,6 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 unset JAX_COMPILATION_CACHE_DIR
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 MBS=${MBS:-8}; STEPS=${STEPS:-200}; FP8=${FP8:-tensor}
 if [ "${GEMM_S:-60}" -gt 0 ]; then  # GEMM_S=0: no GEMM check
   timeout "${GEMM_S:-60}" python3 bench/scripts/h200_fp8_gemm.py "$OUT/fp8_gemm.json" --iters 10 --hlo-dir "$OUT/hlo" 2>&1 | tail -12 | tee -a "$OUT/log.txt"

@@ -13,7 +13,6 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 unset JAX_COMPILATION_CACHE_DIR
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 # PROBE=1 first: the FP8 GEMM check, bf16 and the tensor recipe (fp8 arrays handed to the dot), its HLO kept
 if [ "${PROBE:-0}" = 1 ]; then
   timeout 50 python3 bench/scripts/h200_fp8_gemm.py "$OUT/fp8_gemm.json" --iters 10 --hlo-dir /tmp/hlo \

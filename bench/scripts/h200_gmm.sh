@@ -15,7 +15,6 @@
 set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/gmm.txt" 2>&1; cat "$OUT/gmm.txt"
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 [ "${PROBE:-1}" = 1 ] && (cd bench/scripts && timeout "${PROBE_S:-260}" python3 probe_gmm.py --budget "${PROBE_BUDGET:-200}" --shapes "${PROBE_SHAPES:-gate_up,down}" \
     --out "$OUT/gmm_probe.json" --best-out "$OUT/gmm_triton_configs.json" $([ "${PROBE_DEFAULTS:-0}" = 1 ] || echo --keyed-only) 2>&1 | grep -v "Autotuning cache miss" \
     | tail -60 | tee -a "$OUT/gmm.txt")

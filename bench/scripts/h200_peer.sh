@@ -12,7 +12,6 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 set -f  # after gpu_env.sh (its wheel list is a glob): override values such as [full_iteration] are not globs
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 O=${OURS_MBS:-8} P=${PEER_MBS:-4}
 mkdir -p /tmp/bo /tmp/bp
 ours() {  # ours alone at MBS $O, for at most $1 s

@@ -11,7 +11,6 @@
 set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 if [ "${GDN_S:-150}" != 0 ]; then
   timeout ${GDN_S:-150} python3 bench/scripts/h200_gdn_check.py "$OUT/gdn_check_h200.json" 2>&1 | tee "$OUT/gdn_check_h200.txt" | tail -30
   echo "gdn rc=${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/log.txt"

@@ -20,7 +20,6 @@
 set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/step.txt" 2>&1; cat "$OUT/step.txt"
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 if [ "${MOE:-0}" = 1 ]; then
   timeout "${MOE_TIMEOUT:-150}" python3 -m moevlm_jax.tools.bench_moe --shapes 30b-a3b --tokens 16384 --backends "${BACKENDS:-triton,capacity}" \
       --capacity-factor "${CF:-1.25}" $([ "${MOE_HF:-0}" = 1 ] || echo --no-hf) --iters 10 --out "$OUT/moe_layer.json" 2>&1 | grep -v "Autotuning cache miss" | tee -a "$OUT/step.txt"

@@ -22,7 +22,6 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 set -f
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 ARGS="--recipe h200 --peer none --data real --mbs ${MBS:-10} --warmup 3 --steps ${STEPS:-8}"
 case "${AB:?AB=searchsorted or AB=fuse}" in
   searchsorted) A_RUN="python3 bench/scripts/with_searchsorted.py scan -m"; A_ENV=""; NAMES=(scan compare_all) ;;

@@ -2,7 +2,8 @@
 # Issue 24's yardstick (recipe h200, real data, MBS 10) for several variants of the working tree in one call,
 # one fresh process each, in order: SIDES is a ';'-separated list of name|env|bench-args, e.g.
 #   SIDES="tree||;no_triton_gemm|XLA_FLAGS=--xla_gpu_enable_triton_gemm=false|;fp32_logits||compute.logits_fp32=true"
-# (XLA_FLAGS merge with the recipe's capture flags). The first process on a new machine compiles ~60 s longer
+# (XLA_FLAGS merge with the recipe's own, which replace the same flags: since run 24 the Triton GEMM side is
+# "triton_gemm||compute.xla_flags=[]"). The first process on a new machine compiles ~60 s longer
 # than the later ones (bench/step_h200.md run 23): put the reference first and compare compile times among the
 # later sides only. Each side gets FIRST_S (first) or SIDE_S seconds, and none starts with under 120 s left of END.
 # Results under $OUT: log.txt, side_<name>.log (whole, with its exit status), step_<name>.json.
@@ -11,7 +12,6 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 set -f
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 ARGS="--recipe h200 --peer none --data real --mbs ${MBS:-10} --warmup 3 --steps ${STEPS:-8}"
 n=0
 IFS=';' read -ra SS <<< "${SIDES:?SIDES=name|env|args;...}"

@@ -10,7 +10,6 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/sweep.txt" 2>&1; cat "$OUT/sweep.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv | tee -a "$OUT/sweep.txt"
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 if [ "${PROBE:-0}" = 1 ]; then
   timeout 170 python3 bench/scripts/probe_tokamax.py --budget 120 --out "$OUT/tokamax_probe.json" 2>&1 \
       | tee "$OUT/tokamax_probe.txt" | grep -v "^  File\|^Traceback\|Autotuning cache miss" | tail -60

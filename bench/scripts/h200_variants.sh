@@ -10,7 +10,6 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 set -f  # after gpu_env.sh (its wheel list is a glob): override values such as [core_attn] are not globs
-left() { local l=$(( ${1} - ($(date +%s) - T0) )); echo $(( l > 1 ? l : 1 )); }
 if [ -n "${CASES:-}" ]; then
   timeout "${PROBE_S:-200}" python3 bench/scripts/probe_attention.py --cases "$CASES" --out "$OUT/attn.json" 2>&1 \
       | grep -v "Autotuning cache miss" | tee -a "$OUT/log.txt"

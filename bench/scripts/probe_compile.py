@@ -2,7 +2,8 @@
 bench/first_step_h200.md): the step traced (Python), lowered to StableHLO, and compiled by XLA, each
 timed, for the same abstract batch and loss capacity the train CLI compiles ahead (``train.compile_ahead``),
 with no compilation cache. XLA flags come from the environment (one process per flag set); the recipe's
-capture flags are merged in as the CLI does. ``--init`` also times the state initialiser's compile, which
+own (its capture's and ``compute.xla_flags``) are merged in as the CLI does and replace the same flags there:
+to time a flag the recipe sets, override it (e.g. ``compute.xla_flags=[]`` for XLA's defaults). ``--init`` also times the state initialiser's compile, which
 the CLI runs at the same time in another thread.
 
     XLA_FLAGS=... python3 bench/scripts/probe_compile.py --out $OUT/compile.json [key=value ...]

@@ -214,14 +214,15 @@ class ComputeConfig:
                f"compute.capture_scopes must be a list of {CAPTURE_SCOPES}, got {list(self.capture_scopes)}")
         _check(self.capture != "scopes" or self.capture_scopes,
                "compute.capture: scopes needs at least one compute.capture_scopes entry")
+        names = set()
         for flag in self.xla_flags:
             name, eq, value = str(flag).partition("=")
             _check(isinstance(flag, str) and name.startswith("--xla_") and eq and value and " " not in flag,
                    f"compute.xla_flags entries are '--xla_<name>=<value>', got {flag!r}")
             _check(name not in XLA_FLAGS_OF_CAPTURE,
                    f"compute.xla_flags: {name} is compute.capture's (set compute.capture / capture_scopes instead)")
-        names = [str(f).partition("=")[0] for f in self.xla_flags]
-        _check(len(set(names)) == len(names), f"compute.xla_flags names a flag twice: {list(self.xla_flags)}")
+            _check(name not in names, f"compute.xla_flags names a flag twice: {list(self.xla_flags)}")
+            names.add(name)
 
     def stack_recompute(self, tower: str = "text") -> tuple[str, tuple[str, ...]]:
         """(mode, recompute modules) for the decoder ("text") or the vision tower ("vision")."""

@@ -31,7 +31,7 @@ import os
 import shlex
 from collections.abc import Iterable, Mapping
 
-from moevlm_jax.model.compute import CAPTURE_MODES, CAPTURE_SCOPES, ComputeConfig
+from moevlm_jax.model.compute import CAPTURE_MODES, CAPTURE_SCOPES, XLA_FLAGS_OF_CAPTURE, ComputeConfig
 
 # Command-buffer types accepted by --xla_gpu_enable_command_buffer in jax 0.10.2's XLA (each checked
 # by XLA's flag parser on that build; DYNAMIC_SLICE_COPY_FUSION, in the proto, is rejected there).
@@ -50,8 +50,7 @@ SCOPE_COMMANDS: dict[str, tuple[str, ...]] = {
     "full_iteration": COMMAND_TYPES,
 }
 SCOPE_MIN_GRAPH_SIZE = 2  # scopes without full_iteration: capture short runs too (XLA default: 5)
-FLAG_TYPES = "--xla_gpu_enable_command_buffer"
-FLAG_MIN_SIZE = "--xla_gpu_graph_min_graph_size"
+FLAG_TYPES, FLAG_MIN_SIZE = XLA_FLAGS_OF_CAPTURE  # the command-buffer types, the smallest graph
 
 
 class CaptureError(RuntimeError):
@@ -117,7 +116,8 @@ def backend_started() -> bool:
 def apply_capture(compute_or_capture: ComputeConfig | str, scopes: Iterable[str] = (),
                   environ: dict[str, str] | None = None) -> str:
     """Merge the capture flags (and a ComputeConfig's ``xla_flags``) into ``XLA_FLAGS`` (``environ``,
-    default ``os.environ``; the config's values replace the same flags there) and return it. Call before the first jax device use; once the backend has started, raises CaptureError unless
+    default ``os.environ``; the config's values replace the same flags there) and return it. Call
+    before the first jax device use; once the backend has started, raises CaptureError unless
     XLA_FLAGS already holds the same values (then nothing changes)."""
     if isinstance(compute_or_capture, ComputeConfig):
         flags = compute_flags(compute_or_capture)
