@@ -1,0 +1,151 @@
+"""JAX's own Mosaic-GPU grouped matmuls against this project's Pallas-Triton kernels, one matmul at a time (issue 24).
+
+JAX ships Hopper (wgmma + TMA, persistent) grouped-matmul kernels as Pallas examples:
+``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot`` (forward; d(x) with ``transpose_rhs``) and
+``transposed_ragged_dot_mgpu.transposed_ragged_dot`` (d(w): the rows contracted). This probe times them over tile
+configs on the layer bench's row count and skewed routing, next to ``parallelism.gmm_triton`` with its tuned
+configs and the same FLOPs as one balanced batched einsum per matmul (the ceiling, cuBLAS), all in one process;
+each Mosaic result is checked against the Triton kernel's (norm-wise relative error over the kept rows).
+``--dense`` also times JAX's warp-specialised dense Hopper matmul (``hopper_matmul_mgpu``) against ``jnp.dot`` on
+the forward's [rows, K] x [K, N]: what a warp-specialised grouped kernel could reach.
+
+Timing: ``--iters`` calls back to back, one synchronisation (the device time of a call in a stream of them),
+median of three such rounds.
+
+  python bench/scripts/probe_mgpu_gmm.py --shapes gate_up_235b,down_235b,gate_up,down --out $OUT/mgpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from probe_tokamax import SHAPES, error_text, group_sizes, probe_arguments, rel
+
+from parallelism import gmm_mgpu as gm
+from parallelism import gmm_triton as gt
+
+# ragged_dot (fwd, dx): (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
+RAGGED = [(128, 192, 64, 4, 4), (128, 128, 64, 5, 8)]  # the fastest two of run 13's first call
+# parallelism.gmm_mgpu (fwd, dx): (tile_m, tile_n per compute warpgroup, tile_k, max_concurrent_steps, grid_tile_width)
+OURS = [(128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 64, 3, 8), (128, 128, 64, 4, 16), (128, 128, 64, 4, 1),
+        (64, 128, 64, 4, 8), (128, 64, 64, 4, 8)]
+# transposed_ragged_dot (dw): block_m x block_n = the output tile, block_k = rows per step
+TRANSPOSED = [(128, 128, 64, 4, 4), (128, 192, 64, 4, 4), (128, 128, 64, 5, 8), (128, 128, 64, 3, 8)]
+
+
+def pipelined_ms(fn, args, iters: int, rounds: int = 3) -> tuple[float, object]:
+    out = jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / iters)
+    return statistics.median(ts) * 1e3, out
+
+
+def main() -> int:
+    p = probe_arguments(420.0)
+    p.add_argument("--dense", action="store_true")
+    args = p.parse_args()
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    t_start = time.perf_counter()
+    bf16 = jnp.bfloat16
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": args.rows, "groups": args.groups,
+            "iters": args.iters}
+    rows: list[dict] = []
+
+    def record(row: dict, fn, inputs, flops, ref=None, valid=None):
+        if time.perf_counter() - t_start > args.budget:
+            row["skipped"] = "budget"
+            rows.append(row)
+            return None
+        out = None
+        try:
+            t0 = time.perf_counter()
+            ms, out = pipelined_ms(jax.jit(fn), inputs, args.iters)
+            row.update(ms=ms, tflops=flops / ms / 1e9, first_s=time.perf_counter() - t0)
+            if ref is not None:
+                row["rel_err_vs_triton"] = rel(out, ref, valid)
+        except Exception as e:  # noqa: BLE001 - an unsupported config is a result
+            row["error"] = error_text(e)
+            traceback.print_exc(limit=1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        return out
+
+    for shape in args.shapes.split(","):
+        k, n = SHAPES[shape]
+        m, g = args.rows, args.groups
+        key = jax.random.split(jax.random.PRNGKey(0), 3)
+        x = jax.random.normal(key[0], (m, k), jnp.float32).astype(bf16)
+        w = (jax.random.normal(key[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(bf16)
+        dy = jax.random.normal(key[2], (m, n), jnp.float32).astype(bf16)
+        sizes_np = group_sizes(m, g, seed=1)
+        gs = jnp.asarray(sizes_np)
+        valid = jnp.arange(m) < int(sizes_np.sum())
+        fl = 2.0 * int(sizes_np.sum()) * k * n
+        base = dict(shape=shape, k=k, n=n, load_max_over_mean=float(sizes_np.max() / sizes_np.mean()))
+        c = m // g
+        xb, dyb = x.reshape(g, c, k), dy.reshape(g, c, n)
+        ceilings = {"fwd": (lambda a, b: jnp.einsum("gck,gkn->gcn", a, b), (xb, w)),
+                    "dx": (lambda a, b: jnp.einsum("gcn,gkn->gck", a, b), (dyb, w)),
+                    "dw": (lambda a, b: jnp.einsum("gck,gcn->gkn", a, b), (xb, dyb))}
+        triton = {"fwd": (lambda a, b, s: gt.gmm(a, b, s), (x, w, gs)),
+                  "dx": (lambda a, b, s: gt.gmm(a, b, s, trans_w=True), (dy, w, gs)),
+                  "dw": (lambda a, b, s: gt.tgmm(a, b, s), (x, dy, gs))}
+        for kind in ("fwd", "dx", "dw"):
+            record(dict(base, kernel=kind, variant="ceiling: balanced batched einsum"), *ceilings[kind], 2.0 * m * k * n)
+            ref = record(dict(base, kernel=kind, variant="triton (gmm_triton.CONFIGS)"), *triton[kind], fl)
+            for cfg in (TRANSPOSED if kind == "dw" else RAGGED):
+                kw = dict(zip(("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"), cfg))
+                if kind == "dw":
+                    fn = lambda a, b, s, kw=kw: transposed_ragged_dot_mgpu.transposed_ragged_dot(a, b, group_sizes=s, **kw)  # noqa: E731
+                    inputs = (x, dy, gs)
+                else:
+                    fn = lambda a, b, s, kw=kw, t=kind == "dx": ragged_dot_mgpu.ragged_dot(  # noqa: E731
+                        a, b, group_sizes=s, transpose_rhs=t, **kw)
+                    inputs = (x, w, gs) if kind == "fwd" else (dy, w, gs)
+                record(dict(base, kernel=kind, variant=f"mgpu {cfg}", config=list(cfg)), fn, inputs, fl,
+                       ref, None if kind == "dw" else valid)
+            for cfg in (() if kind == "dw" else OURS):
+                c = gm.Config(*cfg)
+                if not gm.supported(m, *((n, k) if kind == "dx" else (k, n)), c):
+                    continue
+                fn = lambda a, b, s, c=c, t=kind == "dx": gm.gmm(a, b, s, trans_w=t, config=c)  # noqa: E731
+                record(dict(base, kernel=kind, variant=f"gmm_mgpu {cfg}", config=list(cfg)), fn,
+                       (x, w, gs) if kind == "fwd" else (dy, w, gs), fl, ref, valid)
+            del ref
+        if args.dense:
+            from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+            w0 = w[0]
+            record(dict(base, kernel="dense", variant="jnp.dot [rows, K] x [K, N]"), jnp.dot, (x, w0), 2.0 * m * k * n)
+            for tm, tn, tk, steps, width in ((128, 128, 64, 4, 1), (128, 128, 64, 4, 8), (128, 256, 64, 3, 4)):
+                cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps, grid_tile_width=width)
+                record(dict(base, kernel="dense", variant=f"hopper_matmul_mgpu {(tm, tn, tk, steps, width)} (2 wg on N)"),
+                       lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg), (x, w0), 2.0 * m * k * n)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"\n{'shape':<13} {'kernel':<5} {'variant':<44} {'ms':>7} {'TFLOP/s':>8} {'rel err':>9}")
+    for r in rows:
+        print(f"{r['shape']:<13} {r['kernel']:<5} {r['variant'][:44]:<44} {r.get('ms', float('nan')):>7.3f} "
+              f"{r.get('tflops', float('nan')):>8.1f} {r.get('rel_err_vs_triton', float('nan')):>9.2e} "
+              f"{r.get('error', r.get('skipped', ''))[:90]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Grouped matmul as a warp-specialised Pallas Mosaic-GPU kernel (Hopper: TMA loads, wgmma, persistent).
+
+The forward and d(x) of a grouped matmul (the row-contracting d(w) stays in ``parallelism.gmm_triton``):
+
+  gmm        out [M, N] = x [M, K] @ w[g(m)] [K, N]          (forward)
+  gmm trans  dx  [M, K] = dy [M, N] @ w[g(m)]^T               (d x: w read transposed, [G, K, N] as stored)
+
+The kernel is JAX's warp-specialised Hopper matmul (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``: one
+memory warpgroup feeding two compute warpgroups that split the CTA's ``2 * tile_n`` columns, a persistent loop over
+the output tiles) made ragged: the output tiles are the ``parallelism.gmm_triton.tile_table`` tiles (a tile of
+``tile_m`` rows starting at its group's first row, never spanning two groups), the weight block is read from the
+tile's group, and the store writes only the tile's rows of its group. TMA loads are boxes of ``tile_m`` rows, so a
+tile's box may reach into the next group's rows (computed, never stored); the last group's box is moved back to end
+at row ``M`` (its rows then start ``skip`` rows into the box). The store copies each ``epi_tile_m``-row slab of the
+tile from shared memory through TMA boxes of 64, 32, ..., 1 rows (the row count's binary digits), since a TMA box
+has a static size. Rows past ``sum(group_sizes)`` are left unwritten, as ``gmm_triton.gmm`` does.
+
+Measured on one H200 (bench/moe_layer.md run 13): the dense form of this kernel runs at cuBLAS's speed at the
+experts' shapes, where the Pallas-Triton kernels reach ~0.8 of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from parallelism.gmm_triton import tile_table
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile sizes of one kernel: each of the two compute warpgroups owns a ``tile_m x tile_n`` accumulator (the CTA
+    covers ``2 * tile_n`` columns); ``max_concurrent_steps`` K steps in flight; ``grid_tile_width`` output tiles
+    along N visited before moving on in M (the persistent loop's snake order); the epilogue stores
+    ``epi_tile_m x epi_tile_n`` slabs."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_tile_width: int = 8
+    epi_tile_m: int = 64
+    epi_tile_n: int = 64
+
+
+CONFIGS: dict[str, Config] = {"fwd": Config(), "dx": Config()}
+
+
+def supported(m: int, k: int, n: int, cfg: Config | None = None) -> bool:
+    """Whether the kernel takes ``x [m, k]`` to ``[m, n]`` columns: whole K steps, whole CTA column blocks, at
+    least one row tile."""
+    cfg = cfg or Config()
+    return k % cfg.tile_k == 0 and n % (2 * cfg.tile_n) == 0 and m >= cfg.tile_m and cfg.tile_n % cfg.epi_tile_n == 0
+
+
+def _num_sms() -> int:
+    return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False, config: Config | None = None,
+        interpret=None, num_sms: int | None = None) -> jax.Array:
+    """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` -> ``[M, N]`` (with ``trans_w``: ``w [G, N, K]`` read
+    transposed, i.e. ``x @ w[g]^T``). Rows past ``sum(group_sizes)`` are left unwritten. ``interpret``: a
+    ``InterpretGPUParams`` to run the kernel in Pallas' GPU interpreter (tests on CPU)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    cfg = config or CONFIGS["dx" if trans_w else "fwd"]
+    m, k = x.shape
+    n = w.shape[1] if trans_w else w.shape[2]
+    if (w.shape[2] if trans_w else w.shape[1]) != k:
+        raise ValueError(f"gmm_mgpu: x {x.shape} and w {w.shape} (trans_w={trans_w}) do not contract")
+    if not supported(m, k, n, cfg):
+        raise ValueError(f"gmm_mgpu: x [{m}, {k}] -> [{m}, {n}] needs K % {cfg.tile_k} == 0, N % {2 * cfg.tile_n} == 0 "
+                         f"and M >= {cfg.tile_m}")
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    em, en = cfg.epi_tile_m, cfg.epi_tile_n
+    cta_n = 2 * tn
+    group, row0, row1 = tile_table(group_sizes, m, tm)
+    n_tiles, n_iters, k_iters = group.shape[0], n // cta_n, k // tk
+    dtype = x.dtype
+    swizzle = plgpu.find_swizzle(tk * jnp.dtype(dtype).itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+    def get_pipeline(pipeline_body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            pipeline_body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((cta_n, tk) if trans_w else (tk, cta_n), (lambda kk: (0, kk)) if trans_w else (lambda kk: (kk, 0)),
+                                transforms=transforms, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def kernel(group_gmem, row0_gmem, row1_gmem, a_gmem, b_gmem, out_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
+        b_block = b_gmem.at[0, pl.ds(0, cta_n), :] if trans_w else b_gmem.at[0, :, pl.ds(0, cta_n)]
+
+        @functools.partial(pl.run_scoped,
+                           pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem.at[pl.ds(0, tm), :], b_block),
+                           out_smem=plgpu.SMEM((2, em, en), dtype), collective_axes="wg")
+        def scope(pipeline_allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((n_tiles * n_iters,), collective_axes="sm")
+            def mn_loop(info):
+                (lin,) = info.index
+                t, ni = plgpu.planar_snake(lin, (n_tiles, n_iters), 1, cfg.grid_tile_width)
+                r0, r1, g = row0_gmem[t], row1_gmem[t], group_gmem[t]
+
+                @pl.when(r1 > r0)
+                def _():
+                    start = jnp.minimum(r0, m - tm)  # the load box ends at row M at the latest
+                    skip, count = r0 - start, r1 - r0
+                    col0 = ni * cta_n + wg * tn
+
+                    def compute_context(eval_pipeline):
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                        def _(acc_ref):
+                            eval_pipeline(acc_ref)
+                            acc = acc_ref[...].astype(dtype)
+                            for mi in range(tm // em):
+                                lo = jnp.clip(skip - mi * em, 0, em)
+                                hi = jnp.clip(skip + count - mi * em, 0, em)
+                                for nj in range(tn // en):
+                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                                    out_smem[wg] = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en]
+                                    plgpu.commit_smem()
+                                    s, c, size = lo, hi - lo, em
+                                    while size >= 1:
+                                        @pl.when((c & size) != 0)
+                                        def _(s=s, size=size):
+                                            plgpu.copy_smem_to_gmem(
+                                                out_smem.at[wg, pl.ds(s, size)],
+                                                out_gmem.at[pl.ds(start + mi * em + s, size), pl.ds(col0 + nj * en, en)])
+
+                                        s = s + (c & size)
+                                        size //= 2
+
+                    def mma_body(_, a_smem, b_smem, acc_ref):
+                        if trans_w:
+                            b = plgpu.transpose_ref(b_smem.at[pl.ds(wg * tn, tn)], (1, 0))
+                        else:
+                            b = b_smem.at[:, pl.ds(wg * tn, tn)]
+                        plgpu.wgmma(acc_ref, a_smem, b)
+                        plgpu.wgmma_wait(0)
+                        return acc_ref
+
+                    cols = pl.ds(ni * cta_n, cta_n)
+                    get_pipeline(mma_body, compute_context)(
+                        a_gmem.at[pl.ds(start, tm), :], b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols],
+                        allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m, n), dtype),
+        grid=(num_sms or _num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": interpret} if interpret is not None else {}),
+    )
+    return call(group, row0, row1, x, w)
