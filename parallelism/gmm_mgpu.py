@@ -7,7 +7,7 @@ The forward and d(x) of a grouped matmul (the row-contracting d(w) stays in ``pa
 
 The kernel is JAX's warp-specialised Hopper matmul (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``: one
 memory warpgroup feeding two compute warpgroups that split the CTA's ``2 * tile_n`` columns, a persistent loop over
-the output tiles) made ragged: the output tiles are the ``parallelism.gmm_triton.tile_table`` tiles (a tile of
+the output tiles) made ragged (see below)
 ``tile_m`` rows starting at its group's first row, never spanning two groups), the weight block is read from the
 tile's group, and the store writes only the tile's rows of its group. TMA loads are boxes of ``tile_m`` rows, so a
 tile's box may reach into the next group's rows (computed, never stored); the last group's box is moved back to end
@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from parallelism.gmm_triton import tile_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +54,27 @@ def supported(m: int, k: int, n: int, cfg: Config | None = None) -> bool:
     """Whether the kernel takes ``x [m, k]`` to ``[m, n]`` columns: whole K steps, whole CTA column blocks, at
     least one row tile."""
     cfg = cfg or Config()
-    return k % cfg.tile_k == 0 and n % (2 * cfg.tile_n) == 0 and m >= cfg.tile_m and cfg.tile_n % cfg.epi_tile_n == 0
+    return k % cfg.tile_k == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
+
+
+def block_table(group_sizes: jax.Array, m: int, tile_m: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Per output tile: group, row block (rows ``[block * tile_m, (block + 1) * tile_m)``), and the rows of that
+    block that belong to the group, ``[lo, hi)`` (``hi == lo`` for unused tiles). A block holding the end of one group
+    and the start of the next is one tile of each. ``[T]`` each, ``T = m / tile_m + G - 1``, used tiles first."""
+    g = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // tile_m
+    n_blocks = jnp.where(sizes > 0, (ends - 1) // tile_m - first + 1, 0)
+    tile_ends = jnp.cumsum(n_blocks)
+    t = jnp.arange(m // tile_m + g - 1, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right", method="compare_all"), g - 1).astype(jnp.int32)
+    block = first[group] + t - (tile_ends[group] - n_blocks[group])
+    used = t < tile_ends[-1]
+    lo = jnp.where(used, jnp.maximum(starts[group], block * tile_m), 0).astype(jnp.int32)
+    hi = jnp.where(used, jnp.minimum(ends[group], (block + 1) * tile_m), 0).astype(jnp.int32)
+    return group, jnp.where(used, block, 0).astype(jnp.int32), lo, hi
 
 
 def _num_sms() -> int:
@@ -76,11 +95,11 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
         raise ValueError(f"gmm_mgpu: x {x.shape} and w {w.shape} (trans_w={trans_w}) do not contract")
     if not supported(m, k, n, cfg):
         raise ValueError(f"gmm_mgpu: x [{m}, {k}] -> [{m}, {n}] needs K % {cfg.tile_k} == 0, N % {2 * cfg.tile_n} == 0 "
-                         f"and M >= {cfg.tile_m}")
+                         f"and M % {cfg.tile_m} == 0")
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     em, en = cfg.epi_tile_m, cfg.epi_tile_n
     cta_n = 2 * tn
-    group, row0, row1 = tile_table(group_sizes, m, tm)
+    group, blocks, lo_rows, hi_rows = block_table(group_sizes, m, tm)
     n_tiles, n_iters, k_iters = group.shape[0], n // cta_n, k // tk
     dtype = x.dtype
     swizzle = plgpu.find_swizzle(tk * jnp.dtype(dtype).itemsize * 8)
@@ -102,7 +121,7 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
             compute_context=compute_context,
         )
 
-    def kernel(group_gmem, row0_gmem, row1_gmem, a_gmem, b_gmem, out_gmem):
+    def kernel(group_gmem, block_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, out_gmem):
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
         b_block = b_gmem.at[0, pl.ds(0, cta_n), :] if trans_w else b_gmem.at[0, :, pl.ds(0, cta_n)]
 
@@ -116,11 +135,11 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
             def mn_loop(info):
                 (lin,) = info.index
                 t, ni = plgpu.planar_snake(lin, (n_tiles, n_iters), 1, cfg.grid_tile_width)
-                r0, r1, g = row0_gmem[t], row1_gmem[t], group_gmem[t]
+                r0, r1, g = lo_gmem[t], hi_gmem[t], group_gmem[t]
 
                 @pl.when(r1 > r0)
                 def _():
-                    start = jnp.minimum(r0, m - tm)  # the load box ends at row M at the latest
+                    start = pl.multiple_of(block_gmem[t] * tm, tm)
                     skip, count = r0 - start, r1 - r0
                     col0 = ni * cta_n + wg * tn
 
@@ -173,4 +192,4 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": interpret} if interpret is not None else {}),
     )
-    return call(group, row0, row1, x, w)
+    return call(group, blocks, lo_rows, hi_rows, x, w)
