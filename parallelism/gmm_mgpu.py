@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,14 @@ class Config:
     epi_tile_n: int = 64
 
 
+# grid_tile_width 16 (fwd) / 4 (dx) were 1-3% faster than 8 at some shapes and slower at others (bench/moe_layer.md
+# run 13): one config for both
 CONFIGS: dict[str, Config] = {"fwd": Config(), "dx": Config()}
+KINDS_ENV = "MOEVLM_GMM_MGPU"
+# the matmuls of the Triton experts that run on this kernel instead (on a GPU, where the shape fits): "fwd", "dx"
+KINDS: frozenset[str] = frozenset(k for k in os.environ.get(KINDS_ENV, "").split(",") if k)
+if KINDS - {"fwd", "dx"}:
+    raise ValueError(f"${KINDS_ENV}: {sorted(KINDS)}; the kinds are fwd, dx")
 
 
 def supported(m: int, k: int, n: int, cfg: Config | None = None) -> bool:

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from parallelism import gmm_triton
+from parallelism import gmm_mgpu, gmm_triton
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,18 @@ def _tokamax_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
+def plain_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False) -> jax.Array:
+    """``gmm_triton.gmm`` without fusions, or the same product on the Mosaic-GPU kernel (``parallelism.gmm_mgpu``)
+    where ``$MOEVLM_GMM_MGPU`` lists the kind ("fwd" / "dx"), on a GPU, in bf16, at shapes it takes. Both leave the
+    rows past ``sum(group_sizes)`` unwritten."""
+    kind = "dx" if trans_w else "fwd"
+    n = w.shape[1] if trans_w else w.shape[2]
+    if (kind in gmm_mgpu.KINDS and x.dtype == jnp.bfloat16 == w.dtype and not gmm_triton._on_cpu()
+            and gmm_mgpu.supported(x.shape[0], x.shape[1], n, gmm_mgpu.CONFIGS[kind])):
+        return gmm_mgpu.gmm(x, w, group_sizes, trans_w=trans_w)
+    return gmm_triton.gmm(x, w, group_sizes, trans_w=trans_w)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _triton_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tail: bool) -> jax.Array:
     """``tail``: zero the output's (and d(lhs)'s) rows past ``sum(group_sizes)``, which the kernels leave
@@ -203,13 +215,13 @@ def _triton_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tail:
 
 
 def _triton_fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tail: bool) -> tuple[jax.Array, tuple]:
-    return zero_tail(gmm_triton.gmm(lhs, rhs, group_sizes), group_sizes, tail), (lhs, rhs, group_sizes)
+    return zero_tail(plain_gmm(lhs, rhs, group_sizes), group_sizes, tail), (lhs, rhs, group_sizes)
 
 
 def _triton_bwd(tail: bool, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
     lhs, rhs, group_sizes = res
     g = g.astype(lhs.dtype)
-    dlhs = zero_tail(gmm_triton.gmm(g, rhs, group_sizes, trans_w=True), group_sizes, tail)
+    dlhs = zero_tail(plain_gmm(g, rhs, group_sizes, trans_w=True), group_sizes, tail)
     drhs = gmm_triton.tgmm(lhs, g, group_sizes, out_dtype=rhs.dtype)
     return dlhs, drhs, None
 

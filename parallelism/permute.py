@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from parallelism import fp8, gmm_triton
-from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, zero_tail
+from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, plain_gmm, zero_tail
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE
 # "gather" the rows the gate_up kernel writes for d(w), with "gather_dw" the int32 row index: no rows are built)
@@ -338,7 +338,7 @@ def _gate_up_fwd(x, w, group_sizes, index, slot, top_k, fwd_swiglu, keep_rows, t
 def _gate_up_bwd(top_k, fwd_swiglu, keep_rows, tail, res, g):
     lhs, w, group_sizes, index, slot = res
     dh = (g[0] if fwd_swiglu else g).astype(lhs.dtype)
-    drows = gmm_triton.gmm(dh, w, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten
+    drows = plain_gmm(dh, w, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten
     if slot is None:
         dx = zero_tail(drows, group_sizes, tail)
     else:  # back per token: slot reads only kept (written) rows
@@ -359,7 +359,7 @@ def _swiglu_down(h, act, w, group_sizes, fused_bwd: bool, tail: bool = True):
 
 
 def _swiglu_down_fwd(h, act, w, group_sizes, fused_bwd, tail):
-    y = zero_tail(gmm_triton.gmm(act, w, group_sizes), group_sizes, tail)
+    y = zero_tail(plain_gmm(act, w, group_sizes), group_sizes, tail)
     return y, (h, act, w, group_sizes)
 
 
@@ -369,7 +369,7 @@ def _swiglu_down_bwd(fused_bwd, tail, res, g):
     if fused_bwd:
         dh = gmm_triton.gmm(g, w, group_sizes, trans_w=True, epilogue="swiglu_bwd", h=h)
     else:
-        dact = zero_tail(gmm_triton.gmm(g, w, group_sizes, trans_w=True), group_sizes, tail)
+        dact = zero_tail(plain_gmm(g, w, group_sizes, trans_w=True), group_sizes, tail)
         dh = jax.vjp(swiglu, h)[1](dact)[0]
     dw = gmm_triton.tgmm(act, g, group_sizes, out_dtype=w.dtype)
     return dh, None, dw, None

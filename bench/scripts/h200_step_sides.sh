@@ -9,7 +9,7 @@
 # Results under $OUT: log.txt, side_<name>.log (whole, with its exit status), step_<name>.json.
 #   run(command="SIDES='...' bash bench/scripts/h200_step_sides.sh", carry=[".gpudeps"], timeout_s=600)
 set -uo pipefail
-T0=$(date +%s)
+T0=${T0:-$(date +%s)}  # a calling script may pass its own start
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 set -f
 ARGS="--recipe h200 --peer none --data real --mbs ${MBS:-10} --warmup 3 --steps ${STEPS:-8}"

@@ -1,0 +1,54 @@
+"""The Mosaic-GPU grouped matmul (parallelism.gmm_mgpu): its tile table by hand, its forward kernel in Pallas' GPU
+interpreter against a per-group einsum, and the shape checks. The d(x) form (w read transposed in shared memory) is
+not run here: the interpreter has no transposed wgmma operand (jax 0.10.2); on an H200 it was bitwise equal to the
+Triton kernel's (bench/moe_layer.md run 13)."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from parallelism import gmm_mgpu
+
+
+def test_block_table_hand_computed():
+    # tile_m 4, 16 rows; groups of 5, 0, 6, 2 rows (13 used): rows 0-4 g0 (blocks 0, 1), 5-10 g2 (blocks 1, 2),
+    # 11-12 g3 (blocks 2, 3); one spare tile
+    group, block, lo, hi = (np.asarray(a) for a in gmm_mgpu.block_table(jnp.asarray([5, 0, 6, 2]), 16, 4))
+    assert len(group) == 16 // 4 + 4 - 1
+    used = hi > lo
+    assert used.tolist() == [True] * 6 + [False]
+    np.testing.assert_array_equal(group[used], [0, 0, 2, 2, 3, 3])
+    np.testing.assert_array_equal(block[used], [0, 1, 1, 2, 2, 3])
+    np.testing.assert_array_equal(lo[used], [0, 4, 5, 8, 11, 12])
+    np.testing.assert_array_equal(hi[used], [4, 5, 8, 11, 12, 13])
+
+
+def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    m, k, n = 512, 128, 256
+    sizes = np.array([130, 0, 200, 10, 140], np.int32)  # 480 of 512 rows; a group inside one row block; an empty one
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(1), (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)
+    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1)
+    out = gmm_mgpu.gmm(x, w, jnp.asarray(sizes), config=cfg, interpret=InterpretGPUParams(), num_sms=4)
+    used = int(sizes.sum())
+    gid = np.repeat(np.arange(len(sizes)), sizes)
+    ref = np.einsum("mk,mkn->mn", np.asarray(x[:used], np.float32), np.asarray(w, np.float32)[gid])
+    got = np.asarray(out.astype(jnp.float32))[:used]
+    # bf16 output of a float32 accumulation: within bf16 rounding of each element
+    np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
+
+
+def test_shape_checks_name_the_problem():
+    x = jnp.zeros((256, 100), jnp.bfloat16)
+    w = jnp.zeros((2, 100, 256), jnp.bfloat16)
+    assert not gmm_mgpu.supported(256, 100, 256)
+    assert not gmm_mgpu.supported(200, 128, 256)
+    assert gmm_mgpu.supported(256, 128, 256)
+    with pytest.raises(ValueError, match="K % 64"):
+        gmm_mgpu.gmm(x, w, jnp.asarray([100, 100]))
+    with pytest.raises(ValueError, match="do not contract"):
+        gmm_mgpu.gmm(x, jnp.zeros((2, 64, 256), jnp.bfloat16), jnp.asarray([100, 100]))
