@@ -52,3 +52,28 @@ def test_shape_checks_name_the_problem():
         gmm_mgpu.gmm(x, w, jnp.asarray([100, 100]))
     with pytest.raises(ValueError, match="do not contract"):
         gmm_mgpu.gmm(x, jnp.zeros((2, 64, 256), jnp.bfloat16), jnp.asarray([100, 100]))
+
+
+def test_plain_gmm_routes_only_supported_bf16_gpu_matmuls_to_the_mosaic_kernel(monkeypatch):
+    """``grouped_matmul.plain_gmm``: the listed kinds, bf16, on a GPU, at shapes the kernel takes; else Triton."""
+    from parallelism import gmm_triton
+    from parallelism import grouped_matmul as gmmod
+
+    calls = []
+    monkeypatch.setattr(gmm_mgpu, "gmm", lambda x, w, s, trans_w=False: calls.append(("mgpu", trans_w)) or "mgpu")
+    monkeypatch.setattr(gmm_triton, "gmm", lambda x, w, s, trans_w=False: calls.append(("triton", trans_w)) or "triton")
+    monkeypatch.setattr(gmm_triton, "_on_cpu", lambda: False)
+    monkeypatch.setattr(gmm_mgpu, "KINDS", frozenset({"dx"}))
+    s = jnp.asarray([128, 128])
+    bf = jnp.bfloat16
+    x, w = jnp.zeros((256, 128), bf), jnp.zeros((2, 128, 256), bf)
+    assert gmmod.plain_gmm(x, w, s) == "triton"  # fwd not listed
+    assert gmmod.plain_gmm(jnp.zeros((256, 256), bf), w, s, trans_w=True) == "triton"  # out 128 columns: not 256-wide
+    wt = jnp.zeros((2, 256, 128), bf)  # d(x): [G, out 256, contract 128]
+    assert gmmod.plain_gmm(x, wt, s, trans_w=True) == "mgpu"
+    assert gmmod.plain_gmm(x.astype(jnp.float32), wt.astype(jnp.float32), s, trans_w=True) == "triton"  # not bf16
+    assert gmmod.plain_gmm(jnp.zeros((200, 128), bf), wt, jnp.asarray([100, 100]), trans_w=True) == "triton"  # rows
+    monkeypatch.setattr(gmm_triton, "_on_cpu", lambda: True)
+    assert gmmod.plain_gmm(x, wt, s, trans_w=True) == "triton"  # CPU: the Triton kernels' interpret mode
+    assert calls == [("triton", False), ("triton", True), ("mgpu", True), ("triton", True), ("triton", True),
+                     ("triton", True)]
