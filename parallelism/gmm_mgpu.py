@@ -7,17 +7,16 @@ The forward and d(x) of a grouped matmul (the row-contracting d(w) stays in ``pa
 
 The kernel is JAX's warp-specialised Hopper matmul (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``: one
 memory warpgroup feeding two compute warpgroups that split the CTA's ``2 * tile_n`` columns, a persistent loop over
-the output tiles) made ragged (see below)
-``tile_m`` rows starting at its group's first row, never spanning two groups), the weight block is read from the
-tile's group, and the store writes only the tile's rows of its group. TMA loads are boxes of ``tile_m`` rows, so a
-tile's box may reach into the next group's rows (computed, never stored); the last group's box is moved back to end
-at row ``M`` (its rows then start ``skip`` rows into the box). The store copies each ``epi_tile_m``-row slab of the
-tile from shared memory through TMA boxes of 64, 32, ..., 1 rows (the row count's binary digits), since a TMA box
-has a static size. Rows past ``sum(group_sizes)`` are left unwritten, as ``gmm_triton.gmm`` does.
+the output tiles) made ragged. The output tiles are (group, row block) pairs (:func:`block_table`): the rows are cut
+into blocks of ``tile_m`` rows at multiples of ``tile_m`` (a TMA box must start at a provably aligned row), and a
+block holding rows of two groups is one tile of each. A tile multiplies the whole block by its group's weight block
+and stores only its group's rows: each ``epi_tile_m``-row slab goes from shared memory through TMA boxes of 64, 32,
+..., 1 rows (the row count's binary digits), since a TMA box has a static size. Rows past ``sum(group_sizes)`` are
+left unwritten, as ``gmm_triton.gmm`` does.
 
 Measured on one H200 (bench/moe_layer.md run 13, 2026-12-04): the dense warp-specialised kernel runs at cuBLAS's speed
-at the experts' shapes (0.91-1.06x), where the Pallas-Triton kernels reach ~0.8 of it; this ragged form is 2-8% faster
-than the Triton kernels on each forward / d(x) matmul at both shape sets, with the same output bits. What it leaves
+at the experts' shapes (0.91-1.06x), where the Pallas-Triton kernels reach ~0.8 of it; this ragged form takes 0.93-1.01x
+the Triton kernels' time on each forward / d(x) matmul at both shape sets, with the same output bits. What it leaves
 on the table: a row block holding two groups' rows is computed once per group (~G extra tiles), and each epilogue
 slab waits for the previous slab's stores.
 """
@@ -51,8 +50,8 @@ class Config:
     epi_tile_n: int = 64
 
 
-# grid_tile_width 16 (fwd) / 4 (dx) were 1-3% faster than 8 at some shapes and slower at others (bench/moe_layer.md
-# run 13): one config for both
+# grid_tile_width 16 (fwd) / 4 (dx) were up to 5% faster than 8 at the 235B gate_up shapes and the same or up to 7%
+# slower at others (bench/moe_layer.md run 13): one config for both
 CONFIGS: dict[str, Config] = {"fwd": Config(), "dx": Config()}
 KINDS_ENV = "MOEVLM_GMM_MGPU"
 # the unfused matmuls of the Triton experts that run on this kernel instead (on a GPU, in bf16, where the shape

@@ -27,12 +27,11 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from probe_tokamax import (
     SHAPES,
     accuracy,
+    bf16_inputs,
     error_text,
-    group_sizes,
     probe_arguments,
     references,
     timed,
@@ -111,11 +110,7 @@ def main() -> int:
         if time.perf_counter() - t_start > args.budget:  # its float32 references alone take tens of seconds
             rows.append(dict(shape=shape, kernel="all", variant="all", skipped="budget"))
             continue
-        key = jax.random.split(jax.random.PRNGKey(0), 3)
-        x = jax.random.normal(key[0], (m, k), jnp.float32).astype(bf16)
-        w = (jax.random.normal(key[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(bf16)
-        dy = jax.random.normal(key[2], (m, n), jnp.float32).astype(bf16)
-        sizes_np = group_sizes(m, g, seed=1)
+        x, w, dy, sizes_np = bf16_inputs(m, g, k, n)
         gs = jnp.asarray(sizes_np)
         t_ref = time.perf_counter()
         ref = dict(zip(("fwd", "dx", "dw"), jax.block_until_ready(references(x, w, dy, sizes_np)[:3])))

@@ -25,8 +25,8 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from probe_tokamax import SHAPES, error_text, group_sizes, probe_arguments, rel
+from probe_step_parts import timeit
+from probe_tokamax import SHAPES, bf16_inputs, error_text, probe_arguments, rel
 
 from parallelism import gmm_mgpu as gm
 from parallelism import gmm_triton as gt
@@ -40,18 +40,6 @@ OURS = [(128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (128, 128, 64, 3, 8), (128, 
 TRANSPOSED = [(128, 128, 64, 4, 4), (128, 192, 64, 4, 4), (128, 128, 64, 5, 8), (128, 128, 64, 3, 8)]
 
 
-def pipelined_ms(fn, args, iters: int, rounds: int = 3) -> tuple[float, object]:
-    out = jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(ts) * 1e3, out
-
-
 def main() -> int:
     p = probe_arguments(420.0)
     p.add_argument("--dense", action="store_true")
@@ -59,7 +47,6 @@ def main() -> int:
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
     t_start = time.perf_counter()
-    bf16 = jnp.bfloat16
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": args.rows, "groups": args.groups,
             "iters": args.iters}
     rows: list[dict] = []
@@ -72,7 +59,9 @@ def main() -> int:
         out = None
         try:
             t0 = time.perf_counter()
-            ms, out = pipelined_ms(jax.jit(fn), inputs, args.iters)
+            fn = jax.jit(fn)
+            ms = statistics.median(timeit(fn, inputs, 3, args.iters))
+            out = fn(*inputs)
             row.update(ms=ms, tflops=flops / ms / 1e9, first_s=time.perf_counter() - t0)
             if ref is not None:
                 row["rel_err_vs_triton"] = rel(out, ref, valid)
@@ -86,11 +75,7 @@ def main() -> int:
     for shape in args.shapes.split(","):
         k, n = SHAPES[shape]
         m, g = args.rows, args.groups
-        key = jax.random.split(jax.random.PRNGKey(0), 3)
-        x = jax.random.normal(key[0], (m, k), jnp.float32).astype(bf16)
-        w = (jax.random.normal(key[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(bf16)
-        dy = jax.random.normal(key[2], (m, n), jnp.float32).astype(bf16)
-        sizes_np = group_sizes(m, g, seed=1)
+        x, w, dy, sizes_np = bf16_inputs(m, g, k, n)
         gs = jnp.asarray(sizes_np)
         valid = jnp.arange(m) < int(sizes_np.sum())
         fl = 2.0 * int(sizes_np.sum()) * k * n
@@ -141,9 +126,6 @@ def main() -> int:
         print(f"{r['shape']:<13} {r['kernel']:<5} {r['variant'][:44]:<44} {r.get('ms', float('nan')):>7.3f} "
               f"{r.get('tflops', float('nan')):>8.1f} {r.get('rel_err_vs_triton', float('nan')):>9.2e} "
               f"{r.get('error', r.get('skipped', ''))[:90]}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
 
 

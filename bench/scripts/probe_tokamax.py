@@ -44,6 +44,17 @@ def group_sizes(m: int, g: int, seed: int, align: int = 0) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
+def bf16_inputs(m: int, g: int, k: int, n: int) -> tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
+    """The grouped-matmul probes' operands (probe_gmm.py, probe_mgpu_gmm.py): x [m, k], w [g, k, n] (scaled by
+    1/sqrt(k)), dy [m, n] in bf16, and the skewed group sizes of :func:`group_sizes` (seed 1)."""
+    key = jax.random.split(jax.random.PRNGKey(0), 3)
+    bf16 = jnp.bfloat16
+    x = jax.random.normal(key[0], (m, k), jnp.float32).astype(bf16)
+    w = (jax.random.normal(key[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(bf16)
+    dy = jax.random.normal(key[2], (m, n), jnp.float32).astype(bf16)
+    return x, w, dy, group_sizes(m, g, seed=1)
+
+
 def padded_index(sizes: np.ndarray, m: int) -> np.ndarray:
     """[G, C] row indices of each group (C = largest group), ``m`` (a zero row) where padded."""
     c = int(sizes.max())
