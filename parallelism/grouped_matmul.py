@@ -207,6 +207,16 @@ def plain_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bo
     return gmm_triton.gmm(x, w, group_sizes, trans_w=trans_w)
 
 
+def plain_tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, out_dtype: Any = None) -> jax.Array:
+    """The experts' d(w) ``[G, K, N]``: ``gmm_triton.tgmm``, or ``gmm_mgpu.tgmm`` where ``$MOEVLM_GMM_MGPU`` lists
+    "dw", on a GPU, in bf16 (out too), at shapes it takes. Neither reads the rows past ``sum(group_sizes)``' values
+    into the result (the Mosaic kernel selects zeros there, NaN included)."""
+    if ("dw" in gmm_mgpu.KINDS and x.dtype == jnp.bfloat16 == dy.dtype and out_dtype in (None, jnp.bfloat16)
+            and not gmm_triton._on_cpu() and gmm_mgpu.tsupported(x.shape[0], x.shape[1], dy.shape[1])):
+        return gmm_mgpu.tgmm(x, dy, group_sizes)
+    return gmm_triton.tgmm(x, dy, group_sizes, out_dtype=out_dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _triton_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tail: bool) -> jax.Array:
     """``tail``: zero the output's (and d(lhs)'s) rows past ``sum(group_sizes)``, which the kernels leave
@@ -222,7 +232,7 @@ def _triton_bwd(tail: bool, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Ar
     lhs, rhs, group_sizes = res
     g = g.astype(lhs.dtype)
     dlhs = zero_tail(plain_gmm(g, rhs, group_sizes, trans_w=True), group_sizes, tail)
-    drhs = gmm_triton.tgmm(lhs, g, group_sizes, out_dtype=rhs.dtype)
+    drhs = plain_tgmm(lhs, g, group_sizes, out_dtype=rhs.dtype)
     return dlhs, drhs, None
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from parallelism import fp8, gmm_triton
-from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, plain_gmm, zero_tail
+from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, plain_gmm, plain_tgmm, zero_tail
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE
 # "gather" the rows the gate_up kernel writes for d(w), with "gather_dw" the int32 row index: no rows are built)
@@ -343,7 +343,10 @@ def _gate_up_bwd(top_k, fwd_swiglu, keep_rows, tail, res, g):
         dx = zero_tail(drows, group_sizes, tail)
     else:  # back per token: slot reads only kept (written) rows
         dx = _dispatch_bwd(top_k, slot, drows)[0]
-    dw = gmm_triton.tgmm(lhs, dh, group_sizes, rows=index, out_dtype=w.dtype)
+    if index is None:
+        dw = plain_tgmm(lhs, dh, group_sizes, out_dtype=w.dtype)
+    else:  # "gather_dw": x read through the row index inside the Triton kernel
+        dw = gmm_triton.tgmm(lhs, dh, group_sizes, rows=index, out_dtype=w.dtype)
     return dx, dw, None, None, None
 
 
@@ -371,7 +374,7 @@ def _swiglu_down_bwd(fused_bwd, tail, res, g):
     else:
         dact = zero_tail(plain_gmm(g, w, group_sizes, trans_w=True), group_sizes, tail)
         dh = jax.vjp(swiglu, h)[1](dact)[0]
-    dw = gmm_triton.tgmm(act, g, group_sizes, out_dtype=w.dtype)
+    dw = plain_tgmm(act, g, group_sizes, out_dtype=w.dtype)
     return dh, None, dw, None
 
 

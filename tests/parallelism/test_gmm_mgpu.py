@@ -15,24 +15,49 @@ from parallelism import gmm_mgpu
 def test_block_table_hand_computed():
     # tile_m 4, 16 rows; groups of 5, 0, 6, 2 rows (13 used): rows 0-4 g0 (blocks 0, 1), 5-10 g2 (blocks 1, 2),
     # 11-12 g3 (blocks 2, 3); one spare tile
-    group, block, lo, hi = (np.asarray(a) for a in gmm_mgpu.block_table(jnp.asarray([5, 0, 6, 2]), 16, 4))
+    group, row0, lo, hi = (np.asarray(a) for a in gmm_mgpu.block_table(jnp.asarray([5, 0, 6, 2]), 16, 4))
     assert len(group) == 16 // 4 + 4 - 1
     used = hi > lo
     assert used.tolist() == [True] * 6 + [False]
     np.testing.assert_array_equal(group[used], [0, 0, 2, 2, 3, 3])
-    np.testing.assert_array_equal(block[used], [0, 1, 1, 2, 2, 3])
+    np.testing.assert_array_equal(row0[used], [0, 4, 4, 8, 8, 12])
     np.testing.assert_array_equal(lo[used], [0, 4, 5, 8, 11, 12])
     np.testing.assert_array_equal(hi[used], [4, 5, 8, 11, 12, 13])
 
 
-def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum():
+def test_block_table_group_start_windows_hand_computed():
+    # tile_m 16, align 8, 64 rows; groups of 20, 0, 5, 30, 3 rows (58 used): g0 rows 0-19 (windows at 0, 16),
+    # g2 rows 20-24 (window at 16), g3 rows 25-54 (windows at 24, 40), g4 rows 55-57 (window at 48)
+    group, row0, lo, hi = (np.asarray(a) for a in gmm_mgpu.block_table(jnp.asarray([20, 0, 5, 30, 3]), 64, 16, 8))
+    assert len(group) == 64 // 16 + 5 + 3  # + ceil(5 * 7 / 16)
+    used = hi > lo
+    assert used.sum() == 6 and used[:6].all()
+    np.testing.assert_array_equal(group[used], [0, 0, 2, 3, 3, 4])
+    np.testing.assert_array_equal(row0[used], [0, 16, 16, 24, 40, 48])
+    np.testing.assert_array_equal(lo[used], [0, 16, 20, 25, 40, 55])
+    np.testing.assert_array_equal(hi[used], [16, 20, 25, 40, 55, 58])
+    # a last window past row m moves back to end at m: rows 10-63 in windows from row 8, the fourth (56) at 48
+    group, row0, lo, hi = (np.asarray(a) for a in gmm_mgpu.block_table(jnp.asarray([10, 54]), 64, 16, 8))
+    used = hi > lo
+    np.testing.assert_array_equal(row0[used], [0, 8, 24, 40, 48])
+    np.testing.assert_array_equal(lo[used], [0, 10, 24, 40, 56])
+    np.testing.assert_array_equal(hi[used], [10, 24, 40, 56, 64])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gmm_mgpu.block_table(jnp.asarray([3, 60]), 64, 16, 4)
+
+
+@pytest.mark.parametrize("align", [128, 8])
+def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align):
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     m, k, n = 512, 128, 256
-    sizes = np.array([130, 0, 200, 10, 140], np.int32)  # 480 of 512 rows; a group inside one row block; an empty one
+    # 480 of 512 rows; a group inside one row block; an empty one; with align 8 windows at rows 0, 128 (g0), 128,
+    # 256 (g2), 328 (g3), 336 and 384 (g4: the last moved back from 464 to end at row 512)
+    sizes = np.array([130, 0, 200, 10, 140], np.int32)
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(jax.random.key(1), (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)
-    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1)
+    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1,
+                          align=align)
     out = gmm_mgpu.gmm(x, w, jnp.asarray(sizes), config=cfg, interpret=InterpretGPUParams(), num_sms=4)
     used = int(sizes.sum())
     gid = np.repeat(np.arange(len(sizes)), sizes)
