@@ -1,24 +1,26 @@
-"""Grouped matmul as a warp-specialised Pallas Mosaic-GPU kernel (Hopper: TMA loads, wgmma, persistent).
+"""Grouped matmul as warp-specialised Pallas Mosaic-GPU kernels (Hopper: TMA loads, wgmma, persistent).
 
-The forward and d(x) of a grouped matmul (the row-contracting d(w) stays in ``parallelism.gmm_triton``):
+The three products of a grouped matmul, as ``parallelism.gmm_triton`` has them for any GPU:
 
   gmm        out [M, N] = x [M, K] @ w[g(m)] [K, N]          (forward)
   gmm trans  dx  [M, K] = dy [M, N] @ w[g(m)]^T               (d x: w read transposed, [G, K, N] as stored)
+  tgmm       dw  [G, K, N] = sum over group g's rows of x^T dy (d w: the rows contracted; :func:`tgmm`)
 
 The kernel is JAX's warp-specialised Hopper matmul (``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``: one
 memory warpgroup feeding two compute warpgroups that split the CTA's ``2 * tile_n`` columns, a persistent loop over
-the output tiles) made ragged. The output tiles are (group, row block) pairs (:func:`block_table`): the rows are cut
-into blocks of ``tile_m`` rows at multiples of ``tile_m`` (a TMA box must start at a provably aligned row), and a
-block holding rows of two groups is one tile of each. A tile multiplies the whole block by its group's weight block
-and stores only its group's rows: each ``epi_tile_m``-row slab goes from shared memory through TMA boxes of 64, 32,
-..., 1 rows (the row count's binary digits), since a TMA box has a static size. Rows past ``sum(group_sizes)`` are
-left unwritten, as ``gmm_triton.gmm`` does.
+the output tiles) made ragged. The output tiles are (group, row window) pairs (:func:`block_table`): a group's
+windows of ``tile_m`` rows start at its first row rounded down to a multiple of 8 (a TMA box of the tiled operand
+starts at a multiple of its 8-row tile; Mosaic must be able to prove it) and step by ``tile_m``. A tile multiplies the
+whole window by its group's weight block and stores only its group's rows: each ``epi_tile_m``-row slab goes from
+shared memory through TMA boxes of 64, 32, ..., 1 rows (the row count's binary digits), since a TMA box has a static
+size. Rows past ``sum(group_sizes)`` are left unwritten, as ``gmm_triton.gmm`` does.
 
-Measured on one H200 (bench/moe_layer.md run 13, 2026-12-04): the dense warp-specialised kernel runs at cuBLAS's speed
-at the experts' shapes (0.91-1.06x), where the Pallas-Triton kernels reach ~0.8 of it; this ragged form takes 0.93-1.01x
-the Triton kernels' time on each forward / d(x) matmul at both shape sets, with the same output bits. What it leaves
-on the table: a row block holding two groups' rows is computed once per group (~G extra tiles), and each epilogue
-slab waits for the previous slab's stores.
+Measured on one H200 (bench/moe_layer.md runs 13-14): the dense warp-specialised kernel runs at cuBLAS's speed at
+the experts' shapes (0.91-1.06x), where the Pallas-Triton kernels reach ~0.8 of it. Windows at aligned 128-row blocks
+(run 13: a block holding two groups' rows computed once per group, ~G extra tiles) took 0.93-1.01x the Triton
+kernels' time; windows at each group's start take 0.86-0.96x (run 14), outputs bitwise equal. What it leaves on the
+table: about G/2 partly used windows, and each epilogue slab waits for the previous slab's stores. :func:`tgmm`
+(the same pipeline, a dynamic number of row steps per group) took 0.88-0.96x the Triton d(w) kernel's time (run 14).
 """
 
 from __future__ import annotations
@@ -51,16 +53,23 @@ class Config:
     align: int = 8
 
 
-# grid_tile_width 16 (fwd) / 4 (dx) were up to 5% faster than 8 at the 235B gate_up shapes and the same or up to 7%
-# slower at others (bench/moe_layer.md run 13): one config for both
-CONFIGS: dict[str, Config] = {"fwd": Config(), "dx": Config()}
+# per kind, from bench/moe_layer.md run 14 (both shape sets, the row windows at each group's start): 3 K steps in
+# flight (235B gate_up forward 5.23 vs 5.48 ms with 4, d(x) 5.24 vs 5.50; the down projection's forward 2.69 vs
+# 2.63, the 30B shapes within 1%). grid_tile_width 4 / 16 were within +-3% of 8.
+CONFIGS: dict[str, Config] = {"fwd": Config(max_concurrent_steps=3), "dx": Config(max_concurrent_steps=3)}
 KINDS_ENV = "MOEVLM_GMM_MGPU"
 # the unfused matmuls of the Triton experts that run on these kernels instead (on a GPU, in bf16, where the shape
-# fits): "fwd" and "dx" (gmm), "dw" (tgmm); "fwd,dx" by default ($MOEVLM_GMM_MGPU= for none). The fused gate_up
-# forward (the row gather) stays Triton.
-KINDS: frozenset[str] = frozenset(k for k in os.environ.get(KINDS_ENV, "fwd,dx").split(",") if k)
+# fits): "fwd" and "dx" (gmm), "dw" (tgmm); all three by default ($MOEVLM_GMM_MGPU= for none). The fused gate_up
+# forward (the Triton kernel's row gather, $MOEVLM_MOE_FUSE=gather) stays Triton.
+KINDS: frozenset[str] = frozenset(k for k in os.environ.get(KINDS_ENV, "fwd,dx,dw").split(",") if k)
 if KINDS - {"fwd", "dx", "dw"}:
     raise ValueError(f"${KINDS_ENV}: {sorted(KINDS)}; the kinds are fwd, dx, dw")
+
+
+def on_hopper() -> bool:
+    """Whether jax's default device is a Hopper GPU (sm_90: wgmma, which these kernels are built on)."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")) == "9.0"
 
 
 def supported(m: int, k: int, n: int, cfg: Config | None = None) -> bool:
@@ -221,34 +230,44 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
 
 @dataclasses.dataclass(frozen=True)
 class TConfig:
-    """Tiles of the d(w) kernel :func:`tgmm`: each output tile is ``block_m x block_n`` of ``[K, N]`` (one group's),
-    contracted over the group's rows ``block_k`` at a time, ``max_concurrent_steps`` in flight; ``grid_block_n``
-    output tiles along N visited before moving on in K (snake order)."""
+    """Tiles of the d(w) kernel :func:`tgmm`: each compute warpgroup owns a ``tile_m x tile_n`` block of one group's
+    ``[K, N]`` gradient (the CTA covers ``2 * tile_n`` columns); the group's rows are contracted ``tile_k`` at a
+    time, ``max_concurrent_steps`` in flight; ``grid_tile_width`` output tiles along N visited before moving on in
+    K; the epilogue stores ``epi_tile_m x epi_tile_n`` slabs through ``epi_buffers`` shared-memory buffers per
+    warpgroup (2: a slab is written while the previous one is still being stored)."""
 
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
-    max_concurrent_steps: int = 4
-    grid_block_n: int = 4
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 4  # run 14: 5-10% faster than 3 (2, 3 were slower than the Triton kernel)
+    grid_tile_width: int = 4  # run 14: 8 and 16 were 6-13% slower
+    epi_tile_m: int = 64
+    epi_tile_n: int = 64
+    epi_buffers: int = 2
 
 
 def tsupported(m: int, k: int, n: int, cfg: TConfig | None = None) -> bool:
     """Whether :func:`tgmm` takes ``x [m, k]``, ``dy [m, n]``: whole output tiles, whole row steps."""
     cfg = cfg or TConfig()
-    return k % cfg.block_m == 0 and n % cfg.block_n == 0 and m % cfg.block_k == 0
+    return (k % cfg.tile_m == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_k == 0
+            and cfg.tile_m % cfg.epi_tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
+            and (cfg.tile_m // cfg.epi_tile_m * cfg.tile_n // cfg.epi_tile_n) % cfg.epi_buffers == 0)
 
 
 def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig | None = None,
-         interpret=None, num_sms: int | None = None) -> jax.Array:
+         num_sms: int | None = None) -> jax.Array:
     """d(w) of a grouped matmul: ``x [M, K]``, ``dy [M, N]`` rows sorted by group -> ``[G, K, N]``, per group the
-    sum over its rows of ``x^T dy`` (zero for an empty group).
+    sum over its rows of ``x^T dy`` (zero for an empty group), as ``gmm_triton.tgmm``.
 
-    JAX's ``transposed_ragged_dot_mgpu`` kernel (one warpgroup, a persistent loop over (group, output tile), each
-    contracting the group's ``block_k``-row steps from its first row rounded down), with one change: a step holding
-    rows outside the group (its first and last) *selects* zeros into both operands in shared memory, where JAX's
-    multiplies one operand by a 0/1 mask. A row past ``sum(group_sizes)`` is one the experts leave unwritten (any
-    bits, NaN included); multiplied by zero, or met by a zero in the other operand inside the MMA, a NaN there would
-    reach the last group's gradient. A group's steps stay inside ``M`` rows (``M % block_k`` is checked)."""
+    Warp-specialised as :func:`gmm` (a memory warpgroup feeding two compute warpgroups that split the CTA's columns,
+    a persistent loop over (group, output tile)); each tile's pipeline contracts its group's rows from the first one
+    rounded down to ``tile_k`` (a dynamic number of steps). The first and last step of a group hold rows of other
+    groups or past ``sum(group_sizes)`` (rows the experts leave unwritten: any bits, NaN included): there each
+    compute warpgroup *selects* zeros into the rows outside the group, in its own half of the ``dy`` block and in
+    the whole ``x`` block both warpgroups read. The two write the same values into ``x``'s block (a select is
+    idempotent: an element is either kept or zero, whichever warpgroup writes it, and in whichever order), so each
+    warpgroup's own pass is complete before its MMA reads the block, and the other's concurrent writes change no bit.
+    Selecting, not multiplying by a mask (JAX's ``transposed_ragged_dot_mgpu``): 0 x NaN would reach the gradient."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     cfg = config or TConfig()
@@ -257,78 +276,108 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
     if dy.shape[0] != m or dy.dtype != x.dtype:
         raise ValueError(f"gmm_mgpu.tgmm: x {x.shape} {x.dtype} and dy {dy.shape} {dy.dtype} need the same rows, dtype")
     if not tsupported(m, k, n, cfg):
-        raise ValueError(f"gmm_mgpu.tgmm: x [{m}, {k}], dy [{m}, {n}] need K % {cfg.block_m} == 0, "
-                         f"N % {cfg.block_n} == 0 and M % {cfg.block_k} == 0")
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        raise ValueError(f"gmm_mgpu.tgmm: x [{m}, {k}], dy [{m}, {n}] need K % {cfg.tile_m} == 0, "
+                         f"N % {2 * cfg.tile_n} == 0 and M % {cfg.tile_k} == 0")
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    em, en, nbuf = cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
+    cta_n = 2 * tn
     g = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes).astype(jnp.int32)
     starts = ends - sizes
-    first = starts // bk * bk
-    n_steps = jnp.where(sizes > 0, (ends - first + bk - 1) // bk, 0).astype(jnp.int32)
+    first = starts // tk
+    n_steps = jnp.where(sizes > 0, (ends - first * tk + tk - 1) // tk, 0).astype(jnp.int32)
     dtype = x.dtype
-    swizzle = plgpu.find_swizzle(bk * jnp.dtype(dtype).itemsize * 8)
+    swizzle = plgpu.find_swizzle(tk * jnp.dtype(dtype).itemsize * 8)
     transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-    grid_m, grid_n = k // bm, n // bn
-    delay = 1 if cfg.max_concurrent_steps > 1 else 0
+    grid_m, grid_n = k // tm, n // cta_n
+
+    def get_pipeline(pipeline_body, compute_context, steps, b0, mi, ni):
+        return plgpu.emit_pipeline_warp_specialized(
+            pipeline_body,
+            grid=(steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tk, tm), lambda s: (b0 + s, mi), transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((tk, cta_n), lambda s: (b0 + s, ni), transforms=transforms, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=compute_context,
+        )
 
     def kernel(starts_gmem, ends_gmem, first_gmem, steps_gmem, x_gmem, dy_gmem, o_gmem):
-        @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
-        def mn_loop(info):
-            gi, lin = info.index
-            mi, ni = plgpu.planar_snake(lin, (grid_m, grid_n), 1, cfg.grid_block_n)
-            row0 = pl.multiple_of(first_gmem[gi], bk)
-            start, end, steps = starts_gmem[gi], ends_gmem[gi], steps_gmem[gi]
+        ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
+        allocs = get_pipeline(ignore, ignore, cfg.max_concurrent_steps, 0, 0, 0).get_allocations(x_gmem, dy_gmem)
 
-            def acc_scope(acc_ref):
-                def step(idx, x_smem, dy_smem):
-                    (si,) = idx
+        @functools.partial(pl.run_scoped, pipeline_allocs=allocs, out_smem=plgpu.SMEM((2, nbuf, em, en), dtype),
+                           collective_axes="wg")
+        def scope(pipeline_allocs, out_smem):
+            wg = lax.axis_index("wg")
 
-                    @pl.when((si == 0) | (si == steps - 1))
-                    def _():  # rows outside the group: zero in both operands (a select, not a product)
-                        rows = row0 + si * bk
-                        for ref, cols in ((x_smem, bm), (dy_smem, bn)):
-                            r = lax.broadcasted_iota(jnp.int32, (bk, cols), 0)
-                            if interpret is None:  # a layout hint the interpreter has no rule for
-                                r = plgpu.layout_cast(r, plgpu.Layout.WGMMA)
-                            keep = (r + rows >= start) & (r + rows < end)
-                            ref[...] = jnp.where(keep, ref[...], jnp.zeros((), dtype))
+            def store(acc, gi, mi, ni):
+                """This warpgroup's [tm, tn] block of group gi's gradient, slab by slab through the buffers in
+                turn: one store per slab, so at most nbuf - 1 pending leaves the next buffer free (a tile has a
+                whole number of rounds, so every tile starts at buffer 0)."""
+                col0 = ni * cta_n + wg * tn
+                for i in range(tm // em):
+                    for j in range(tn // en):
+                        b = (i * (tn // en) + j) % nbuf
+                        plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
+                        out_smem[wg, b] = acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
                         plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg, b], o_gmem.at[gi, pl.ds(mi * tm + i * em, em), pl.ds(col0 + j * en, en)])
 
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)), dy_smem)
-                    if delay == 0:
-                        plgpu.wgmma_wait(0)
+            @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
+            def mn_loop(info):
+                (lin,) = info.index
+                gi = lin // (grid_m * grid_n)
+                mi, ni = plgpu.planar_snake(lin % (grid_m * grid_n), (grid_m, grid_n), 1, cfg.grid_tile_width)
+                start, end, steps, b0 = starts_gmem[gi], ends_gmem[gi], steps_gmem[gi], first_gmem[gi]
+
+                @pl.when((steps == 0) & (wg < 2))
+                def _():  # an empty group: a zero gradient
+                    store(jnp.zeros((tm, tn), dtype), gi, mi, ni)
 
                 @pl.when(steps > 0)
                 def _():
-                    b0 = row0 // bk  # the group's first row step
-                    plgpu.emit_pipeline(
-                        step,
-                        grid=(steps,),
-                        in_specs=[
-                            plgpu.BlockSpec((bk, bm), lambda s: (b0 + s, mi), delay_release=delay, transforms=transforms),
-                            plgpu.BlockSpec((bk, bn), lambda s: (b0 + s, ni), delay_release=delay, transforms=transforms),
-                        ],
-                        max_concurrent_steps=cfg.max_concurrent_steps,
-                    )(x_gmem, dy_gmem)
+                    def compute_context(eval_pipeline):
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                        def _(acc_ref):
+                            eval_pipeline(acc_ref)
+                            store(acc_ref[...].astype(dtype), gi, mi, ni)
 
-                return acc_ref[...]
+                    def mma_body(idx, x_smem, dy_smem, acc_ref):
+                        (si,) = idx
+                        dy_half = dy_smem.at[:, pl.ds(wg * tn, tn)]
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+                        @pl.when((si == 0) | (si == steps - 1))
+                        def _():  # rows outside the group: zero (selected) in x and in this warpgroup's dy half
+                            row0 = (b0 + si) * tk
+                            for ref, cols in ((x_smem, tm), (dy_half, tn)):
+                                r = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tk, cols), 0) + row0,
+                                                      plgpu.Layout.WGMMA)
+                                ref[...] = jnp.where((r >= start) & (r < end), ref[...], jnp.zeros((), dtype))
+                            plgpu.commit_smem()
 
-            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), dtype, transforms=transforms))
-            def _(o_smem):
-                o_smem[...] = acc.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[gi, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)), dy_half)
+                        plgpu.wgmma_wait(0)
+                        return acc_ref
+
+                    get_pipeline(mma_body, compute_context, steps, b0, mi, ni)(
+                        x_gmem, dy_gmem, allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((g, k, n), dtype),
         grid=(num_sms or _num_sms(),),
         grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": interpret} if interpret is not None else {}),
     )
     return call(starts, ends, first, n_steps, x, dy)

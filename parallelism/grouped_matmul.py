@@ -195,24 +195,32 @@ def _tokamax_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
+def mgpu_takes(kind: str, m: int, k: int, n: int, dtype: Any) -> bool:
+    """Whether the experts' matmul of ``kind`` ("fwd" / "dx": ``[m, k] -> [m, n]``; "dw": ``x [m, k]``, ``dy [m, n]``)
+    runs on the Mosaic-GPU kernels (``parallelism.gmm_mgpu``): listed in ``$MOEVLM_GMM_MGPU``, bf16, on a Hopper GPU,
+    at a shape the kernel takes; else on the Triton kernels."""
+    if kind not in gmm_mgpu.KINDS or dtype != jnp.bfloat16 or gmm_triton._on_cpu() or not gmm_mgpu.on_hopper():
+        return False
+    if kind == "dw":
+        return gmm_mgpu.tsupported(m, k, n)
+    return gmm_mgpu.supported(m, k, n, gmm_mgpu.CONFIGS[kind])
+
+
 def plain_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False) -> jax.Array:
-    """``gmm_triton.gmm`` without fusions, or the same product on the Mosaic-GPU kernel (``parallelism.gmm_mgpu``)
-    where ``$MOEVLM_GMM_MGPU`` lists the kind ("fwd" / "dx"), on a GPU, in bf16, at shapes it takes. Both leave the
-    rows past ``sum(group_sizes)`` unwritten."""
-    kind = "dx" if trans_w else "fwd"
+    """``gmm_triton.gmm`` without fusions, or the same product on the Mosaic-GPU kernel (``gmm_mgpu.gmm``) where
+    :func:`mgpu_takes`. Both leave the rows past ``sum(group_sizes)`` unwritten."""
     n = w.shape[1] if trans_w else w.shape[2]
-    if (kind in gmm_mgpu.KINDS and x.dtype == jnp.bfloat16 == w.dtype and not gmm_triton._on_cpu()
-            and gmm_mgpu.supported(x.shape[0], x.shape[1], n, gmm_mgpu.CONFIGS[kind])):
+    if w.dtype == x.dtype and mgpu_takes("dx" if trans_w else "fwd", x.shape[0], x.shape[1], n, x.dtype):
         return gmm_mgpu.gmm(x, w, group_sizes, trans_w=trans_w)
     return gmm_triton.gmm(x, w, group_sizes, trans_w=trans_w)
 
 
 def plain_tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """The experts' d(w) ``[G, K, N]``: ``gmm_triton.tgmm``, or ``gmm_mgpu.tgmm`` where ``$MOEVLM_GMM_MGPU`` lists
-    "dw", on a GPU, in bf16 (out too), at shapes it takes. Neither reads the rows past ``sum(group_sizes)``' values
-    into the result (the Mosaic kernel selects zeros there, NaN included)."""
-    if ("dw" in gmm_mgpu.KINDS and x.dtype == jnp.bfloat16 == dy.dtype and out_dtype in (None, jnp.bfloat16)
-            and not gmm_triton._on_cpu() and gmm_mgpu.tsupported(x.shape[0], x.shape[1], dy.shape[1])):
+    """The experts' d(w) ``[G, K, N]``: ``gmm_triton.tgmm``, or ``gmm_mgpu.tgmm`` where :func:`mgpu_takes` (and the
+    gradient is wanted in bf16). Neither lets the rows past ``sum(group_sizes)`` into the result (the Mosaic kernel
+    selects zeros there, so NaN there stays out)."""
+    if (dy.dtype == x.dtype and out_dtype in (None, x.dtype)
+            and mgpu_takes("dw", x.shape[0], x.shape[1], dy.shape[1], x.dtype)):
         return gmm_mgpu.tgmm(x, dy, group_sizes)
     return gmm_triton.tgmm(x, dy, group_sizes, out_dtype=out_dtype)
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from parallelism import fp8, gmm_triton
-from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, plain_gmm, plain_tgmm, zero_tail
+from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, mgpu_takes, plain_gmm, plain_tgmm, zero_tail
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE
 # "gather" the rows the gate_up kernel writes for d(w), with "gather_dw" the int32 row index: no rows are built)
@@ -244,7 +244,8 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
     slot = sorted_slots(plan)
     src = inverse_slots(slot, slot.shape[0])
     k = w.shape[1]
-    if _fused(backend, fp8.experts_scope(), "gather"):
+    mgpu_fwd = mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype)
+    if _fused(backend, fp8.experts_scope(), "gather") and (FUSE_SET or not mgpu_fwd):
         y = _fused_ffn(x, jnp.where(src >= 0, src // k, 0), slot, k, plan.counts, w_gate_up, w_down, False)
     else:
         y = expert_ffn(dispatch_rows(x, src, slot, k), plan.counts, w_gate_up, w_down, backend, zero_tail_rows=False)
@@ -254,8 +255,9 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
 # ----------------------------------------------------------------------------- fused Triton experts
 
 # Which fusions the Triton experts use (outside FP8), from $MOEVLM_MOE_FUSE at import (a comma list, "" for
-# none; unset: "gather", the only one that paid on an H200, bench/moe_layer.md run 10); read when the experts
-# are traced.
+# none; unset: "gather", the only one that paid on an H200, bench/moe_layer.md run 10, except where the gate_up
+# forward runs on the Mosaic-GPU kernel instead, grouped_matmul.mgpu_takes: that kernel after an XLA gather beat
+# the fused Triton kernel by 0.6 / 0.06 ms at 235B-A22B / 30B-A3B, run 14); read when the experts are traced.
 # - "gather": the local dropless experts (sorted_experts) pass the token rows x [T, H] and an int32 row index
 #   to the gate_up forward kernel, which reads the rows through it (no dispatch gather kernel) and, in the first
 #   column block's programs, writes the gathered rows [A, H] for the backward's d(w) (remat name moe_permuted,
@@ -275,6 +277,7 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
 #   elementwise backward it replaces.
 FUSE_ENV = "MOEVLM_MOE_FUSE"
 FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd")
+FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
 FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather").split(",") if f)
 if FUSE - set(FUSIONS):
     raise ValueError(f"${FUSE_ENV}: unknown fusions {sorted(FUSE - set(FUSIONS))}; known: {FUSIONS}")

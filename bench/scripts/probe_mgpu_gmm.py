@@ -6,9 +6,11 @@ JAX ships Hopper (wgmma + TMA, persistent) grouped-matmul kernels as Pallas exam
 configs on the layer bench's row count and skewed routing, next to ``parallelism.gmm_triton`` with its tuned
 configs and the same FLOPs as one balanced batched einsum per matmul (the ceiling, cuBLAS), all in one process;
 each Mosaic result is checked against the Triton kernel's (norm-wise relative error over the kept rows).
-This project's ``parallelism.gmm_mgpu`` kernels (forward / d(x) ``gmm`` at two row-window alignments, d(w) ``tgmm``)
-run at several configs; JAX's own ragged kernels with ``--jax`` (d(w): one config without). ``--dense`` also times JAX's warp-specialised dense Hopper matmul (``hopper_matmul_mgpu``) against ``jnp.dot`` on
-the forward's [rows, K] x [K, N]: what a warp-specialised grouped kernel could reach.
+This project's ``parallelism.gmm_mgpu`` (forward and d(x) at two row-window alignments, d(w) ``tgmm`` with NaN rows
+past the groups as well) runs at several configs;
+JAX's ragged kernels with ``--jax`` (d(w): one config without). ``--dense`` also times JAX's warp-specialised dense
+Hopper matmul (``hopper_matmul_mgpu``) against ``jnp.dot`` on the forward's [rows, K] x [K, N]: what a
+warp-specialised grouped kernel could reach.
 
 Timing: ``--iters`` calls back to back, one synchronisation (the device time of a call in a stream of them),
 median of three such rounds.
@@ -42,13 +44,16 @@ OURS = [(128, 128, 64, 4, 8, 64, 64, 128), (128, 128, 64, 4, 8, 64, 64, 8), (128
 # transposed_ragged_dot (dw): block_m x block_n = the output tile, block_k = rows per step (run 13's best first;
 # all four with --jax)
 TRANSPOSED = [(128, 128, 64, 4, 4), (128, 192, 64, 4, 4), (128, 128, 64, 5, 8), (128, 128, 64, 3, 8)]
-# parallelism.gmm_mgpu.tgmm (dw): (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
-OURS_DW = [(128, 128, 64, 4, 4), (128, 128, 64, 5, 8), (128, 128, 64, 3, 8), (128, 128, 128, 3, 4), (128, 256, 64, 3, 4)]
+# parallelism.gmm_mgpu.tgmm (dw): (tile_m, tile_n per compute warpgroup, tile_k, max_concurrent_steps, grid_tile_width,
+# epi_tile_m, epi_tile_n, epi_buffers)
+OURS_DW = [(128, 128, 64, 4, 4, 64, 64, 1), (128, 128, 64, 4, 4, 64, 64, 2), (128, 128, 64, 4, 2, 64, 64, 2),
+           (128, 128, 64, 4, 4, 32, 64, 4)]
 
 
 def main() -> int:
     p = probe_arguments(420.0)
     p.add_argument("--dense", action="store_true")
+    p.add_argument("--kinds", default="fwd,dx,dw")
     p.add_argument("--jax", action="store_true", help="JAX's ragged_dot_mgpu (fwd, dx) and all four d(w) configs")
     args = p.parse_args()
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
@@ -95,7 +100,7 @@ def main() -> int:
         triton = {"fwd": (lambda a, b, s: gt.gmm(a, b, s), (x, w, gs)),
                   "dx": (lambda a, b, s: gt.gmm(a, b, s, trans_w=True), (dy, w, gs)),
                   "dw": (lambda a, b, s: gt.tgmm(a, b, s), (x, dy, gs))}
-        for kind in ("fwd", "dx", "dw"):
+        for kind in args.kinds.split(","):
             record(dict(base, kernel=kind, variant="ceiling: balanced batched einsum"), *ceilings[kind], 2.0 * m * k * n)
             ref = record(dict(base, kernel=kind, variant="triton (gmm_triton.CONFIGS)"), *triton[kind], fl)
             for cfg in ((TRANSPOSED if args.jax else TRANSPOSED[:1]) if kind == "dw" else RAGGED if args.jax else ()):
@@ -121,16 +126,16 @@ def main() -> int:
                     inputs = (x, w, gs) if kind == "fwd" else (dy, w, gs)
                 record(dict(base, kernel=kind, variant=f"gmm_mgpu {cfg}", config=list(cfg)), fn, inputs, fl, ref,
                        None if kind == "dw" else valid)
-            if kind == "dw":  # rows past sum(group_sizes) hold NaN (the experts leave them unwritten): no NaN out
+            if kind == "dw":  # rows past sum(group_sizes) hold NaN (the experts may leave them unwritten): no NaN out
                 cut = sizes_np.copy()
                 last = int(np.nonzero(cut)[0][-1])
                 cut[last] -= min(1000, int(cut[last]))
                 tail = (jnp.arange(m) >= int(cut.sum()))[:, None]
                 xn, dyn = jnp.where(tail, jnp.nan, x).astype(x.dtype), jnp.where(tail, jnp.nan, dy).astype(dy.dtype)
-                want = gt.tgmm(x, dy, jnp.asarray(cut))
                 got = jax.jit(gm.tgmm)(xn, dyn, jnp.asarray(cut))
                 row = dict(base, kernel=kind, variant="gmm_mgpu.tgmm, NaN rows past the groups",
-                           finite=bool(jnp.isfinite(got.astype(jnp.float32)).all()), rel_err_vs_triton=rel(got, want))
+                           finite=bool(jnp.isfinite(got.astype(jnp.float32)).all()),
+                           rel_err_vs_triton=rel(got, gt.tgmm(x, dy, jnp.asarray(cut))))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del ref

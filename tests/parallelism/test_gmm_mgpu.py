@@ -88,6 +88,7 @@ def test_plain_gmm_routes_only_supported_bf16_gpu_matmuls_to_the_mosaic_kernel(m
     monkeypatch.setattr(gmm_mgpu, "gmm", lambda x, w, s, trans_w=False: calls.append(("mgpu", trans_w)) or "mgpu")
     monkeypatch.setattr(gmm_triton, "gmm", lambda x, w, s, trans_w=False: calls.append(("triton", trans_w)) or "triton")
     monkeypatch.setattr(gmm_triton, "_on_cpu", lambda: False)
+    monkeypatch.setattr(gmm_mgpu, "on_hopper", lambda: True)
     monkeypatch.setattr(gmm_mgpu, "KINDS", frozenset({"dx"}))
     s = jnp.asarray([128, 128])
     bf = jnp.bfloat16
@@ -98,7 +99,35 @@ def test_plain_gmm_routes_only_supported_bf16_gpu_matmuls_to_the_mosaic_kernel(m
     assert gmmod.plain_gmm(x, wt, s, trans_w=True) == "mgpu"
     assert gmmod.plain_gmm(x.astype(jnp.float32), wt.astype(jnp.float32), s, trans_w=True) == "triton"  # not bf16
     assert gmmod.plain_gmm(jnp.zeros((200, 128), bf), wt, jnp.asarray([100, 100]), trans_w=True) == "triton"  # rows
+    monkeypatch.setattr(gmm_mgpu, "on_hopper", lambda: False)
+    assert gmmod.plain_gmm(x, wt, s, trans_w=True) == "triton"  # a GPU without wgmma (not sm_90)
     monkeypatch.setattr(gmm_triton, "_on_cpu", lambda: True)
     assert gmmod.plain_gmm(x, wt, s, trans_w=True) == "triton"  # CPU: the Triton kernels' interpret mode
     assert calls == [("triton", False), ("triton", True), ("mgpu", True), ("triton", True), ("triton", True),
-                     ("triton", True)]
+                     ("triton", True), ("triton", True)]
+
+
+def test_plain_tgmm_routes_listed_bf16_hopper_weight_gradients_to_the_mosaic_kernel(monkeypatch):
+    """``grouped_matmul.plain_tgmm``: "dw" listed, bf16 in and out, on Hopper, at shapes ``tgmm`` takes; else Triton."""
+    from parallelism import gmm_triton
+    from parallelism import grouped_matmul as gmmod
+
+    calls, real_tgmm = [], gmm_mgpu.tgmm
+    monkeypatch.setattr(gmm_mgpu, "tgmm", lambda x, dy, s: calls.append("mgpu") or "mgpu")
+    monkeypatch.setattr(gmm_triton, "tgmm", lambda x, dy, s, out_dtype=None: calls.append("triton") or "triton")
+    monkeypatch.setattr(gmm_triton, "_on_cpu", lambda: False)
+    monkeypatch.setattr(gmm_mgpu, "on_hopper", lambda: True)
+    bf = jnp.bfloat16
+    s = jnp.asarray([100, 156])
+    x, dy = jnp.zeros((256, 128), bf), jnp.zeros((256, 256), bf)
+    monkeypatch.setattr(gmm_mgpu, "KINDS", frozenset({"fwd", "dx"}))
+    assert gmmod.plain_tgmm(x, dy, s) == "triton"  # dw not listed
+    monkeypatch.setattr(gmm_mgpu, "KINDS", frozenset({"dw"}))
+    assert gmmod.plain_tgmm(x, dy, s, out_dtype=bf) == "mgpu"
+    assert gmmod.plain_tgmm(x, dy, s, out_dtype=jnp.float32) == "triton"  # a float32 gradient
+    assert gmmod.plain_tgmm(x, dy[:, :128], s) == "triton"  # 128 columns: not a whole CTA block
+    assert gmmod.plain_tgmm(x[:200], dy[:200], s) == "triton"  # rows not whole 64-row steps
+    assert calls == ["triton", "mgpu", "triton", "triton", "triton"]
+    assert gmm_mgpu.tsupported(256, 128, 256) and not gmm_mgpu.tsupported(256, 100, 256)
+    with pytest.raises(ValueError, match="K % 128"):
+        real_tgmm(jnp.zeros((256, 100), bf), dy, s)

@@ -228,6 +228,23 @@ def test_fused_triton_experts_match_dense_reference(monkeypatch, routing):
         assert_close(got[1], want[1], what=f"fuse {fuse}")
 
 
+def test_default_gather_fusion_gives_way_to_the_mosaic_forward(monkeypatch):
+    """$MOEVLM_MOE_FUSE unset: the gate_up forward fuses the row gather (Triton) unless it runs on the Mosaic-GPU
+    kernel (grouped_matmul.mgpu_takes; bench/moe_layer.md run 14), then the rows are gathered first; a fusion set
+    in the environment is used as set."""
+    x, idx, w, w_gate_up, w_down = make_problem(seed=5)
+    fn = lambda *a: experts_forward(*a, backend="triton")  # noqa: E731
+    monkeypatch.setattr(permute, "FUSE", frozenset({"gather"}))
+    monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: kind == "fwd")
+    for fuse_set, fused in ((False, False), (True, True)):
+        monkeypatch.setattr(permute, "FUSE_SET", fuse_set)
+        kernels = set(_kernels(fn, x, idx, w, w_gate_up, w_down)[0])
+        assert kernels == _expected_kernels(("gather",) if fused else ()), (fuse_set, kernels)
+    monkeypatch.setattr(permute, "FUSE_SET", False)
+    monkeypatch.setattr(permute, "mgpu_takes", lambda *a: False)  # e.g. not on Hopper: the fusion as before
+    assert set(_kernels(fn, x, idx, w, w_gate_up, w_down)[0]) == _expected_kernels(("gather",))
+
+
 def test_fused_triton_experts_with_drops_and_in_bfloat16(monkeypatch):
     """Rows past the kept assignments (a capacity drops: the sorted buffer has padding rows the kernels leave
     unwritten) and bfloat16: the fused layer equals the unfused Triton layer."""
