@@ -41,7 +41,9 @@ class Config:
     """Tile sizes of one kernel: each of the two compute warpgroups owns a ``tile_m x tile_n`` accumulator (the CTA
     covers ``2 * tile_n`` columns); ``max_concurrent_steps`` K steps in flight; ``grid_tile_width`` output tiles
     along N visited before moving on in M (the persistent loop's snake order); the epilogue stores
-    ``epi_tile_m x epi_tile_n`` slabs; a group's row windows start at a multiple of ``align`` (:func:`block_table`)."""
+    ``epi_tile_m x epi_tile_n`` slabs through ``epi_buffers`` shared-memory buffers per warpgroup (2: a slab is
+    written while the previous one is stored, where that one was a whole slab, i.e. one store); a group's row
+    windows start at a multiple of ``align`` (:func:`block_table`)."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -51,11 +53,14 @@ class Config:
     epi_tile_m: int = 64
     epi_tile_n: int = 64
     align: int = 8
+    epi_buffers: int = 1
 
 
 # per kind, from bench/moe_layer.md run 14 (both shape sets, the row windows at each group's start): 3 K steps in
 # flight (235B gate_up forward 5.23 vs 5.48 ms with 4, d(x) 5.24 vs 5.50; the down projection's forward 2.69 vs
 # 2.63, the 30B shapes within 1%). grid_tile_width 4 / 16 were within +-3% of 8.
+# epi_buffers=2 (as tgmm's, which paid 1-3.5% there) is checked in the interpreter only, not yet timed on a GPU
+# (bench/scripts/probe_mgpu_gmm.py lists it).
 CONFIGS: dict[str, Config] = {"fwd": Config(max_concurrent_steps=3), "dx": Config(max_concurrent_steps=3)}
 KINDS_ENV = "MOEVLM_GMM_MGPU"
 # the unfused matmuls of the Triton experts that run on these kernels instead (on a GPU, in bf16, where the shape
@@ -130,7 +135,9 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
         raise ValueError(f"gmm_mgpu: x [{m}, {k}] -> [{m}, {n}] needs K % {cfg.tile_k} == 0, N % {2 * cfg.tile_n} == 0 "
                          f"and M % {cfg.tile_m} == 0")
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    em, en = cfg.epi_tile_m, cfg.epi_tile_n
+    em, en, nbuf = cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
+    if nbuf not in (1, 2):
+        raise ValueError(f"gmm_mgpu: epi_buffers {nbuf}: 1 or 2")
     cta_n = 2 * tn
     group, row0, lo_rows, hi_rows = block_table(group_sizes, m, tm, cfg.align)
     n_tiles, n_iters, k_iters = group.shape[0], n // cta_n, k // tk
@@ -160,7 +167,7 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
 
         @functools.partial(pl.run_scoped,
                            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem.at[pl.ds(0, tm), :], b_block),
-                           out_smem=plgpu.SMEM((2, em, en), dtype), collective_axes="wg")
+                           out_smem=plgpu.SMEM((2, nbuf, em, en), dtype), collective_axes="wg")
         def scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
@@ -181,19 +188,26 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
                         def _(acc_ref):
                             eval_pipeline(acc_ref)
                             acc = acc_ref[...].astype(dtype)
+                            prev = None  # the previous slab's row count (this tile's)
                             for mi in range(tm // em):
                                 lo = jnp.clip(skip - mi * em, 0, em)
                                 hi = jnp.clip(skip + count - mi * em, 0, em)
                                 for nj in range(tn // en):
-                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                    out_smem[wg] = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en]
+                                    b = (mi * (tn // en) + nj) % nbuf
+                                    if nbuf == 1 or prev is None:
+                                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                                    else:  # a whole previous slab was one store: the one before it is done
+                                        pl.when(prev == em)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
+                                        pl.when(prev != em)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+                                    out_smem[wg, b] = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en]
                                     plgpu.commit_smem()
                                     s, c, size = lo, hi - lo, em
+                                    prev = c
                                     while size >= 1:
                                         @pl.when((c & size) != 0)
-                                        def _(s=s, size=size):
+                                        def _(s=s, size=size, b=b):
                                             plgpu.copy_smem_to_gmem(
-                                                out_smem.at[wg, pl.ds(s, size)],
+                                                out_smem.at[wg, b, pl.ds(s, size)],
                                                 out_gmem.at[pl.ds(start + mi * em + s, size), pl.ds(col0 + nj * en, en)])
 
                                         s = s + (c & size)

@@ -13,7 +13,7 @@ from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as r, transposed_rag
 print("ragged_dot", inspect.signature(r.ragged_dot)); print("transposed_ragged_dot", inspect.signature(t.transposed_ragged_dot))
 PY
 (cd bench/scripts && timeout "$(left "${PROBE_END:-560}")" python3 probe_mgpu_gmm.py --budget "${BUDGET:-450}" \
-    --shapes "${SHAPES:-gate_up_235b,down_235b,gate_up,down}" --kinds "${KINDS:-fwd,dx,dw}" $([ "${DENSE:-0}" = 1 ] && echo --dense) \
+    --shapes "${SHAPES:-gate_up_235b,down_235b,gate_up,down}" --kinds "${KINDS:-fwd,dx,dw}" --first "${FIRST:-0}" $([ "${DENSE:-0}" = 1 ] && echo --dense) \
     --out "$OUT/mgpu_probe.json" 2>&1 | grep -v "Autotuning cache miss" | tail -150 | tee -a "$OUT/mgpu.txt")
 echo "wall $(( $(date +%s) - T0 )) s"
 if [ -n "${LAYER_SIDES:-}" ]; then

@@ -46,8 +46,8 @@ def test_block_table_group_start_windows_hand_computed():
         gmm_mgpu.block_table(jnp.asarray([3, 60]), 64, 16, 4)
 
 
-@pytest.mark.parametrize("align", [128, 8])
-def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align):
+@pytest.mark.parametrize("align,epi_buffers", [(128, 1), (8, 1), (8, 2)])
+def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, epi_buffers):
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     m, k, n = 512, 128, 256
@@ -57,7 +57,7 @@ def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align):
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(jax.random.key(1), (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)
     cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1,
-                          align=align)
+                          align=align, epi_buffers=epi_buffers)
     out = gmm_mgpu.gmm(x, w, jnp.asarray(sizes), config=cfg, interpret=InterpretGPUParams(), num_sms=4)
     used = int(sizes.sum())
     gid = np.repeat(np.arange(len(sizes)), sizes)
