@@ -119,6 +119,28 @@ def _num_sms() -> int:
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
+def _smem_transforms(plgpu, tile_k: int, dtype) -> tuple:
+    """The TMA operands' shared-memory layout: 8-row tiles of one swizzle width, swizzled (wgmma's operand form)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _ws_kernel(plgpu, kernel, out_type, num_sms: int | None, interpret=None):
+    """``kernel`` launched persistent (one program per SM, grid axis "sm") with three warpgroups ("wg": two compute,
+    one memory), in warpgroup lowering."""
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        grid=(num_sms or _num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": interpret} if interpret is not None else {}),
+    )
+
+
 def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False, config: Config | None = None,
         interpret=None, num_sms: int | None = None) -> jax.Array:
     """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` -> ``[M, N]`` (with ``trans_w``: ``w [G, N, K]`` read
@@ -142,8 +164,7 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
     group, row0, lo_rows, hi_rows = block_table(group_sizes, m, tm, cfg.align)
     n_tiles, n_iters, k_iters = group.shape[0], n // cta_n, k // tk
     dtype = x.dtype
-    swizzle = plgpu.find_swizzle(tk * jnp.dtype(dtype).itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+    transforms = _smem_transforms(plgpu, tk, dtype)
 
     def get_pipeline(pipeline_body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -229,16 +250,7 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    call = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((m, n), dtype),
-        grid=(num_sms or _num_sms(),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": interpret} if interpret is not None else {}),
-    )
+    call = _ws_kernel(plgpu, kernel, jax.ShapeDtypeStruct((m, n), dtype), num_sms, interpret)
     return call(group, row0, lo_rows, hi_rows, x, w)
 
 
@@ -302,8 +314,7 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
     first = starts // tk
     n_steps = jnp.where(sizes > 0, (ends - first * tk + tk - 1) // tk, 0).astype(jnp.int32)
     dtype = x.dtype
-    swizzle = plgpu.find_swizzle(tk * jnp.dtype(dtype).itemsize * 8)
-    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+    transforms = _smem_transforms(plgpu, tk, dtype)
     grid_m, grid_n = k // tm, n // cta_n
 
     def get_pipeline(pipeline_body, compute_context, steps, b0, mi, ni):
@@ -385,13 +396,5 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    call = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((g, k, n), dtype),
-        grid=(num_sms or _num_sms(),),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
+    call = _ws_kernel(plgpu, kernel, jax.ShapeDtypeStruct((g, k, n), dtype), num_sms)
     return call(starts, ends, first, n_steps, x, dy)

@@ -244,8 +244,8 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
     slot = sorted_slots(plan)
     src = inverse_slots(slot, slot.shape[0])
     k = w.shape[1]
-    mgpu_fwd = mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype)
-    if _fused(backend, fp8.experts_scope(), "gather") and (FUSE_SET or not mgpu_fwd):
+    if _fused(backend, fp8.experts_scope(), "gather") and (
+            FUSE_SET or not mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype)):
         y = _fused_ffn(x, jnp.where(src >= 0, src // k, 0), slot, k, plan.counts, w_gate_up, w_down, False)
     else:
         y = expert_ffn(dispatch_rows(x, src, slot, k), plan.counts, w_gate_up, w_down, backend, zero_tail_rows=False)
