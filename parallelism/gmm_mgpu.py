@@ -56,12 +56,7 @@ class Config:
     epi_buffers: int = 1
 
 
-# per kind, from bench/moe_layer.md run 14 (both shape sets, the row windows at each group's start): 3 K steps in
-# flight (235B gate_up forward 5.23 vs 5.48 ms with 4, d(x) 5.24 vs 5.50; the down projection's forward 2.69 vs
-# 2.63, the 30B shapes within 1%). grid_tile_width 4 / 16 were within +-3% of 8.
-# epi_buffers=2 (as tgmm's, which paid 1-3.5% there) is checked in the interpreter only, not yet timed on a GPU
-# (bench/scripts/probe_mgpu_gmm.py lists it).
-CONFIGS: dict[str, Config] = {"fwd": Config(max_concurrent_steps=3), "dx": Config(max_concurrent_steps=3)}
+TUNE_ENV = "MOEVLM_GMM_MGPU_TUNE"
 KINDS_ENV = "MOEVLM_GMM_MGPU"
 # the unfused matmuls of the Triton experts that run on these kernels instead (on a GPU, in bf16, where the shape
 # fits): "fwd" and "dx" (gmm), "dw" (tgmm); all three by default ($MOEVLM_GMM_MGPU= for none). The fused gate_up
@@ -274,7 +269,7 @@ class TConfig:
 
 def tsupported(m: int, k: int, n: int, cfg: TConfig | None = None) -> bool:
     """Whether :func:`tgmm` takes ``x [m, k]``, ``dy [m, n]``: whole output tiles, whole row steps."""
-    cfg = cfg or TConfig()
+    cfg = cfg or CONFIGS["dw"]
     return (k % cfg.tile_m == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_k == 0
             and cfg.tile_m % cfg.epi_tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
             and (cfg.tile_m // cfg.epi_tile_m * cfg.tile_n // cfg.epi_tile_n) % cfg.epi_buffers == 0)
@@ -296,7 +291,7 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
     Selecting, not multiplying by a mask (JAX's ``transposed_ragged_dot_mgpu``): 0 x NaN would reach the gradient."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    cfg = config or TConfig()
+    cfg = config or CONFIGS["dw"]
     m, k = x.shape
     n = dy.shape[1]
     if dy.shape[0] != m or dy.dtype != x.dtype:
@@ -398,3 +393,32 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
 
     call = _ws_kernel(plgpu, kernel, jax.ShapeDtypeStruct((g, k, n), dtype), num_sms)
     return call(starts, ends, first, n_steps, x, dy)
+
+
+def tuned(configs: dict, spec: str) -> dict:
+    """``configs`` with the overrides of ``spec`` (``$MOEVLM_GMM_MGPU_TUNE``), a comma-separated list of
+    ``kind.field=int``, e.g. ``fwd.epi_buffers=2,dw.grid_tile_width=2``: how a bench times a config in the whole
+    layer or step without editing the tables. Unknown kinds or fields are errors."""
+    out = dict(configs)
+    for item in (t.strip() for t in spec.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        kind, dot, field = key.partition(".")
+        if not (sep and dot) or kind not in out or field not in {f.name for f in dataclasses.fields(out[kind])}:
+            raise ValueError(f"${TUNE_ENV}: {item!r}: expected kind.field=int with kind in {sorted(out)} and a field "
+                             f"of {type(out.get(kind, Config())).__name__}")
+        out[kind] = dataclasses.replace(out[kind], **{field: int(value)})
+    return out
+
+
+# per kind, from bench/moe_layer.md run 14 (both shape sets, the row windows at each group's start): 3 K steps in
+# flight (235B gate_up forward 5.23 vs 5.48 ms with 4, d(x) 5.24 vs 5.50; the down projection's forward 2.69 vs
+# 2.63, the 30B shapes within 1%). grid_tile_width 4 / 16 were within +-3% of 8. Run 15: 2 epilogue buffers, faster
+# in 6 of the 8 per-matmul timings (forward 2-4% at every shape, 235B d(x) 2-4%, the 30B d(x) within 1%); the layer
+# the same within its resolution. d(w): TConfig's defaults (run 15: grid_tile_width 2 was 5% slower at the 235B gate_up).
+# $MOEVLM_GMM_MGPU_TUNE overrides any field (:func:`tuned`).
+CONFIGS: dict[str, Config | TConfig] = tuned(
+    {"fwd": Config(max_concurrent_steps=3, epi_buffers=2), "dx": Config(max_concurrent_steps=3, epi_buffers=2),
+     "dw": TConfig()},
+    os.environ.get(TUNE_ENV, ""))

@@ -131,3 +131,15 @@ def test_plain_tgmm_routes_listed_bf16_hopper_weight_gradients_to_the_mosaic_ker
     assert gmm_mgpu.tsupported(256, 128, 256) and not gmm_mgpu.tsupported(256, 100, 256)
     with pytest.raises(ValueError, match="K % 128"):
         real_tgmm(jnp.zeros((256, 100), bf), dy, s)
+
+
+def test_tune_overrides_one_field_of_one_kind():
+    base = dict(gmm_mgpu.CONFIGS)
+    out = gmm_mgpu.tuned(base, "fwd.max_concurrent_steps=4, dw.grid_tile_width=2")
+    assert out["fwd"] == gmm_mgpu.Config(max_concurrent_steps=4, epi_buffers=2)
+    assert out["dw"] == gmm_mgpu.TConfig(grid_tile_width=2)
+    assert out["dx"] == base["dx"] and base == gmm_mgpu.CONFIGS  # the table itself untouched
+    assert gmm_mgpu.tuned(base, "") == base
+    for bad in ("fwd.epi_buffers", "up.tile_m=64", "dw.align=8", "fwd=2"):
+        with pytest.raises(ValueError, match="MOEVLM_GMM_MGPU_TUNE"):
+            gmm_mgpu.tuned(base, bad)
