@@ -20,16 +20,17 @@ from data.mrope import mrope_position_ids
 
 # the arrays of a batch the model and the train step take (ARCHITECTURE.md "The batch")
 MODEL_KEYS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask",
-              "pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
+              "pixel_values", "patch_rc", "patch_hw", "patch_segment_ids", "patch_dest")
 # those with the patch axis (axis 1: [rows, P, ...]); padding patches are zeros in each
-PATCH_KEYS = ("pixel_values", "patch_rc", "patch_hw", "patch_segment_ids")
+PATCH_KEYS = ("pixel_values", "patch_rc", "patch_hw", "patch_segment_ids", "patch_dest")
 
 
-def batch_shapes(model: Any, rows: int, seq_len: int, patches: int, microbatches: int = 1
+def batch_shapes(model: Any, rows: int, seq_len: int, patches: int, microbatches: int = 1, dest: bool = False
                  ) -> dict[str, tuple[tuple[int, ...], str]]:
     """key -> (shape with the leading microbatch axis, dtype) of a train batch of ``microbatches`` x
     ``rows`` rows of ``seq_len`` tokens and ``patches`` patch rows each, as the pipeline builds it
-    (``model``: a model config, for the patch width); no patch keys when ``patches`` is 0."""
+    (``model``: a model config, for the patch width); no patch keys when ``patches`` is 0; ``dest``:
+    with ``patch_dest`` (data whose vision rows are balanced, ``data.balance_vision_rows``)."""
     g, b, s = microbatches, rows, seq_len
     out = {"input_ids": ((g, b, s), "int32"), "positions": ((g, 3, b, s), "int32"),
            "segment_ids": ((g, b, s), "int32"), "targets": ((g, b, s), "int32"),
@@ -41,6 +42,8 @@ def batch_shapes(model: Any, rows: int, seq_len: int, patches: int, microbatches
         dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
         out.update({"pixel_values": ((g, b, patches, dim), "float32"), "patch_rc": ((g, b, patches, 2), "int32"),
                     "patch_hw": ((g, b, patches, 2), "int32"), "patch_segment_ids": ((g, b, patches), "int32")})
+        if dest:
+            out["patch_dest"] = ((g, b, patches), "int32")
     return out
 
 

@@ -22,9 +22,10 @@ restored state must come from the same triple.
 
 from __future__ import annotations
 
-import dataclasses
 import collections
+import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -316,7 +317,11 @@ def build_loader(
     n = len(source)
     if n == 0:
         raise DataError(f"data source {label} ({split}) is empty")
-    stream_cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // per)
+    # images balance over the vision rows of groups inside one stream's rows (a group of the run's rows that a
+    # stream boundary cuts is cut to the largest size that nests in both)
+    stream_rows = cfg.batch_size // per
+    stream_cfg = dataclasses.replace(cfg, batch_size=stream_rows,
+                                     balance_group=math.gcd(cfg.balance_group, stream_rows) or stream_rows)
     processor = SampleProcessor(stream_cfg, eval_mode=eval_mode)
     streams = []
     for shard in range(shard_index * per, (shard_index + 1) * per):
@@ -328,7 +333,8 @@ def build_loader(
         samples = indices.map(_Read(source, processor)).to_iter_dataset(
             grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.read_buffer))
         dataset: grain.IterDataset = PackedBatchDataset(samples, stream_cfg, pad_id=processor.tokenizer.pad_id,
-                                                        eval_mode=eval_mode)
+                                                        eval_mode=eval_mode,
+                                                        image_id=processor.tokenizer.special_id("<|image_pad|>"))
         if cfg.workers > 0:
             _absl_flags_parsed()
             dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.workers,

@@ -66,13 +66,58 @@ def choose_bucket(patches: int, buckets: Sequence[int]) -> int:
     raise DataError(f"{patches} patches exceed the largest bucket {max(buckets)}")
 
 
+def image_patch_counts(sample: dict[str, Any]) -> list[int]:
+    """Patches of each image (frame group) of a processed sample, in order."""
+    grids = np.asarray(sample.get("grids", np.zeros((0, 3))), np.int64).reshape(-1, 3)
+    return [int(n) for n in grids.prod(axis=1)]
+
+
+def balance_images(counts: Sequence[Sequence[int]], group: int) -> list[list[tuple[int, int]]]:
+    """Images over vision rows: ``counts[r]`` the patch counts of decoder row r's images, in order -> per vision
+    row the ``(decoder row, image)`` pairs it holds, in order. Within each group of ``group`` consecutive rows
+    (0: all), largest image first onto the least-filled vision row of the group that holds fewer images than the
+    group's fullest decoder row (so no vision row has more attention segments than some decoder row had); ties
+    to the lower row. Kept only where it lowers the group's fullest row (else each row keeps its own images)."""
+    rows = len(counts)
+    group = rows if group <= 0 else group
+    out: list[list[tuple[int, int]]] = [[(r, j) for j in range(len(c))] for r, c in enumerate(counts)]
+    for g0 in range(0, rows, group):
+        members = range(g0, min(g0 + group, rows))
+        cap = max((len(counts[r]) for r in members), default=0)
+        images = sorted(((counts[r][j], r, j) for r in members for j in range(len(counts[r]))),
+                        key=lambda t: (-t[0], t[1], t[2]))
+        fill = {r: 0 for r in members}
+        held: dict[int, list[tuple[int, int]]] = {r: [] for r in members}
+        for n, r, j in images:
+            row = min((v for v in members if len(held[v]) < cap), key=lambda v: (fill[v], v))
+            fill[row] += n
+            held[row].append((r, j))
+        if max(fill.values(), default=0) < max((sum(counts[r]) for r in members), default=0):
+            for r in members:
+                out[r] = held[r]
+    return out
+
+
 def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *, pad_id: int,
-                   eval_mode: bool = False, lut: np.ndarray | None = None) -> dict[str, Any]:
-    """Samples per row -> the batch dict of ARCHITECTURE.md (input_ids [B, S], pixel_values [B, P, 1536], ...)."""
+                   eval_mode: bool = False, lut: np.ndarray | None = None, image_id: int | None = None
+                   ) -> dict[str, Any]:
+    """Samples per row -> the batch dict of ARCHITECTURE.md (input_ids [B, S], pixel_values [B, P, 1536], ...).
+
+    With ``cfg.balance_vision_rows`` the images are balanced over the vision rows of each ``cfg.balance_group``
+    rows (:func:`balance_images`) and ``patch_dest [B, P]`` says, per patch, where its merged token goes in the
+    decoder: ``(decoder row - vision row) * S + position`` (``image_id``, the image placeholder token, finds the
+    positions)."""
     img = cfg.image
     lut = normalize_lut(img) if lut is None else lut
     b, s = len(rows), cfg.seq_len
-    row_patches = [sum(len(x["patches"]) for x in row) for row in rows]
+    unit = img.merge_size**2
+    counts = [[n for x in row for n in image_patch_counts(x)] for row in rows]
+    balance = cfg.balance_vision_rows and any(counts)
+    if balance and image_id is None:
+        raise ValueError("assemble_batch: balance_vision_rows needs the image placeholder's token id (image_id)")
+    layout = balance_images(counts, cfg.balance_group) if balance else [[(r, j) for j in range(len(c))]
+                                                                        for r, c in enumerate(counts)]
+    row_patches = [sum(counts[r][j] for r, j in held) for held in layout]
     p = choose_bucket(max(row_patches, default=0), cfg.patch_buckets)
     out: dict[str, Any] = {
         "input_ids": np.full((b, s), pad_id, np.int32),
@@ -89,12 +134,16 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
         out["patch_rc"] = np.zeros((b, p, 2), np.int32)
         out["patch_hw"] = np.zeros((b, p, 2), np.int32)  # padding rows: all zeros, as the model's hf_inputs_to_batch
         out["patch_segment_ids"] = np.zeros((b, p), np.int32)
+        if balance:
+            out["patch_dest"] = np.zeros((b, p), np.int32)
     sample_index = np.full((b, max((len(r) for r in rows), default=0)), -1, np.int64)
     images = 0
+    # per decoder row, per image (in order): (sample, its patches, its grid, where its tokens sit in the row)
+    row_images: list[list[tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray | None]]] = []
     for r, row in enumerate(rows):
-        t = q = 0
+        t = 0
         answers = 0
-        image_segment = 1
+        mine = []
         for k, x in enumerate(row):
             length = len(x["ids"])
             sl = slice(t, t + length)
@@ -108,18 +157,36 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
                 out["answer_group"][r, sl] = np.where(a > 0, a + answers, 0)
                 out["answer_type"][r, sl] = x["answer_type"]
                 answers += int(a.max(initial=0))
-            n = len(x["patches"])
-            if n:
-                ps = slice(q, q + n)
-                expand_patches(x["patches"], img, lut, out=out["pixel_values"][r, ps])
-                rc, hw, frame = patch_layout(x["grids"], img.merge_size)  # the model's helper, HF patch order
-                out["patch_rc"][r, ps] = rc
-                out["patch_hw"][r, ps] = hw
-                out["patch_segment_ids"][r, ps] = frame + image_segment  # one id per image frame, 1.. in the row
-                image_segment += int(frame[-1]) + 1
-                images += len(x["grids"])
+            grids = np.asarray(x.get("grids", np.zeros((0, 3))), np.int64).reshape(-1, 3)
+            if len(grids):
+                tokens = t + np.flatnonzero(np.asarray(x["ids"]) == image_id) if balance else None
+                q = tok = 0
+                for grid in grids:
+                    n = int(grid.prod())
+                    mine.append((x, x["patches"][q:q + n], grid,
+                                 None if tokens is None else tokens[tok:tok + n // unit]))
+                    q, tok = q + n, tok + n // unit
+                images += len(grids)
             sample_index[r, k] = x["index"]
             t += length
+        row_images.append(mine)
+    for v, held in enumerate(layout):
+        q = 0
+        segment = 1
+        for r, j in held:
+            _, patches, grid, tokens = row_images[r][j]
+            n = len(patches)
+            ps = slice(q, q + n)
+            expand_patches(patches, img, lut, out=out["pixel_values"][v, ps])
+            rc, hw, frame = patch_layout(grid[None], img.merge_size)  # the model's helper, HF patch order
+            out["patch_rc"][v, ps] = rc
+            out["patch_hw"][v, ps] = hw
+            out["patch_segment_ids"][v, ps] = frame + segment  # one id per image frame, 1.. in the row
+            segment += int(frame[-1]) + 1
+            if tokens is not None:
+                if len(tokens) * unit != n:
+                    raise ValueError(f"row {r}: image {j} has {n} patches but {len(tokens)} image tokens")
+                out["patch_dest"][v, ps] = np.repeat((r - v) * s + tokens, unit)
             q += n
     useful = int((out["segment_ids"] > 0).sum())
     useful_patches = int(sum(row_patches))
@@ -143,21 +210,23 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
 class PackedBatchDataset(grain.IterDataset):
     """grain ``IterDataset``: processed samples/skips -> packed batches (+ per-batch skip counts)."""
 
-    def __init__(self, parent: grain.IterDataset, cfg: DataConfig, *, pad_id: int, eval_mode: bool = False):
+    def __init__(self, parent: grain.IterDataset, cfg: DataConfig, *, pad_id: int, eval_mode: bool = False,
+                 image_id: int | None = None):
         super().__init__(parent)
-        self._cfg, self._pad_id, self._eval = cfg, pad_id, eval_mode
+        self._cfg, self._pad_id, self._eval, self._image_id = cfg, pad_id, eval_mode, image_id
 
     def __iter__(self) -> grain.DatasetIterator:
-        return _PackedBatchIterator(self._parent.__iter__(), self._cfg, self._pad_id, self._eval)
+        return _PackedBatchIterator(self._parent.__iter__(), self._cfg, self._pad_id, self._eval, self._image_id)
 
     def __str__(self) -> str:
         return f"PackedBatchDataset(rows={self._cfg.batch_size}, seq_len={self._cfg.seq_len})"
 
 
 class _PackedBatchIterator(grain.DatasetIterator):
-    def __init__(self, parent: grain.DatasetIterator, cfg: DataConfig, pad_id: int, eval_mode: bool):
+    def __init__(self, parent: grain.DatasetIterator, cfg: DataConfig, pad_id: int, eval_mode: bool,
+                 image_id: int | None = None):
         super().__init__(parent)
-        self._cfg, self._pad_id, self._eval = cfg, pad_id, eval_mode
+        self._cfg, self._pad_id, self._eval, self._image_id = cfg, pad_id, eval_mode, image_id
         self._lut = normalize_lut(cfg.image)
         self._reads = 0  # samples read from the parent since the anchor
         self._anchor = parent.get_state()
@@ -219,7 +288,8 @@ class _PackedBatchIterator(grain.DatasetIterator):
             if skipped:  # counts must not vanish: an empty marker the loader absorbs
                 return {"stats": {"empty": True, "skipped": skipped}}
             raise StopIteration
-        batch = assemble_batch(rows.samples, cfg, pad_id=self._pad_id, eval_mode=self._eval, lut=self._lut)
+        batch = assemble_batch(rows.samples, cfg, pad_id=self._pad_id, eval_mode=self._eval, lut=self._lut,
+                               image_id=self._image_id)
         batch["stats"]["skipped"] = skipped
         return batch
 

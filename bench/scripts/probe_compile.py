@@ -41,7 +41,7 @@ def main() -> None:
     rows = cfg.global_batch_size // jax.process_count()
     capacity = trainer.largest_capacity(rows, tr.seq_len)
     trainer.reserve_patches(cfg.data.max_patches, capacity=capacity)
-    batch = trainer.abstract_batch(tr.micro_batch_size, tr.seq_len, cfg.data.max_patches)
+    batch = trainer.abstract_batch(tr.micro_batch_size, tr.seq_len, cfg.data.max_patches, cfg.data.balance_vision_rows)
     state = trainer.abstract_state()
     res = {"recipe": args.recipe, "overrides": args.overrides, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "setup_s": time.perf_counter() - t_start}

@@ -18,7 +18,8 @@ directory stores it, so that file is itself a recipe: ``--recipe runs/x/config.y
 The train section owns the batch shape: ``micro_batch_size`` is rows per data-parallel rank per
 microbatch (Megatron's MBS), the data-parallel size is the product of the mesh axes the layout's
 ``act_batch`` rule names, and ``data.seq_len`` / ``data.batch_size`` (rows per host per step) are
-derived from ``train.seq_len`` and the global batch (setting them directly is an error).
+derived from ``train.seq_len`` and the global batch (setting them directly is an error), as is
+``data.balance_group`` (the rows of one rank's microbatch).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ log = logging.getLogger(__name__)
 
 SECTIONS = ("name", "description", "model", "layout", "data", "compute", "optimizer", "train")
 DERIVED = {"data.seq_len": "train.seq_len",
-           "data.batch_size": "train.micro_batch_size / train.grad_accum (data.batch_size = global batch / processes)"}
+           "data.batch_size": "train.micro_batch_size / train.grad_accum (data.batch_size = global batch / processes)",
+           "data.balance_group": "train.micro_batch_size (one data-parallel rank's microbatch)"}
 
 
 @dataclasses.dataclass
@@ -248,15 +250,21 @@ def _with_image_bound(compute: ComputeConfig, data: DataConfig) -> ComputeConfig
     return dataclasses.replace(compute, attention_options=options)
 
 
-def _derive_data(raw: dict[str, Any], tr: TrainConfig, gbs: int, num_processes: int,
+def _derive_data(raw: dict[str, Any], tr: TrainConfig, gbs: int, num_processes: int, dp: int,
                  errors: list[str]) -> dict[str, Any]:
-    """The train section owns the batch shape: data.seq_len = train.seq_len and data.batch_size =
-    global batch / processes (rows each host loads per step)."""
+    """The train section owns the batch shape: data.seq_len = train.seq_len, data.batch_size =
+    global batch / processes (rows each host loads per step), data.balance_group = the rows of one microbatch of
+    one data-parallel rank on a host."""
     if gbs % num_processes:
         errors.append(f"global batch {gbs} does not divide over {num_processes} processes; change "
                       f"train.micro_batch_size or train.grad_accum")
         return raw
-    derived = {"seq_len": tr.seq_len, "batch_size": gbs // num_processes}
+    host_rows = gbs // num_processes
+    # the rows of one microbatch of one data-parallel rank on this host (the trainer's row groups): images
+    # balance over the vision rows of such a group only (data.balance_vision_rows)
+    per_group = (tr.grad_accum or 1) * max(dp // num_processes, 1)
+    derived = {"seq_len": tr.seq_len, "batch_size": host_rows,
+               "balance_group": host_rows // per_group if host_rows % per_group == 0 else 1}
     for key, value in derived.items():
         if key in raw and raw[key] != value:
             log.info("data.%s %s -> %s (derived from the train section)", key, raw[key], value)
@@ -301,7 +309,7 @@ def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes
         if layout is not None:  # the batch follows the layout's data-parallel size (unknown if it failed)
             tr = resolve_batch(tr, dp, errors)
         if layout is not None and tr.global_batch_size is not None and tr.micro_batch_size is not None:
-            data_raw = _derive_data(data_raw, tr, tr.global_batch_size, num_processes, errors)
+            data_raw = _derive_data(data_raw, tr, tr.global_batch_size, num_processes, dp, errors)
     model = build(model_config_type(raw.get("model")), raw.get("model"), "model", errors)  # the model family
     data = build(DataConfig, data_raw, "data", errors)
     compute = build(ComputeConfig, raw.get("compute"), "compute", errors)

@@ -25,7 +25,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.layers import Linear, dtype_of
 from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
 from moevlm_jax.model.qwen3_5_decoder import Qwen35TextModel
-from moevlm_jax.model.qwen3_vl_moe import scatter_visual_tokens, spread_placeholders
+from moevlm_jax.model.qwen3_vl_moe import place_visual_tokens, spread_placeholders
 from moevlm_jax.model.vision import VisionModel
 from parallelism.logical import constrain
 
@@ -69,8 +69,7 @@ class Qwen35Moe(nnx.Module):
             merged, _ = self.visual(jnp.asarray(pixels), jnp.asarray(batch["patch_rc"]), jnp.asarray(batch["patch_hw"]),
                                     jnp.asarray(batch["patch_segment_ids"]))
             unit = self.config.vision_config.spatial_merge_size**2
-            token_valid = jnp.asarray(batch["patch_segment_ids"])[:, ::unit] > 0
-            x = jnp.where(is_image[..., None], scatter_visual_tokens(merged.astype(x.dtype), is_image, token_valid), x)
+            x = jnp.where(is_image[..., None], place_visual_tokens(merged.astype(x.dtype), batch, is_image, unit), x)
             x = constrain(x, ("act_batch", "act_norm_seq", "act_embed"))
         hidden, router = self.language_model(x, positions, segment_ids)
         return hidden, {"router": router}

@@ -58,6 +58,32 @@ def scatter_visual_tokens(tokens: jax.Array, is_image: jax.Array, token_valid: j
     return out.at[..., rows, pos, :].set(tokens, mode="drop", unique_indices=True)
 
 
+def scatter_to_dest(tokens: jax.Array, dest: jax.Array, token_valid: jax.Array, seq_len: int) -> jax.Array:
+    """Place each valid visual token where its ``dest`` says: tokens ``[..., B, V, H]``, dest / token_valid
+    ``[B, V]`` -> ``[..., B, S, H]``. ``dest[r, v] = (text row - r) * S + position``: the token of vision row ``r``
+    goes to a decoder row of its own row group (``data.packing`` balances images over the vision rows of a group,
+    so a row's images need not sit in its own vision row). Zero elsewhere. As :func:`scatter_visual_tokens`, a
+    scatter with unique indices (invalid tokens target distinct rows past the end, dropped), whose backward is a
+    gather."""
+    b, v = dest.shape
+    flat = jnp.arange(b, dtype=jnp.int32)[:, None] * seq_len + dest.astype(jnp.int32)
+    flat = jnp.where(token_valid, flat, b * seq_len + jnp.arange(b * v, dtype=jnp.int32).reshape(b, v))
+    lead, h = tokens.shape[:-3], tokens.shape[-1]
+    out = jnp.zeros((*lead, b * seq_len, h), tokens.dtype)
+    out = out.at[..., flat.reshape(-1), :].set(tokens.reshape(*lead, b * v, h), mode="drop", unique_indices=True)
+    return out.reshape(*lead, b, seq_len, h)
+
+
+def place_visual_tokens(tokens: jax.Array, batch: Mapping[str, Any], is_image: jax.Array, unit: int) -> jax.Array:
+    """The vision tower's merged tokens ``[..., B, V, H]`` on the decoder's image-token positions ``[..., B, S, H]``:
+    by the batch's ``patch_dest`` (one entry per patch, every ``unit``-th read) when the data balanced its vision
+    rows, else the k-th valid token of each row on the row's k-th image token."""
+    token_valid = jnp.asarray(batch["patch_segment_ids"])[:, ::unit] > 0
+    if "patch_dest" in batch:
+        return scatter_to_dest(tokens, jnp.asarray(batch["patch_dest"])[:, ::unit], token_valid, is_image.shape[1])
+    return scatter_visual_tokens(tokens, is_image, token_valid)
+
+
 class Qwen3VLMoe(nnx.Module):
     """Qwen3VLMoeForConditionalGeneration in Flax NNX."""
 
@@ -103,11 +129,10 @@ class Qwen3VLMoe(nnx.Module):
             merged, ds = self.visual(jnp.asarray(pixels), jnp.asarray(batch["patch_rc"]), jnp.asarray(batch["patch_hw"]),
                                      jnp.asarray(batch["patch_segment_ids"]))
             unit = self.config.vision_config.spatial_merge_size**2
-            token_valid = jnp.asarray(batch["patch_segment_ids"])[:, ::unit] > 0
-            x = jnp.where(is_image[..., None], scatter_visual_tokens(merged.astype(x.dtype), is_image, token_valid), x)
+            x = jnp.where(is_image[..., None], place_visual_tokens(merged.astype(x.dtype), batch, is_image, unit), x)
             x = constrain(x, ("act_batch", "act_norm_seq", "act_embed"))
             if ds is not None:
-                deepstack = scatter_visual_tokens(ds.astype(x.dtype), is_image, token_valid)
+                deepstack = place_visual_tokens(ds.astype(x.dtype), batch, is_image, unit)
         return x, deepstack
 
     def forward(self, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:

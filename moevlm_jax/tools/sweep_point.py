@@ -77,6 +77,8 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     # fail fast (before loading data and compiling) on what tracing finds, at the largest patch bucket
     memory.trace_step(trainer, trainer.abstract_state(),
                       trainer.abstract_batch(mbs, seq_len, max(data_cfg.patch_buckets)))
+    # vision rows balance within one data-parallel rank's microbatch (the run config derives the same)
+    data_cfg = dataclasses.replace(data_cfg, balance_group=mbs)
     loader = data_lib.build_loader(data_cfg, batch_size=rows // jax.process_count(), seq_len=seq_len,
                                    shard_index=jax.process_index(), shard_count=jax.process_count())
     try:

@@ -126,7 +126,8 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             log.info("train steps padded to the largest patch bucket, %d (train.reserve_largest_bucket)",
                      cfg.data.max_patches)
             if tr.compile_ahead:
-                ahead = trainer.abstract_batch(tr.micro_batch_size, tr.seq_len, cfg.data.max_patches), capacity
+                ahead = trainer.abstract_batch(tr.micro_batch_size, tr.seq_len, cfg.data.max_patches,
+                                               cfg.data.balance_vision_rows), capacity
         elif tr.compile_ahead:
             log.warning("train.compile_ahead has no effect: the data has no patch buckets (data.patch_buckets)")
     if trainer.data_parallel_size != cfg.data_parallel_size:

@@ -353,11 +353,12 @@ class Trainer:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             shapes, self.state_shardings)
 
-    def abstract_batch(self, mbs: int, seq_len: int, patches: int) -> dict[str, Any]:
+    def abstract_batch(self, mbs: int, seq_len: int, patches: int, dest: bool = False) -> dict[str, Any]:
         """A train batch of ``mbs`` rows per data-parallel rank (``data.batch.batch_shapes``, microbatch
-        axis leading) as ShapeDtypeStructs with the batch shardings ``prepare`` gives its arrays."""
+        axis leading; ``dest``: with ``patch_dest``) as ShapeDtypeStructs with the batch shardings ``prepare``
+        gives its arrays."""
         spec = self.spec
-        shapes = batch_shapes(spec.model, mbs * spec.dp_size, seq_len, patches, spec.grad_accum)
+        shapes = batch_shapes(spec.model, mbs * spec.dp_size, seq_len, patches, spec.grad_accum, dest)
         shards = sharding.batch_shardings({k: s for k, (s, _) in shapes.items()}, spec.mesh, spec.rules, 1)
         return {k: jax.ShapeDtypeStruct(s, d, sharding=shards[k]) for k, (s, d) in shapes.items()}
 
@@ -385,6 +386,8 @@ class Trainer:
         """Host numpy batch (this process's rows) -> global arrays on the mesh. Train batches get a
         leading microbatch axis ``[G, rows / G, ...]`` (``positions`` ``[G, 3, rows / G, S]``)."""
         arrays = {k: np.asarray(host_batch[k]) for k in MODEL_KEYS if k in host_batch}
+        if "patch_dest" in arrays:
+            check_dest_groups(arrays, self._local_groups * (self.spec.grad_accum if train else 1))
         counts = _counts(arrays)
         # cuDNN's ragged bound, checked on the host (a warning on the GPU when rows hold more segments);
         # one process's rows over it: every process runs the step with the fallback
@@ -560,6 +563,25 @@ def build_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> M
     log.info("mesh %s over %d %s devices", {a: n for a, n in mesh.shape.items() if n > 1} or "{1 device}",
              mesh.devices.size, mesh.devices.flat[0].platform)
     return mesh
+
+
+def check_dest_groups(arrays: Mapping[str, np.ndarray], groups: int) -> None:
+    """Raise when a merged visual token's ``patch_dest`` leaves its row group: the host rows split into
+    ``groups`` consecutive groups (microbatches x this process's data-parallel ranks), and a vision row may only
+    feed decoder rows of its own group (``data.balance_group`` as the run config derives it)."""
+    seg, dest = arrays["patch_segment_ids"], arrays["patch_dest"]
+    rows, s = dest.shape[0], arrays["input_ids"].shape[-1]
+    if rows % groups:
+        raise ValueError(f"{rows} host rows do not split into {groups} row groups")
+    size = rows // groups
+    vision_row = np.broadcast_to(np.arange(rows)[:, None], dest.shape)
+    target = vision_row + np.floor_divide(dest, s)
+    bad = (seg > 0) & ((target // size != vision_row // size) | (target < 0) | (target >= rows))
+    if bad.any():
+        v = int(np.argwhere(bad)[0][0])
+        raise ValueError(f"batch['patch_dest']: vision row {v} feeds decoder row {int(target[bad][0])} outside its "
+                         f"group of {size} rows (the microbatch of one data-parallel rank): build the loader with "
+                         f"data.balance_group dividing {size} (a run derives it from train.micro_batch_size)")
 
 
 def _counts(arrays: Mapping[str, np.ndarray]) -> dict[str, float]:

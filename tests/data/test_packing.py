@@ -76,7 +76,7 @@ def test_packed_batches_equal_per_sample_processing(vqa_cache):
     loader = build_loader("vqa", overrides=[*SMALL, vqa_cache])
     for _ in range(2):
         batch = next(loader)
-        assert set(MODEL_KEYS) <= set(batch)
+        assert set(MODEL_KEYS) - {"patch_dest"} <= set(batch) and "patch_dest" not in batch  # only when balanced
         assert batch["input_ids"].shape == (4, 512) and batch["positions"].shape == (3, 4, 512)
         assert (batch["sample_index"] >= 0).sum(axis=1).min() >= 2  # rows really hold several samples
         check_batch_against_samples(batch, loader.config)
@@ -121,3 +121,63 @@ def test_text_only_batches_have_no_pixel_keys():
     batch = next(loader)
     assert "pixel_values" not in batch and "patch_rc" not in batch
     assert batch["stats"]["patch_slots"] == 0 and batch["stats"]["useful_tokens"] > 0
+
+
+def test_balance_images_by_hand():
+    from data.packing import balance_images
+
+    # largest first onto the least-filled row: 800 -> row 0, 700 -> row 1, 600 -> row 1, 500 -> row 0
+    assert balance_images([[800, 700], [600, 500]], 0) == [[(0, 0), (1, 1)], [(0, 1), (1, 0)]]
+    # no row may hold more images than the group's fullest decoder row (2): row 1 may not take the last 100
+    # (500 / 900 would be better), so 1000 / 400; groups of 2 rows never mix
+    lay = balance_images([[900, 300], [100, 100], [50], [60]], 2)
+    assert lay[:2] == [[(0, 0), (1, 1)], [(0, 1), (1, 0)]]
+    assert lay[2:] == [[(2, 0)], [(3, 0)]]  # balancing would not lower the fullest row (60): kept as is
+    assert all(len(h) <= 2 for h in lay)
+    # identity where nothing is gained
+    assert balance_images([[300], [300]], 0) == [[(0, 0)], [(1, 0)]]
+    assert balance_images([[900, 100], [100, 100]], 0) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+
+
+def test_balanced_vision_rows_hold_each_rows_images_and_point_at_their_tokens(vqa_cache):
+    """The same batches with and without balancing: decoder arrays equal; every image token of every row is fed,
+    through ``patch_dest``, by the same 4 patches (pixels, rc, hw) as in the row's own vision row; no vision row
+    has more images than the most a decoder row of its group had; the bucket never grows."""
+    plain = build_loader("vqa", overrides=[*SMALL, vqa_cache])
+    bal = build_loader("vqa", overrides=[*SMALL, vqa_cache, "balance_vision_rows=true", "balance_group=2"])
+    unit, moved = 4, 0
+    try:
+        for _ in range(3):
+            a, b = next(plain), next(bal)
+            for k in ("input_ids", "positions", "segment_ids", "targets", "loss_mask", "sample_index"):
+                np.testing.assert_array_equal(a[k], b[k])
+            assert "patch_dest" not in a
+            assert b["pixel_values"].shape[1] <= a["pixel_values"].shape[1]
+            rows, s = a["input_ids"].shape
+            seen = {}
+            for v in range(rows):
+                valid = np.flatnonzero(b["patch_segment_ids"][v] > 0)
+                for q in valid[::unit]:
+                    target = v * s + int(b["patch_dest"][v, q])
+                    t, pos = divmod(target, s)
+                    assert t // 2 == v // 2, "a token left its group of 2 rows"
+                    assert (b["patch_dest"][v, q:q + unit] == b["patch_dest"][v, q]).all()
+                    assert target not in seen
+                    seen[target] = (v, q)
+                    moved += t != v
+                counts = [len(np.unique(b["patch_segment_ids"][r][b["patch_segment_ids"][r] > 0]))
+                          for r in (v, v ^ 1)]
+                own = [len(np.unique(a["patch_segment_ids"][r][a["patch_segment_ids"][r] > 0])) for r in (v, v ^ 1)]
+                assert counts[0] <= max(own)
+            for t in range(rows):
+                tokens = np.flatnonzero(a["input_ids"][t] == 151655)
+                for k, pos in enumerate(tokens):
+                    v, q = seen[t * s + pos]
+                    sl_a, sl_b = slice(k * unit, (k + 1) * unit), slice(q, q + unit)
+                    for key in ("pixel_values", "patch_rc", "patch_hw"):
+                        np.testing.assert_array_equal(b[key][v, sl_b], a[key][t, sl_a])
+            assert len(seen) == int((a["input_ids"] == 151655).sum())
+    finally:
+        plain.close()
+        bal.close()
+    assert moved > 0  # some image did change rows

@@ -67,6 +67,7 @@ def test_layering_defaults_recipe_files_cli(files):
     # global batch = MBS 2 x accum 3 x DP 8; the data section is derived from the train section
     assert cfg.global_batch_size == 48 and cfg.train.global_batch_size == 48
     assert cfg.data.seq_len == cfg.train.seq_len == 4096 and cfg.data.batch_size == 48
+    assert cfg.data.balance_group == 2  # the rows of one microbatch of one data-parallel rank
 
 
 def test_cli_arguments_and_references(files, tmp_path):
@@ -139,6 +140,9 @@ def test_cross_field_rules(files, caplog):
     # grad_accum 2; given both, they must agree, and the message says what to set
     ok = load_config(files["recipe"], overrides=["train.global_batch_size=32"], num_devices=8, num_processes=1)
     assert (ok.global_batch_size, ok.train.grad_accum, ok.train.micro_batch_size) == (32, 2, 2)
+    # a host's rows split into grad_accum x its data-parallel ranks: 2 processes hold 16 rows of 4 ranks each
+    two = load_config(files["recipe"], overrides=["train.global_batch_size=32"], num_devices=8, num_processes=2)
+    assert (two.data.batch_size, two.data.balance_group) == (16, 2)
     msg = _error(files["recipe"], "train.global_batch_size=32", "train.grad_accum=1")
     assert "train.global_batch_size=32 but micro_batch_size 2 x grad_accum 1 x data-parallel size 8 = 16" in msg
     assert "set train.grad_accum=2" in msg
@@ -236,6 +240,7 @@ def test_h200_recipe_is_the_measured_one_gpu_setting():
     """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md runs 9-16; MBS 11 from run 21, bf16 logits from run 23) as a recipe."""
     cfg = load_config("h200", num_devices=1, num_processes=1)
     assert cfg.name == "h200" and cfg.model.name == "proxy" and cfg.train.micro_batch_size == 11
+    assert cfg.data.balance_vision_rows and cfg.data.balance_group == 11
     compute = cfg.compute
     assert (compute.param_dtype, compute.recompute, compute.recompute_modules, compute.capture) == (
         "bfloat16", "selective", (), "scopes")

@@ -1,7 +1,8 @@
 """The train step under FSDP against a single-device reference: the tiny model on real VQA batches
 (images included) gives the same losses, gradient norms and parameters on 1 device (MBS 8), under
 FSDP over 8 CPU devices (MBS 1), and with gradient accumulation 4 x MBS 1 on a 2-device FSDP mesh
-(= MBS 4 per rank = the same 8-row global batch). The router aux loss is off in the objective here
+(= MBS 4 per rank = the same 8-row global batch), and 2 devices at MBS 4 with the images balanced over each
+rank's vision rows (``data.balance_vision_rows``). The router aux loss is off in the objective here
 because Megatron-style accumulation computes it per microbatch (the logged HF aux loss is still
 compared between 1 and 8 devices). One test function, so that pytest-xdist runs the three on one
 worker and the reference is computed once."""
@@ -85,3 +86,13 @@ def test_fsdp_and_accumulation_match_one_device(tmp_path):
     # the logged router losses are per-microbatch means here (as Megatron), so they are not compared
     _assert_same_run(_train(accum, batches, params=initial), reference,
                      [k for k in METRICS if not k.startswith("router")])
+
+    # the same batches with each rank's 4 rows' images balanced over its vision rows (data.balance_vision_rows):
+    # FSDP over 2 devices, MBS 4; images change rows, the run does not
+    balanced = host_batches(tmp_path, STEPS, balance_vision_rows=True, balance_group=4)
+    for b, ref in zip(balanced, batches):
+        np.testing.assert_array_equal(b["input_ids"], ref["input_ids"])
+    s = batches[0]["input_ids"].shape[1]
+    moved = [((b["patch_dest"] // s) != 0) & (b["patch_segment_ids"] > 0) for b in balanced]
+    assert any(m.any() for m in moved)  # some image is in another row's vision row
+    _assert_same_run(_train(_trainer(2), balanced, params=initial), reference)

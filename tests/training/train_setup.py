@@ -27,11 +27,12 @@ def data_config(cache_dir: str | Path) -> dict[str, Any]:
     return raw
 
 
-def host_batches(cache_dir: str | Path, n: int, rows: int = ROWS) -> list[dict[str, Any]]:
-    """The first ``n`` training batches of ``rows`` rows (numpy, as the loader gives them)."""
-    import data
+def host_batches(cache_dir: str | Path, n: int, rows: int = ROWS, **data: Any) -> list[dict[str, Any]]:
+    """The first ``n`` training batches of ``rows`` rows (numpy, as the loader gives them); ``data``: further
+    data-config keys (e.g. ``balance_vision_rows``)."""
+    import data as data_lib
 
-    loader = data.build_loader(data_config(cache_dir), batch_size=rows)
+    loader = data_lib.build_loader({**data_config(cache_dir), **data}, batch_size=rows)
     try:
         return [next(loader) for _ in range(n)]
     finally:
