@@ -54,8 +54,9 @@ def _hybrid_slot(group: jax.Array, rank: jax.Array, counts: jax.Array, cap: int)
     """Buffer row of the ``rank``-th row of ``group`` in a hybrid buffer (``group * cap + rank``
     below the capacity, else after the ``G * cap`` padded rows in group order) and the overflow counts."""
     over = jnp.maximum(counts - cap, 0)
-    over_start = jnp.take(exclusive_cumsum(over), group)
-    return jnp.where(rank < cap, group * cap + rank, counts.shape[0] * cap + over_start + rank - cap), over
+    over_start = jnp.take(exclusive_cumsum(over), group, mode="clip")
+    slot = jnp.where(rank < cap, group * cap + rank, counts.shape[0] * cap + over_start + rank - cap)
+    return jnp.where(group < counts.shape[0], slot, -1), over  # group E: no expert (route_plan), no row
 
 
 class HybridLayout(NamedTuple):

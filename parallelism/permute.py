@@ -67,7 +67,9 @@ def route_plan(
     """Sort the ``[T, K]`` assignments once by expert; keep at most ``capacity`` per expert.
 
     ``drop_policy="probs"`` keeps the highest routing weights (ties: earlier token first);
-    ``"position"`` keeps the earliest tokens. Without a capacity nothing is dropped.
+    ``"position"`` keeps the earliest tokens. Without a capacity nothing is dropped. An id of
+    ``num_experts`` in ``topk_idx`` is no expert (the MoE block's padding positions): such assignments
+    sort last, are never kept and are not counted as dropped.
     """
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")

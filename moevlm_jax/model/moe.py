@@ -51,9 +51,14 @@ class SparseMoeBlock(nnx.Module):
             logits, probs, top_w, top_i, stats = self.routing(x, valid)
         tokens = constrain(x.reshape(b * s, h), ("act_tokens", "act_embed"))
         options = self.compute.moe_options
+        # padding positions (not ``valid``) go to no expert: id E, which every dispatcher leaves out of the expert
+        # counts and the drop count (parallelism.permute.route_plan), so the grouped matmuls never see their rows
+        # (~8% of the proxy's positions) and their output here is zero; nothing valid reads them (attention keys
+        # are segment-masked, the loss masked), as in Megatron's packed sequences, which carry no padding at all
+        expert_ids = jnp.where(valid[..., None], top_i, self.num_experts)
         with jax.named_scope("experts"):  # permutation / dispatch and the expert matmuls
             y, drops = experts_forward_with_stats(
-                tokens, top_i.reshape(b * s, self.top_k), top_w.reshape(b * s, self.top_k).astype(x.dtype),
+                tokens, expert_ids.reshape(b * s, self.top_k), top_w.reshape(b * s, self.top_k).astype(x.dtype),
                 self.gate_up_proj[...].astype(x.dtype), self.down_proj[...].astype(x.dtype),
                 fp8_config=self.compute.fp8.at("experts"), **options,
             )

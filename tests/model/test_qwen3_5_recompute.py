@@ -63,7 +63,9 @@ def _setup(kind: str, layers: int = 1):
 
 
 def _loss(graphdef, side, compute):
-    w = jax.random.normal(jax.random.key(2), (B, S, CFG.hidden_size))
+    # a probe over the valid positions: padding (segment 0) outputs are defined by nothing (its MoE output is
+    # zero, its attention keys masked for every valid token)
+    w = jax.random.normal(jax.random.key(2), (B, S, CFG.hidden_size)) * (side[2] > 0)[..., None]
 
     def loss(state, x):
         x, _ = run_stack(nnx.merge(graphdef, state), lambda l, h, _, sd: l(h, *sd), x, None, compute, side=side)

@@ -10,7 +10,7 @@ from parallelism import logical
 from parallelism.dispatch import ragged_all_to_all_dense, resolve_topology
 from parallelism.experts import experts_forward, experts_forward_with_stats
 from moevlm_jax.config import load_layout
-from tests.parallelism.moe_reference import assert_close, make_problem, value_and_grads
+from tests.parallelism.moe_reference import assert_close, dense_reference, make_problem, value_and_grads
 
 # quick compiles (tests/xla_options.py): the single-device references compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
@@ -237,3 +237,36 @@ def test_layout_errors_name_the_problem():
     with logical.sharding_context(mesh, rules):
         with pytest.raises(ValueError, match="splits each device's 6 rows"):
             experts_forward(*make_problem(t=12))
+
+
+@pytest.mark.parametrize(("layout", "opts"), [
+    (None, dict(backend="ragged_dot")),
+    (None, dict(backend="triton")),
+    (None, dict(backend="hybrid", capacity_factor=0.5)),
+    (None, dict(backend="capacity", capacity_factor=2.0)),
+    ("expert8", dict(dispatcher="alltoall")),
+    ("expert4_fsdp2", dict(dispatcher="allgather", backend="capacity", capacity_factor=8.0)),
+    ("expert2_tensor2_fsdp2", dict(dispatcher="alltoall", backend="hybrid", capacity_factor=0.5)),
+])
+def test_expert_id_e_is_no_expert(layout, opts):
+    """The MoE block sends padding positions to id E (no expert): every dispatcher and backend leaves them out,
+    forward and backward, as the dense reference that adds no routing weight for them (an out-of-range scatter);
+    and are not counted as dropped (the capacities here hold every valid assignment)."""
+    x, idx, w, a, b = make_problem(seed=17, routing="random")
+    e = a.shape[0]
+    pad = np.arange(idx.shape[0]) % 3 == 0
+    idx = jnp.where(jnp.asarray(pad)[:, None], e, idx)
+    problem = (x, idx, w, a, b)
+    want = value_and_grads(dense_reference, *problem)
+    assert not np.asarray(want[0])[pad].any() and np.asarray(want[0])[~pad].any()
+    if layout is None:
+        got = value_and_grads(lambda *p: experts_forward(*p, **opts), *problem)
+        stats = jax.jit(lambda *p: experts_forward_with_stats(*p, **opts)[1])(*problem)
+    else:
+        got = _sharded_value_and_grads(layout, problem, **opts)
+        mesh, rules = _mesh_and_rules(layout)
+        with logical.sharding_context(mesh, rules):
+            stats = jax.jit(lambda *p: experts_forward_with_stats(*p, **opts)[1])(*_place(mesh, rules, *problem))
+    assert_close(got[0], want[0], what=f"{layout} {opts} forward")
+    assert_close(got[1], want[1], what=f"{layout} {opts}")
+    assert int(stats["dropped"]) == 0

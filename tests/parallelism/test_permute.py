@@ -353,3 +353,15 @@ def test_fp8_experts_zero_the_unwritten_rows(monkeypatch):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert np.isfinite(np.asarray(a)).all()
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_route_plan_id_e_is_neither_kept_nor_dropped():
+    e = 4
+    idx = jnp.asarray([[0, 1], [e, e], [0, 1], [e, e]], jnp.int32)
+    w = jnp.full((4, 2), 0.5, jnp.float32)
+    plan = route_plan(idx, w, e)
+    assert plan.counts.tolist() == [2, 2, 0, 0] and int(plan.dropped) == 0
+    assert permute.sorted_slots(plan).tolist() == [0, 2, -1, -1, 1, 3, -1, -1]
+    tight = route_plan(idx, w, e, capacity=1)  # one of each expert's two valid assignments dropped, no more
+    assert tight.counts.tolist() == [1, 1, 0, 0] and int(tight.dropped) == 2
+    assert (np.asarray(tight.expert)[[2, 3, 6, 7]] == e).all()
