@@ -318,10 +318,10 @@ def build_loader(
     if n == 0:
         raise DataError(f"data source {label} ({split}) is empty")
     # images balance over the vision rows of groups inside one stream's rows (a group of the run's rows that a
-    # stream boundary cuts is cut to the largest size that nests in both)
+    # stream boundary cuts is cut to the largest size that nests in both; 0, every row: the stream's rows)
     stream_rows = cfg.batch_size // per
     stream_cfg = dataclasses.replace(cfg, batch_size=stream_rows,
-                                     balance_group=math.gcd(cfg.balance_group, stream_rows) or stream_rows)
+                                     balance_group=math.gcd(cfg.balance_group, stream_rows))
     processor = SampleProcessor(stream_cfg, eval_mode=eval_mode)
     streams = []
     for shard in range(shard_index * per, (shard_index + 1) * per):

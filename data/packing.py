@@ -138,8 +138,8 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
             out["patch_dest"] = np.zeros((b, p), np.int32)
     sample_index = np.full((b, max((len(r) for r in rows), default=0)), -1, np.int64)
     images = 0
-    # per decoder row, per image (in order): (sample, its patches, its grid, where its tokens sit in the row)
-    row_images: list[list[tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray | None]]] = []
+    # per decoder row, per image (in order): (its patches, its grid, where its tokens sit in the row)
+    row_images: list[list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]] = []
     for r, row in enumerate(rows):
         t = 0
         answers = 0
@@ -157,16 +157,15 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
                 out["answer_group"][r, sl] = np.where(a > 0, a + answers, 0)
                 out["answer_type"][r, sl] = x["answer_type"]
                 answers += int(a.max(initial=0))
-            grids = np.asarray(x.get("grids", np.zeros((0, 3))), np.int64).reshape(-1, 3)
-            if len(grids):
+            sizes = image_patch_counts(x)
+            if sizes:
+                grids = np.asarray(x["grids"], np.int64).reshape(-1, 3)
                 tokens = t + np.flatnonzero(np.asarray(x["ids"]) == image_id) if balance else None
                 q = tok = 0
-                for grid in grids:
-                    n = int(grid.prod())
-                    mine.append((x, x["patches"][q:q + n], grid,
-                                 None if tokens is None else tokens[tok:tok + n // unit]))
+                for grid, n in zip(grids, sizes):
+                    mine.append((x["patches"][q:q + n], grid, None if tokens is None else tokens[tok:tok + n // unit]))
                     q, tok = q + n, tok + n // unit
-                images += len(grids)
+                images += len(sizes)
             sample_index[r, k] = x["index"]
             t += length
         row_images.append(mine)
@@ -174,7 +173,7 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
         q = 0
         segment = 1
         for r, j in held:
-            _, patches, grid, tokens = row_images[r][j]
+            patches, grid, tokens = row_images[r][j]
             n = len(patches)
             ps = slice(q, q + n)
             expand_patches(patches, img, lut, out=out["pixel_values"][v, ps])
