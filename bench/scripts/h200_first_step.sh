@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 24's time to the first step, one H200, one `run` call: the train CLI with recipe h200 as written
-# (MBS 10, unrolled layers, whole-step capture), each run a fresh process with an empty compilation
-# cache AND no VQA set on disk (a new machine's first run: the set is generated, ~12 s), $STEPS steps,
-# one compiled training shape (train.reserve_largest_bucket) so the steady throughput is read from the same run:
+# (unrolled layers, whole-step capture, the step compiled ahead, the reserved patch bucket), each run a
+# fresh process with an empty compilation cache AND no VQA set on disk (a new machine's first run: the set
+# is generated, ~12 s), $STEPS steps, one compiled training shape (train.reserve_largest_bucket) so the
+# steady throughput is read from the same run. RUNS picks the runs, in order (default: all four of the
+# 2026-12-02 comparison, when the recipe compiled nothing ahead and reserved the largest bucket):
 #   ahead_vscan  + compute.vision_scan_layers=true (the vision tower scanned, the decoder unrolled)
 #                + train.compile_ahead=true (the step compiled in a thread while the state and data start)
 #   vscan        + compute.vision_scan_layers=true
-#   as_written   the recipe's unrolled layers
+#   as_written   the recipe as written
 #   ahead        + train.compile_ahead=true (unrolled)
+#   largest      + train.reserve_bucket=null (every batch padded to the data's largest bucket)
 # The summary's "first step done N s after the process started" and its steady useful tokens/s per run.
 # Results under $OUT: log.txt, {name}.log, {name}_metrics.jsonl.
 #   run(command="bash bench/scripts/h200_first_step.sh", carry=[".gpudeps"], timeout_s=600)
@@ -27,8 +30,14 @@ run() {  # name, extra overrides
   cp "/tmp/fs_$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
   grep -E "compiled ahead|-> compile|run .*steps|throughput" "$OUT/$name.log" | cut -c1-300 | tail -5 | tee -a "$OUT/log.txt"
 }
-run ahead_vscan compute.vision_scan_layers=true train.compile_ahead=true
-run vscan compute.vision_scan_layers=true
-run as_written
-run ahead train.compile_ahead=true
+for name in ${RUNS:-ahead_vscan vscan as_written ahead}; do
+  case $name in
+    ahead_vscan) run ahead_vscan compute.vision_scan_layers=true train.compile_ahead=true ;;
+    vscan) run vscan compute.vision_scan_layers=true ;;
+    as_written) run as_written ;;
+    ahead) run ahead train.compile_ahead=true ;;
+    largest) run largest train.reserve_bucket=null ;;
+    *) echo "unknown run '$name'" | tee -a "$OUT/log.txt" ;;
+  esac
+done
 echo "wall $(( $(date +%s) - T0 )) s" | tee -a "$OUT/log.txt"

@@ -209,6 +209,24 @@ def _save_all_offloading(names: tuple[str, ...]) -> Callable[..., Any]:
     return policy
 
 
+@jax.custom_vjp
+def materialised_grad(x: jax.Array) -> jax.Array:
+    """The identity, whose cotangent passes an optimization barrier: computed once, where it is
+    produced, and read from there by every consumer (XLA would otherwise fuse its producer into each)."""
+    return x
+
+
+def _materialised_grad_fwd(x: jax.Array) -> tuple[jax.Array, None]:
+    return x, None
+
+
+def _materialised_grad_bwd(_: None, g: jax.Array) -> tuple[jax.Array]:
+    return (jax.lax.optimization_barrier(g),)
+
+
+materialised_grad.defvjp(_materialised_grad_fwd, _materialised_grad_bwd)
+
+
 def stack_axis(stack: nnx.Module) -> str | None:
     """The logical name of a stacked module's leading (layer) axis, e.g. ``layers``."""
     for v in jax.tree.leaves(nnx.state(stack), is_leaf=lambda x: isinstance(x, nnx.Variable)):
@@ -257,10 +275,15 @@ def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any, Any], tup
     if scan:
         return jax.lax.scan(lambda c, inputs: step(c, *inputs, side), carry, (state, xs))
     # unrolled: each layer's slice from one split per stacked leaf, whose transpose (the stacked
-    # gradient) is one concatenate, not a sum of per-layer pads
-    layers = jax.tree.map(lambda a: [x[0] for x in jax.lax.split(a, (1,) * (stop - start))], (state, xs))
+    # gradient) is one concatenate, not a sum of per-layer pads; each layer's weight gradient is
+    # materialised once (not re-derived in every consumer of the stacked gradient), and the
+    # concatenate is left to fuse into those consumers (the norm, the optimizer) instead of being
+    # written out
+    n_layers = stop - start
+    layers = (jax.tree.map(lambda a: [materialised_grad(x[0]) for x in jax.lax.split(a, (1,) * n_layers)], state),
+              jax.tree.map(lambda a: [x[0] for x in jax.lax.split(a, (1,) * n_layers)], xs))
     ys = []
-    for i in range(stop - start):
+    for i in range(n_layers):
         carry, y = step(carry, *jax.tree.map(lambda parts, i=i: parts[i], layers, is_leaf=lambda x: isinstance(x, list)),
                         side)
         ys.append(y)

@@ -94,6 +94,10 @@ class TrainConfig:
     # four buckets cost four ~40-95 s compiles in a 100-step run, bench/fp8_h200.md), at the price of
     # padding patches through the vision tower in batches of a smaller bucket
     reserve_largest_bucket: bool = False
+    # with reserve_largest_bucket: the patch bucket reserved instead of the data's largest (one of
+    # data.patch_buckets), for data whose batches rarely need the largest (balanced vision rows); a batch
+    # over it compiles its own step when it comes, and the batches it holds keep the reserved step
+    reserve_bucket: int | None = None
     # with reserve_largest_bucket: compile the training step in a background thread from the start, while
     # the state initialises and the data pipeline starts (time to the first step), for the reserved shape
     # and the largest loss capacity short of whole rows (reserved too; a batch with more than half its

@@ -120,13 +120,17 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
         if not tr.reuse_shapes:
             log.warning("train.reserve_largest_bucket has no effect with train.reuse_shapes=false")
         elif cfg.data.patch_buckets:
+            bucket = tr.reserve_bucket or cfg.data.max_patches
+            if bucket not in cfg.data.patch_buckets:
+                raise ConfigError(f"train.reserve_bucket {bucket} is not one of data.patch_buckets "
+                                  f"{list(cfg.data.patch_buckets)}")
             rows = cfg.global_batch_size // jax.process_count()
             capacity = trainer.largest_capacity(rows, tr.seq_len) if tr.compile_ahead else 0
-            trainer.reserve_patches(cfg.data.max_patches, capacity=capacity)
-            log.info("train steps padded to the largest patch bucket, %d (train.reserve_largest_bucket)",
-                     cfg.data.max_patches)
+            trainer.reserve_patches(bucket, capacity=capacity)
+            log.info("train steps padded to the patch bucket %d (train.reserve_largest_bucket; largest %d)",
+                     bucket, cfg.data.max_patches)
             if tr.compile_ahead:
-                ahead = trainer.abstract_batch(tr.micro_batch_size, tr.seq_len, cfg.data.max_patches,
+                ahead = trainer.abstract_batch(tr.micro_batch_size, tr.seq_len, bucket,
                                                cfg.data.balance_vision_rows), capacity
         elif tr.compile_ahead:
             log.warning("train.compile_ahead has no effect: the data has no patch buckets (data.patch_buckets)")

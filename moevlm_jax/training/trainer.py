@@ -17,12 +17,15 @@ The steps are module-level ``jax.jit`` functions whose static argument is a hash
 :class:`StepSpec` (model/compute/optimizer configs, mesh, rules, accumulation, frozen groups), so
 two trainers with equal specs share compiled programs (a resumed run compiles nothing new in the
 same process). They compile once per batch shape (patch bucket), loss capacity and ``bounded``;
-with ``reuse_shapes`` (the train job's ``train.reuse_shapes``) a batch is padded up to the largest patch
-bucket and loss capacity its kind (train / eval) has had, so that later batches reuse that compile
-instead of adding one per combination (padding patches and unused capacity slots change no result).
-When every batch's shape is known before the first one (``reserve_patches`` with a capacity: the
-train job's ``train.reserve_largest_bucket``), :meth:`Trainer.compile_ahead` compiles that step in a
-background thread while the state initialises and the data starts (``train.compile_ahead``).
+with ``reuse_shapes`` (the train job's ``train.reuse_shapes``) a batch is padded up to the smallest
+(patch bucket, loss capacity) its kind (train / eval) already has a step for that holds it, and a
+batch no step holds gets one for the largest of each seen so far, so that the compiled shapes form a
+chain, each holding the ones before it: at most one compile per new largest bucket or capacity, not one
+per combination, and a rare large batch does not pad every later one (padding patches and unused
+capacity slots change no result). When every batch's shape is known before the first one
+(``reserve_patches`` with a capacity: the train job's ``train.reserve_largest_bucket``),
+:meth:`Trainer.compile_ahead` compiles that step in a background thread while the state initialises and
+the data starts (``train.compile_ahead``).
 
 The objective (what each microbatch adds to the loss, the gathered-positions LM head, the eval pass)
 is ``moevlm_jax.training.objective``; the trainer gives it the data-parallel size and the per-batch
@@ -203,10 +206,9 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
         objective, grads, sums = optim.accumulate_gradients(loss_fn, trainable, micro, grad_shardings=grad_shardings,
                                                             accum_dtype=jnp.dtype(spec.optimizer.grad_accum_dtype),
                                                             single_dtype=None if spec.mesh.size == 1 else jnp.float32)
-        # any stack unrolled: its stacked gradients materialised once, not re-derived in each reduction over
-        # them (82 ms/step, step_h200.md run 7)
-        if not (spec.compute.stack_scan("text") and spec.compute.stack_scan("vision")):
-            grads = jax.lax.optimization_barrier(grads)
+        # an unrolled stack's per-layer gradients are each materialised once inside the model
+        # (layers.materialised_grad; re-derived in each reduction over them they cost 82 ms/step,
+        # step_h200.md run 7), and the stacked leaves' concatenates fuse into the norm and the update
         grad_norm = optim.global_norm(grads)  # logged, and the clipping's (read once: bench/step_h200.md run 22)
         with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
             updates, opt_state = tx.update(grads, state["opt_state"], trainable, grad_norm=grad_norm)
@@ -292,7 +294,8 @@ class Trainer:
         self._ahead_thread: threading.Thread | None = None
         self.ahead_steps = 0  # steps that ran an executable compiled ahead
         self.reuse_shapes = reuse_shapes
-        self._largest: dict[str, tuple[int, float]] = {}  # kind -> (patches, capacity; inf: whole rows)
+        # kind -> the chain of (patches, capacity; inf: whole rows) its batches are padded to, ascending
+        self._shapes: dict[str, list[tuple[int, float]]] = {}
         self.bound_warned: set[str] | None = set() if jax.default_backend() == "gpu" and spec.compute.attention != "xla" else None
         v = spec.model.vision_config
         self.vision_attention = resolve_impl(spec.compute.attention, jnp.dtype(spec.compute.dtype), v.head_dim)
@@ -419,9 +422,13 @@ class Trainer:
         reads its batches first). Every process must reserve the same number of batches."""
         if not self.reuse_shapes:
             return
+        patches, cap = 0, 0
         for host in host_batches:
             arrays = {k: np.asarray(host[k]) for k in ("loss_mask", "pixel_values") if k in host}
-            self._reused_shapes("train" if train else "eval", arrays, self._capacity(arrays, train))
+            capacity = self._capacity(arrays, train)
+            patches = max(patches, arrays["pixel_values"].shape[1] if "pixel_values" in arrays else 0)
+            cap = math.inf if capacity is None or cap == math.inf else max(cap, capacity)
+        self.reserve_patches(patches, capacity=None if cap == math.inf else cap, train=train)
 
     def largest_capacity(self, rows: int, seq_len: int) -> int | None:
         """The largest loss capacity a training batch of ``rows`` (this process's) x ``seq_len`` tokens
@@ -431,26 +438,34 @@ class Trainer:
 
     def reserve_patches(self, patches: int, *, capacity: int | None = 0, train: bool = True) -> None:
         """With ``reuse_shapes``: ``patches`` (a patch bucket) the floor of the patch axis of ``train`` /
-        eval batches from now on (``train.reserve_largest_bucket``: the data's largest bucket, one
-        compiled step for the run), and ``capacity`` the floor of their loss capacity (None: whole
-        rows; 0: none). The same on every process (it comes from the config)."""
+        eval batches from now on (``train.reserve_largest_bucket``: the data's largest bucket, or
+        ``train.reserve_bucket``; one compiled step for every batch it holds), and ``capacity`` the floor
+        of their loss capacity (None: whole rows; 0: none): the kind's chain becomes that one shape (or
+        its last, if larger). The same on every process (it comes from the config)."""
         if not self.reuse_shapes:
             return
         kind = "train" if train else "eval"
-        most_patches, most_cap = self._largest.get(kind, (0, 0))
+        chain = self._shapes.get(kind, [])
+        most_patches, most_cap = chain[-1] if chain else (0, 0)
         cap = math.inf if capacity is None else capacity
-        self._largest[kind] = (max(most_patches, int(patches)), max(most_cap, cap))
+        self._shapes[kind] = [(max(most_patches, int(patches)), max(most_cap, cap))]
 
     def _reused_shapes(self, kind: str, arrays: dict[str, np.ndarray], capacity: int | None
                        ) -> tuple[dict[str, np.ndarray], int | None]:
-        """The batch padded to the largest patch axis and its capacity raised to the largest capacity
-        (None, whole rows, above any) that ``kind``'s batches have had; the new largest remembered.
-        The patch axis is padded as the data pipeline pads it (zero pixels, rc / hw 0, segment 0)."""
+        """The batch padded to the patch axis and its capacity raised to the capacity (None, whole rows,
+        above any) of the smallest shape in ``kind``'s chain that holds it; a batch none holds adds the
+        largest patch axis and capacity seen so far (its own included) to the chain's end. The patch
+        axis is padded as the data pipeline pads it (zero pixels, rc / hw 0, segment 0)."""
         patches = arrays["pixel_values"].shape[1] if "pixel_values" in arrays else 0
         cap = math.inf if capacity is None else capacity
-        most_patches, most_cap = self._largest.get(kind, (0, 0))
-        most_patches, most_cap = max(most_patches, patches), max(most_cap, cap)
-        self._largest[kind] = (most_patches, most_cap)
+        chain = self._shapes.setdefault(kind, [])
+        held = [(p, c) for p, c in chain if p >= patches and c >= cap]
+        if held:
+            most_patches, most_cap = held[0]
+        else:
+            last = chain[-1] if chain else (0, 0)
+            most_patches, most_cap = max(last[0], patches), max(last[1], cap)
+            chain.append((most_patches, most_cap))
         if patches < most_patches:
             arrays = dict(arrays)
             for k in PATCH_KEYS:

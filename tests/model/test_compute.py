@@ -134,3 +134,16 @@ def test_traced_graph_does_not_grow_with_depth():
     assert size(4, 4, **vision_only) == size(4, 12, **vision_only)
     assert size(12, 4, **vision_only) > size(4, 4, **vision_only) + 100
     assert size(4, 12, scan_layers=False) > size(4, 4, scan_layers=False) + 100
+
+
+def test_materialised_grad_is_the_identity_with_a_barrier_on_its_cotangent():
+    """Unrolled stacks pass each layer's weights through layers.materialised_grad: values and gradients
+    unchanged (the scanned == unrolled tests above), and the backward holds one optimization barrier per
+    use, so the stacked gradient's concatenate has materialised operands."""
+    from moevlm_jax.model.layers import materialised_grad
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    f = lambda a: jnp.sum(jnp.sin(materialised_grad(a)) * a)  # noqa: E731
+    np.testing.assert_allclose(jax.grad(f)(x), jnp.cos(x) * x + jnp.sin(x), rtol=1e-6)
+    np.testing.assert_allclose(f(x), jnp.sum(jnp.sin(x) * x), rtol=1e-6)
+    assert str(jax.make_jaxpr(jax.grad(f))(x)).count("optimization_barrier") == 1

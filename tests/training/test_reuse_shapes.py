@@ -9,6 +9,7 @@ import pytest
 
 from data.batch import PATCH_KEYS
 from moevlm_jax.config import load_layout
+from moevlm_jax.config.schema import ConfigError
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import load_model_config
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
@@ -67,10 +68,10 @@ def test_reserved_batches_set_the_floor_before_any_is_prepared():
     tr.reserve([small, large])
     assert tr._reused_shapes("eval", dict(small), 40)[1] == 112
     assert tr._reused_shapes("eval", dict(small), 40)[0]["pixel_values"].shape == (2, 12, 3)
-    assert "train" not in tr._largest  # the eval batches set the eval floor only
+    assert tr._shapes == {"eval": [(12, 112)]}  # one step for all of them; the eval floor only
     plain = _trainer(False)
     plain.reserve([small, large])
-    assert plain._largest == {}
+    assert plain._shapes == {}
 
 
 def test_a_reserved_bucket_is_the_floor_from_the_first_batch():
@@ -90,12 +91,28 @@ def test_a_reserved_bucket_is_the_floor_from_the_first_batch():
     assert tr._reused_shapes("eval", batch, 40)[0]["pixel_values"].shape[1] == 8
     plain = _trainer(False)
     plain.reserve_patches(16)
-    assert plain._largest == {} and not TrainConfig().reserve_largest_bucket  # opt-in
+    assert plain._shapes == {} and not TrainConfig().reserve_largest_bucket  # opt-in
 
 
-def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path):
-    """The train job calls it with the data's largest bucket (``data.max_patches``) when asked, and only
-    then (stopped right after: no step needed to see the call)."""
+def test_a_batch_over_the_reserved_bucket_does_not_pad_the_later_ones():
+    """``train.reserve_bucket`` below the largest: a batch over it gets a step of its own (the largest
+    patch axis and capacity so far), and the batches the reserved shape holds keep running it; a batch
+    neither holds gets the largest of each (a chain: each shape holds the ones before it)."""
+    tr = _trainer(True)
+    tr.reserve_patches(16, capacity=40)
+    batch = {"pixel_values": np.ones((2, 8, 3), np.float32), "patch_segment_ids": np.ones((2, 8), np.int32)}
+    seen = [(out["pixel_values"].shape[1], c) for out, c in (
+        tr._reused_shapes("train", _with_patches(batch, n), cap) for n, cap in (
+            (0, 40), (16, 32), (0, 40), (8, 24), (0, 64), (0, 48), (4, 40)))]
+    assert seen == [(16, 40), (24, 40), (16, 40), (16, 40), (24, 64), (24, 64), (16, 40)]
+    assert tr._shapes["train"] == [(16, 40), (24, 40), (24, 64)]
+
+
+@pytest.mark.parametrize("bucket", [None, "smallest", "none of them"])
+def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path, bucket):
+    """The train job calls it with the data's largest bucket (``data.max_patches``) when asked, or with
+    ``train.reserve_bucket``, one of ``data.patch_buckets`` (else a clear error before any compile);
+    stopped right after: no step needed to see the call."""
     from moevlm_jax.config.run import load_config
     from moevlm_jax.training import loop
 
@@ -111,9 +128,20 @@ def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path):
     monkeypatch.setattr(Trainer, "reserve_patches", record)
     cfg = load_config("cpu-default", run_dir=str(tmp_path / "run"), overrides=[
         "train.steps=1", "train.checkpointing=false", "train.reserve_largest_bucket=true"])
+    want = cfg.data.max_patches
+    if bucket is not None:
+        want = min(cfg.data.patch_buckets) if bucket == "smallest" else want + 1
+        cfg = load_config("cpu-default", run_dir=str(tmp_path / "run"), overrides=[
+            "train.steps=1", "train.checkpointing=false", "train.reserve_largest_bucket=true",
+            f"train.reserve_bucket={want}"])
+    if bucket == "none of them":
+        with pytest.raises(ConfigError, match="not one of data.patch_buckets"):
+            loop.run(cfg, progress=False)
+        assert seen == []
+        return
     with pytest.raises(Reserved):
         loop.run(cfg, progress=False)
-    assert seen == [(cfg.data.max_patches, 0, True)]  # capacity reserved only with train.compile_ahead
+    assert seen == [(want, 0, True)]  # capacity reserved only with train.compile_ahead
 
 
 def test_a_smaller_batch_runs_the_larger_compiled_step_with_its_own_result(tmp_path):
