@@ -280,8 +280,11 @@ def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any, Any], tup
     # concatenate is left to fuse into those consumers (the norm, the optimizer) instead of being
     # written out
     n_layers = stop - start
-    layers = (jax.tree.map(lambda a: [materialised_grad(x[0]) for x in jax.lax.split(a, (1,) * n_layers)], state),
-              jax.tree.map(lambda a: [x[0] for x in jax.lax.split(a, (1,) * n_layers)], xs))
+
+    def per_layer(a):
+        return [x[0] for x in jax.lax.split(a, (1,) * n_layers)]
+
+    layers = (jax.tree.map(lambda a: [materialised_grad(x) for x in per_layer(a)], state), jax.tree.map(per_layer, xs))
     ys = []
     for i in range(n_layers):
         carry, y = step(carry, *jax.tree.map(lambda parts, i=i: parts[i], layers, is_leaf=lambda x: isinstance(x, list)),

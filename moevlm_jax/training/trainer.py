@@ -420,14 +420,14 @@ class Trainer:
         """With ``reuse_shapes``: make the largest patch axis and capacity of ``host_batches`` the floor of
         their kind before any is prepared, so that all of them run one compiled step (the evaluation
         reads its batches first). Every process must reserve the same number of batches."""
-        if not self.reuse_shapes:
+        if not self.reuse_shapes or not host_batches:
             return
         patches, cap = 0, 0
         for host in host_batches:
             arrays = {k: np.asarray(host[k]) for k in ("loss_mask", "pixel_values") if k in host}
             capacity = self._capacity(arrays, train)
             patches = max(patches, arrays["pixel_values"].shape[1] if "pixel_values" in arrays else 0)
-            cap = math.inf if capacity is None or cap == math.inf else max(cap, capacity)
+            cap = max(cap, math.inf if capacity is None else capacity)
         self.reserve_patches(patches, capacity=None if cap == math.inf else cap, train=train)
 
     def largest_capacity(self, rows: int, seq_len: int) -> int | None:
