@@ -280,7 +280,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         result["trace_breakdown"] = trace_breakdown.breakdown(trace, hlos, len(timed_steps), seconds / len(timed_steps))
         log.info("%s: the timed steps' kernels per component (%s)\n%s", name, trace,
                  trace_breakdown.format_table(result["trace_breakdown"]))
-    if steps[-1]["skipped"]:  # optax.apply_if_finite's running count: these steps trained nothing
+    if steps[-1]["skipped"]:  # the optimizer's running count of skipped updates: these steps trained nothing
         log.warning("%s: %d of %d updates skipped for non-finite gradients (grad norms %s)", name,
                     steps[-1]["skipped"], total, [round(s["grad_norm"], 3) for s in steps])
     result["steady"] = steady_rate(timed_steps, n_dev, peak)

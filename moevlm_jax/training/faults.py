@@ -6,7 +6,7 @@ an unusable run directory, a checkpoint that fails to write.
   exits at once (exit 128 + signal). Every process must stop at the same step (they share
   collectives), so the request is agreed across processes (``parallelism.multihost.agreed_max``).
 - :class:`NonFiniteGuard`: updates whose gradients are not finite are skipped by the optimizer
-  (``optax.apply_if_finite``: the parameters stay the last good ones) and counted; ``limit`` in a row
+  (``optimizer.apply_if_finite``: the parameters stay the last good ones) and counted; ``limit`` in a row
   stops the run (:class:`TrainingStopped`) after a checkpoint of that last good state.
 - :func:`check_run_dir`: the run directory must be writable and have room for the checkpoints, said
   before anything compiles.

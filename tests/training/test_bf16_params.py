@@ -1,6 +1,6 @@
 """bf16 parameters (HF's setting, and what fits a 6B model with its optimizer on one GPU) train
 through the same step as float32 ones: the AdamW state in the configured dtype, updates skipped on
-non-finite gradients (``optax.apply_if_finite``'s two branches must agree in dtype), parameters
+non-finite gradients (the two branches of ``optimizer.apply_if_finite``'s cond must agree in dtype), parameters
 staying bf16; from the same initial weights the losses track the float32-parameter run's."""
 
 from __future__ import annotations

@@ -108,6 +108,44 @@ def test_state_is_float32_for_bf16_params_and_nonfinite_steps_are_skipped():
     assert int(optim.skipped_updates(state)) == 1 and not np.any(np.asarray(u["w"], np.float32))
 
 
+@pytest.mark.parametrize("pass_norm", [False, True])
+def test_apply_if_finite_matches_optax_over_finite_nonfinite_and_give_up_steps(pass_norm):
+    """The library's apply_if_finite (finiteness from the global gradient norm) against optax.apply_if_finite
+    (an isfinite reduction over every gradient) on the same AdamW and steps: a nan, an inf in another leaf, a
+    finite step between, then three non-finite in a row with max_consecutive_errors 2 (the third is applied)."""
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+    ours, ref = optim.apply_if_finite(inner, 2), optax.apply_if_finite(inner, 2)
+    p = {"a": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.arange(4.0)}
+    good = lambda s: {"a": jnp.full((2, 3), 0.3 * s), "b": jnp.linspace(-s, s, 4)}
+    nan_a = {"a": good(1.0)["a"].at[1, 2].set(jnp.nan), "b": good(1.0)["b"]}
+    inf_b = {"a": good(1.0)["a"], "b": good(1.0)["b"].at[0].set(-jnp.inf)}
+    steps = [good(1.0), nan_a, good(2.0), inf_b, nan_a, inf_b, good(0.5)]
+    s_ours, s_ref, p_ours, p_ref = ours.init(p), ref.init(p), p, p
+    applied = []
+    for g in steps:
+        extra = {"grad_norm": optim.global_norm(g)} if pass_norm else {}
+        u_ours, s_ours = ours.update(g, s_ours, p_ours, **extra)
+        u_ref, s_ref = ref.update(g, s_ref, p_ref)
+        p_ours, p_ref = optax.apply_updates(p_ours, u_ours), optax.apply_updates(p_ref, u_ref)
+        jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), (p_ours, s_ours),
+                     (p_ref, s_ref))
+        applied.append(any(np.any(np.asarray(x)) for x in jax.tree.leaves(u_ours)))
+    # four non-finite steps counted; skipped: the nan, the inf that opens the run of three and the nan after it; the
+    # run's third (count 3 > 2, an inf in "b") is given up on and applied ("b" turns nan)
+    assert [int(s_ours.total_notfinite), int(s_ours.notfinite_count)] == [4, 0]
+    assert applied[:6] == [True, False, True, False, False, True] and not np.all(np.isfinite(np.asarray(p_ours["b"])))
+
+
+def test_apply_if_finite_counts_a_norm_past_float32_as_nonfinite():
+    """Every gradient finite (bf16 holds 1e30) but the sum of their squares past float32: skipped, as said."""
+    tx = optim.apply_if_finite(optax.sgd(1.0), 10)
+    p = {"w": jnp.zeros((2,), jnp.bfloat16)}
+    g = {"w": jnp.array([1e30, 1.0], jnp.bfloat16)}
+    u, state = tx.update(g, tx.init(p), p)
+    assert bool(np.all(np.isfinite(np.asarray(g["w"], np.float32))))
+    assert int(state.total_notfinite) == 1 and not np.any(np.asarray(u["w"], np.float32))
+
+
 @pytest.mark.parametrize("as_nnx", [False, True])
 def test_frozen_parts_get_no_grads_and_no_optimizer_state(as_nnx):
     params = _params()
