@@ -236,6 +236,12 @@ def stack_axis(stack: nnx.Module) -> str | None:
     return None
 
 
+def stack_tower(axis: str | None) -> str:
+    """The tower whose compute options (``compute.stack_scan``, the remat policy) a stack with leading axis ``axis``
+    follows: "vision" for ``vis_layers``, else "text"."""
+    return "vision" if axis == "vis_layers" else "text"
+
+
 def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any, Any], tuple[Any, Any]], carry: Any, xs: Any,
               compute: ComputeConfig, start: int = 0, stop: int | None = None, *, side: Any = None,
               side_axes: Any = 0, layer_offset: int = 0) -> tuple[Any, Any]:
@@ -263,7 +269,7 @@ def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any, Any], tup
         return body(nnx.merge(graphdef, layer_state), c, x, s)
 
     axis = stack_axis(stack)
-    tower = "vision" if axis == "vis_layers" else "text"
+    tower = stack_tower(axis)
     scan = compute.stack_scan(tower)
     policy = remat_policy(compute, tower)
     if policy is not None:

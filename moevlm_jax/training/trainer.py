@@ -48,21 +48,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from data.batch import MODEL_KEYS, PATCH_KEYS, batch_shapes
 from moevlm_jax.model import router as moe_router
 from moevlm_jax.model.attention import resolve_impl, rows_within_bound
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
-from moevlm_jax.model import registry
+from moevlm_jax.model import layers, registry
 from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.objective import (ce_and_argmax, gather_trained, largest_capacity, loss_capacity,
                                           microbatch_objective, most_trained)
 from parallelism import grouped_matmul, sharding
 from parallelism.layout import Layout, LayoutOptions
-from parallelism.logical import Rules, data_parallel_size, normalize_rules, sharding_context
+from parallelism.logical import Rules, data_parallel_size, logical_to_spec, normalize_rules, sharding_context
 from parallelism.multihost import agreed_max, host_ids
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,25 @@ def _param_shardings(spec: StepSpec) -> dict[str, Any]:
 def _mask(spec: StepSpec) -> dict[str, Any]:
     params = nnx.to_pure_dict(_abstract(spec)[1])
     return moe_router.exclude_expert_bias(optim.trainable_mask(params, spec.frozen, spec.patterns()))
+
+
+@functools.lru_cache(maxsize=32)
+def _norm_pieces(spec: StepSpec) -> dict[str, Any]:
+    """Per parameter (pure-dict tree), the pieces ``optim.global_norm`` sums its gradient in: a layer stack's leaf
+    of a tower that runs unrolled, with its layer axis on no mesh axis, its layer count (that gradient is the
+    concatenate of the layers' own, ``layers.run_stack``); every other leaf 1."""
+    abstract = _abstract(spec)[1]
+    rules = normalize_rules(spec.rules)
+
+    def pieces(var: nnx.Variable) -> int:
+        axis = (var.get_metadata().get("out_sharding") or (None,))[0]
+        if axis not in ("layers", "vis_layers") or spec.compute.stack_scan(layers.stack_tower(axis)):
+            return 1
+        return 1 if logical_to_spec((axis,), rules, spec.mesh) != PartitionSpec() else int(var.shape[0])
+
+    variables = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    pure = nnx.to_pure_dict(abstract)
+    return jax.tree.unflatten(jax.tree.structure(pure), [pieces(v) for v in variables])
 
 
 @functools.lru_cache(maxsize=32)
@@ -209,7 +228,8 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
         # an unrolled stack's per-layer gradients are each materialised once inside the model
         # (layers.materialised_grad; re-derived in each reduction over them they cost 82 ms/step,
         # step_h200.md run 7), and the stacked leaves' concatenates fuse into the norm and the update
-        grad_norm = optim.global_norm(grads)  # logged, and the clipping's (read once: bench/step_h200.md run 22)
+        # logged, and the clipping's and the finiteness check's (read once: bench/step_h200.md runs 22 and 29)
+        grad_norm = optim.global_norm(grads, optim.partition(_norm_pieces(spec), mask)[0])
         with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
             updates, opt_state = tx.update(grads, state["opt_state"], trainable, grad_norm=grad_norm)
             params = optim.combine(optax.apply_updates(trainable, updates), frozen)

@@ -294,6 +294,45 @@ def test_one_microbatch_in_the_parameter_dtype_updates_like_the_float32_copy(sta
         assert not np.array_equal(np.asarray(p16[k], np.float32), np.asarray(w[k], np.float32))  # it moved
 
 
+def test_global_norm_summed_per_layer_is_the_same_norm():
+    """A leaf summed as its slices along axis 0 (an unrolled stack's per-layer gradients) gives the norm of the
+    whole leaf, float32 squares either way; piece counts that do not match the leaves are refused."""
+    rng = np.random.default_rng(0)
+    g = {"stack": jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.bfloat16), "head": jnp.asarray(rng.normal(size=(16, 8)))}
+    want = np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in g.values()))
+    whole = optim.global_norm(g)
+    split = optim.global_norm(g, {"stack": 4, "head": 1})
+    np.testing.assert_allclose(float(whole), want, rtol=1e-6)
+    np.testing.assert_allclose(float(split), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="piece counts"):
+        optim.global_norm(g, {"stack": 4})
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_the_trainers_norm_pieces_are_the_unrolled_stacks_layers(scan):
+    """The train step sums an unrolled stack's gradient per layer (its leaves' layer counts), nothing else."""
+    from moevlm_jax.config import load_layout
+    from moevlm_jax.model.compute import ComputeConfig
+    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.training import trainer as trainer_mod
+    from parallelism.sharding import path_str
+
+    model = load_model_config("tiny")
+    tr = trainer_mod.Trainer.create(model, ComputeConfig.from_dict({"scan_layers": scan}), load_layout("fsdp"),
+                                    OptimizerConfig(), steps=2, devices=jax.devices()[:1])
+    pieces = {path_str(kp): n for kp, n in jax.tree_util.tree_flatten_with_path(trainer_mod._norm_pieces(tr.spec))[0]}
+    stacked = {p: n for p, n in pieces.items() if n > 1}
+    if scan:
+        assert not stacked
+        return
+    decoder = {p for p in pieces if p.startswith("language_model/stacks/")}  # one stack per layer kind
+    vision = {p for p in pieces if p.startswith("visual/blocks/")}
+    assert decoder and vision and set(stacked) == decoder | vision
+    per_stack = {p.split("/")[2]: stacked[p] for p in decoder}
+    assert sum(per_stack.values()) == model.text_config.num_hidden_layers
+    assert {stacked[p] for p in vision} == {model.vision_config.depth}
+
+
 def test_clipping_takes_the_callers_norm():
     """The trainer passes its logged gradient norm to the clipping (``grad_norm=``, read once): the same updates as
     the norm computed inside (float32 squares), which is optax's clip up to its bf16 squares; another norm passed
