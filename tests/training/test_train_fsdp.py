@@ -2,9 +2,10 @@
 (images included) gives the same losses, gradient norms and parameters on 1 device (MBS 8), under
 FSDP over 8 CPU devices (MBS 1), and with gradient accumulation 4 x MBS 1 on a 2-device FSDP mesh
 (= MBS 4 per rank = the same 8-row global batch), and 2 devices at MBS 4 with the images balanced over each
-rank's vision rows (``data.balance_vision_rows``). The router aux loss is off in the objective here
+rank's vision rows (``data.balance_vision_rows``), and unrolled layers under FSDP over 8 devices (each layer's
+weight gradient behind its own barrier, the gradient norm summed per layer). The router aux loss is off in the objective here
 because Megatron-style accumulation computes it per microbatch (the logged HF aux loss is still
-compared between 1 and 8 devices). One test function, so that pytest-xdist runs the three on one
+compared between 1 and 8 devices). One test function, so that pytest-xdist runs them all on one
 worker and the reference is computed once."""
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ STEPS = 3
 METRICS = ("loss", "ce_loss", "grad_norm", "lr", "router_aux_loss", "router_z_loss", "trained_tokens")
 
 
-def _trainer(devices: int, grad_accum: int = 1) -> Trainer:
-    compute = ComputeConfig.from_dict({**COMPUTE, "router": {"aux_loss": "none"}})
+def _trainer(devices: int, grad_accum: int = 1, **compute_options) -> Trainer:
+    compute = ComputeConfig.from_dict({**COMPUTE, "router": {"aux_loss": "none"}, **compute_options})
     optimizer = OptimizerConfig(lr=3e-3, warmup_steps=1, weight_decay=0.01)
     return Trainer.create(load_model_config("tiny"), compute, load_layout("fsdp"), optimizer, steps=10,
                           grad_accum=grad_accum, devices=jax.devices()[:devices])
@@ -59,7 +60,7 @@ def _assert_same_run(got, want, metrics=METRICS) -> None:
 
 
 def test_fsdp_and_accumulation_match_one_device(tmp_path):
-    """One test (one xdist worker): the three runs share the reference's batches and initial state."""
+    """One test (one xdist worker): the runs share the reference's batches and initial state."""
     batches = host_batches(tmp_path, STEPS)
     reference = _train(_trainer(1), batches)  # one device, one microbatch of all 8 rows
     records, _, initial = reference
@@ -96,3 +97,7 @@ def test_fsdp_and_accumulation_match_one_device(tmp_path):
     moved = [((b["patch_dest"] // s) != 0) & (b["patch_segment_ids"] > 0) for b in balanced]
     assert any(m.any() for m in moved)  # some image is in another row's vision row
     _assert_same_run(_train(_trainer(2), balanced, params=initial), reference)
+
+    # unrolled layers (compute.scan_layers false), FSDP over 8 devices: the per-layer gradient barriers
+    # (layers.materialised_grad) and the gradient norm summed per layer (trainer._norm_pieces) change nothing
+    _assert_same_run(_train(_trainer(8, scan_layers=False), batches, params=initial), reference)
