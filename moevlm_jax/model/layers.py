@@ -236,6 +236,10 @@ def stack_axis(stack: nnx.Module) -> str | None:
     return None
 
 
+# the leading-axis names the model's layer stacks take (stack_modules): the decoder's, the vision tower's
+LAYER_AXES: tuple[str, ...] = ("layers", "vis_layers")
+
+
 def stack_tower(axis: str | None) -> str:
     """The tower whose compute options (``compute.stack_scan``, the remat policy) a stack with leading axis ``axis``
     follows: "vision" for ``vis_layers``, else "text"."""

@@ -124,7 +124,7 @@ def _norm_pieces(spec: StepSpec) -> dict[str, Any]:
 
     def pieces(var: nnx.Variable) -> int:
         axis = (var.get_metadata().get("out_sharding") or (None,))[0]
-        if axis not in ("layers", "vis_layers") or spec.compute.stack_scan(layers.stack_tower(axis)):
+        if axis not in layers.LAYER_AXES or spec.compute.stack_scan(layers.stack_tower(axis)):
             return 1
         return 1 if logical_to_spec((axis,), rules, spec.mesh) != PartitionSpec() else int(var.shape[0])
 
