@@ -8,7 +8,7 @@ parameters and the layout's logical-axis rules (``parallelism.logical``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -51,12 +51,18 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Sequence[Seque
         check_divisible(path_str(key_path), var.shape, spec, mesh)
         return NamedSharding(mesh, spec)
 
-    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract_state))[0]
+    return map_variables(one, abstract_state)
+
+
+def map_variables(fn: Callable[[Sequence[Any], nnx.Variable], Any], abstract_state: nnx.State) -> dict[str, Any]:
+    """Pure-dict tree (``nnx.to_pure_dict`` structure) of ``fn(key_path, variable)`` for the Variables of
+    ``abstract_state`` (their metadata, e.g. the logical ``out_sharding`` names, read where the pure tree has none)."""
+    pure = nnx.to_pure_dict(abstract_state)
+    flat = jax.tree_util.tree_flatten_with_path(pure)[0]
     variables = jax.tree.leaves(abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     if len(flat) != len(variables):
-        raise ValueError(f"param_shardings: {len(variables)} variables but {len(flat)} pure-dict leaves")
-    leaves = [one(kp, v) for (kp, _), v in zip(flat, variables)]
-    return jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(abstract_state)), leaves)
+        raise ValueError(f"map_variables: {len(variables)} variables but {len(flat)} pure-dict leaves")
+    return jax.tree.unflatten(jax.tree.structure(pure), [fn(kp, v) for (kp, _), v in zip(flat, variables)])
 
 
 def shardings_like(tree: PyTree, reference: PyTree, reference_shardings: PyTree, mesh: Mesh) -> PyTree:

@@ -119,18 +119,15 @@ def _norm_pieces(spec: StepSpec) -> dict[str, Any]:
     """Per parameter (pure-dict tree), the pieces ``optim.global_norm`` sums its gradient in: a layer stack's leaf
     of a tower that runs unrolled, with its layer axis on no mesh axis, its layer count (that gradient is the
     concatenate of the layers' own, ``layers.run_stack``); every other leaf 1."""
-    abstract = _abstract(spec)[1]
     rules = normalize_rules(spec.rules)
 
-    def pieces(var: nnx.Variable) -> int:
+    def pieces(_, var: nnx.Variable) -> int:
         axis = (var.get_metadata().get("out_sharding") or (None,))[0]
         if axis not in layers.LAYER_AXES or spec.compute.stack_scan(layers.stack_tower(axis)):
             return 1
         return 1 if logical_to_spec((axis,), rules, spec.mesh) != PartitionSpec() else int(var.shape[0])
 
-    variables = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    pure = nnx.to_pure_dict(abstract)
-    return jax.tree.unflatten(jax.tree.structure(pure), [pieces(v) for v in variables])
+    return sharding.map_variables(pieces, _abstract(spec)[1])
 
 
 @functools.lru_cache(maxsize=32)
@@ -227,7 +224,8 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
                                                             single_dtype=None if spec.mesh.size == 1 else jnp.float32)
         # an unrolled stack's per-layer gradients are each materialised once inside the model
         # (layers.materialised_grad; re-derived in each reduction over them they cost 82 ms/step,
-        # step_h200.md run 7), and the stacked leaves' concatenates fuse into the norm and the update
+        # step_h200.md run 7); the stacked leaves' concatenates fuse into the update, and the norm sums
+        # each layer's gradient on its own (_norm_pieces)
         # logged, and the clipping's and the finiteness check's (read once: bench/step_h200.md runs 22 and 29)
         grad_norm = optim.global_norm(grads, optim.partition(_norm_pieces(spec), mask)[0])
         with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
