@@ -21,6 +21,9 @@ the experts' shapes (0.91-1.06x), where the Pallas-Triton kernels reach ~0.8 of 
 kernels' time; windows at each group's start take 0.86-0.96x (run 14), outputs bitwise equal. What it leaves on the
 table: about G/2 partly used windows, and each epilogue slab waits for the previous slab's stores. :func:`tgmm`
 (the same pipeline, a dynamic number of row steps per group) took 0.88-0.96x the Triton d(w) kernel's time (run 14).
+Its opt-in variants (``TConfig``: rows streamed over segments of several groups, a swizzled epilogue, CTA pairs
+sharing the dy block) ran up to 5-9% faster per matmul but within +-1% in the layer and 0.6% slower in the proxy
+step (run 16), so the defaults stay.
 """
 
 from __future__ import annotations
@@ -121,14 +124,17 @@ def _smem_transforms(plgpu, tile_k: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _ws_kernel(plgpu, kernel, out_type, num_sms: int | None, interpret=None):
+def _ws_kernel(plgpu, kernel, out_type, num_sms: int | None, interpret=None, cluster: int = 1):
     """``kernel`` launched persistent (one program per SM, grid axis "sm") with three warpgroups ("wg": two compute,
-    one memory), in warpgroup lowering."""
+    one memory), in warpgroup lowering. ``cluster`` 2: pairs of programs in a cluster (axis "cluster"), one program
+    per pair on grid axis "cluster_grid"."""
+    clusters = dict(grid_names=("cluster_grid",), cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 \
+        else dict(grid_names=("sm",))
     return plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(num_sms or _num_sms(),),
-        grid_names=("sm",),
+        grid=((num_sms or _num_sms()) // cluster,),
+        **clusters,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -265,12 +271,22 @@ class TConfig:
     epi_tile_m: int = 64
     epi_tile_n: int = 64
     epi_buffers: int = 2
+    # the epilogue's shared-memory slabs tiled and swizzled (wgmma's register layout stored without bank conflicts)
+    epi_swizzle: bool = False
+    # 2: CTA pairs in a cluster on neighbouring K blocks of one (group, N block) tile, the dy block loaded once for
+    # both (TMA multicast)
+    cluster_m: int = 1
+    # 0: one pipeline per (group, output tile), as above. > 0: the sorted rows cut at group boundaries into segments
+    # of about this many rows, one pipeline per (segment, output tile) streaming the segment's row blocks and storing
+    # each group's tile where the group ends (:func:`_tgmm_streamed`)
+    seg_rows: int = 0
 
 
 def tsupported(m: int, k: int, n: int, cfg: TConfig | None = None) -> bool:
     """Whether :func:`tgmm` takes ``x [m, k]``, ``dy [m, n]``: whole output tiles, whole row steps."""
     cfg = cfg or CONFIGS["dw"]
-    return (k % cfg.tile_m == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_k == 0
+    return (k % (cfg.tile_m * cfg.cluster_m) == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_k == 0
+            and cfg.cluster_m in (1, 2) and not (cfg.cluster_m > 1 and cfg.seg_rows)
             and cfg.tile_m % cfg.epi_tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
             and (cfg.tile_m // cfg.epi_tile_m * cfg.tile_n // cfg.epi_tile_n) % cfg.epi_buffers == 0)
 
@@ -297,8 +313,11 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
     if dy.shape[0] != m or dy.dtype != x.dtype:
         raise ValueError(f"gmm_mgpu.tgmm: x {x.shape} {x.dtype} and dy {dy.shape} {dy.dtype} need the same rows, dtype")
     if not tsupported(m, k, n, cfg):
-        raise ValueError(f"gmm_mgpu.tgmm: x [{m}, {k}], dy [{m}, {n}] need K % {cfg.tile_m} == 0, "
-                         f"N % {2 * cfg.tile_n} == 0 and M % {cfg.tile_k} == 0")
+        raise ValueError(f"gmm_mgpu.tgmm: x [{m}, {k}], dy [{m}, {n}] need K % {cfg.tile_m * cfg.cluster_m} == 0, "
+                         f"N % {2 * cfg.tile_n} == 0 and M % {cfg.tile_k} == 0 (and cluster_m 1 or 2, 1 when "
+                         f"streamed: {cfg})")
+    if cfg.seg_rows:
+        return _tgmm_streamed(x, dy, group_sizes, cfg, num_sms)
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     em, en, nbuf = cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
     cta_n = 2 * tn
@@ -311,6 +330,11 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
     dtype = x.dtype
     transforms = _smem_transforms(plgpu, tk, dtype)
     grid_m, grid_n = k // tm, n // cta_n
+    cl = cfg.cluster_m
+    out_smem_type = plgpu.SMEM((2, nbuf, em, en), dtype, transforms=(
+        plgpu.TilingTransform((8, plgpu.find_swizzle(en * jnp.dtype(dtype).itemsize * 8) // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(plgpu.find_swizzle(en * jnp.dtype(dtype).itemsize * 8)))) if cfg.epi_swizzle \
+        else plgpu.SMEM((2, nbuf, em, en), dtype)
 
     def get_pipeline(pipeline_body, compute_context, steps, b0, mi, ni):
         return plgpu.emit_pipeline_warp_specialized(
@@ -319,7 +343,8 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((tk, tm), lambda s: (b0 + s, mi), transforms=transforms, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((tk, cta_n), lambda s: (b0 + s, ni), transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((tk, cta_n), lambda s: (b0 + s, ni), transforms=transforms, memory_space=plgpu.SMEM,
+                                collective_axes=("cluster",) if cl > 1 else ()),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -331,10 +356,10 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
         allocs = get_pipeline(ignore, ignore, cfg.max_concurrent_steps, 0, 0, 0).get_allocations(x_gmem, dy_gmem)
 
-        @functools.partial(pl.run_scoped, pipeline_allocs=allocs, out_smem=plgpu.SMEM((2, nbuf, em, en), dtype),
-                           collective_axes="wg")
+        @functools.partial(pl.run_scoped, pipeline_allocs=allocs, out_smem=out_smem_type, collective_axes="wg")
         def scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
+            cta = lax.axis_index("cluster") if cl > 1 else 0
 
             def store(acc, gi, mi, ni):
                 """This warpgroup's [tm, tn] block of group gi's gradient, slab by slab through the buffers in
@@ -350,11 +375,12 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
                         plgpu.copy_smem_to_gmem(
                             out_smem.at[wg, b], o_gmem.at[gi, pl.ds(mi * tm + i * em, em), pl.ds(col0 + j * en, en)])
 
-            @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
+            @plgpu.nd_loop((g * grid_m // cl * grid_n,), collective_axes="cluster_grid" if cl > 1 else "sm")
             def mn_loop(info):
                 (lin,) = info.index
-                gi = lin // (grid_m * grid_n)
-                mi, ni = plgpu.planar_snake(lin % (grid_m * grid_n), (grid_m, grid_n), 1, cfg.grid_tile_width)
+                gi = lin // (grid_m // cl * grid_n)
+                mc, ni = plgpu.planar_snake(lin % (grid_m // cl * grid_n), (grid_m // cl, grid_n), 1, cfg.grid_tile_width)
+                mi = mc * cl + cta
                 start, end, steps, b0 = starts_gmem[gi], ends_gmem[gi], steps_gmem[gi], first_gmem[gi]
 
                 @pl.when((steps == 0) & (wg < 2))
@@ -391,8 +417,173 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    call = _ws_kernel(plgpu, kernel, jax.ShapeDtypeStruct((g, k, n), dtype), num_sms)
+    call = _ws_kernel(plgpu, kernel, jax.ShapeDtypeStruct((g, k, n), dtype), num_sms, cluster=cl)
     return call(starts, ends, first, n_steps, x, dy)
+
+
+def segments(group_sizes: jax.Array, m: int, seg_rows: int, tile_k: int) -> tuple[jax.Array, ...]:
+    """The streamed d(w)'s work split: the sorted rows cut at group boundaries into ``ceil(m / seg_rows)`` segments
+    of about equal rows (a cut at the last group boundary at or before each ``i * sum(group_sizes) / S``; a group
+    larger than a segment makes its segment larger). Per segment: its first and end group (exclusive), its first
+    row block (``tile_k`` rows) and number of blocks (at least 1 where the segment has a group, so that empty groups
+    still store their zero gradient; 0 for a segment without groups)."""
+    g = group_sizes.shape[0]
+    s = max(1, -(-m // seg_rows))
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32)).astype(jnp.int32)
+    starts = ends - group_sizes.astype(jnp.int32)
+    targets = jnp.arange(1, s, dtype=jnp.int32) * (ends[-1] // s)
+    cuts = jnp.searchsorted(ends, targets, side="right", method="compare_all").astype(jnp.int32)
+    bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), cuts, jnp.full((1,), g, jnp.int32)])
+    g0, g1 = bounds[:-1], bounds[1:]
+    has = g1 > g0
+    row_lo = jnp.where(has, starts[jnp.minimum(g0, g - 1)], 0)
+    row_hi = jnp.where(has, ends[jnp.maximum(g1 - 1, 0)], 0)
+    b0 = jnp.minimum(row_lo // tile_k, m // tile_k - 1)
+    steps = jnp.where(has, jnp.maximum((row_hi - b0 * tile_k + tile_k - 1) // tile_k, 1), 0)
+    return g0, g1, b0.astype(jnp.int32), steps.astype(jnp.int32), row_lo.astype(jnp.int32), row_hi.astype(jnp.int32)
+
+
+def _tgmm_streamed(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, cfg: TConfig,
+                   num_sms: int | None) -> jax.Array:
+    """:func:`tgmm` with one pipeline per (segment, output tile) (``TConfig.seg_rows``): the per-(group, tile)
+    pipelines of :func:`tgmm` fill and drain once per group (~17 row steps a tile at 131,072 rows in 128 groups), this
+    one streams a whole segment's row blocks (:func:`segments`) through one pipeline and keeps the accumulator of the
+    group whose rows it is in. A step whose block holds no group end is one wgmma; a step where groups end (the
+    segment's first and last step always take this path) keeps its ``dy`` half in registers and, per group ending
+    there, multiplies a copy with only that group's rows kept, stores the group's tile and zeroes the accumulator; the
+    rows of the group that goes on into the next block are multiplied last. An empty group stores zeros. Rows
+    outside the segment (before its first row, past its last: rows past ``sum(group_sizes)`` may hold any bits) are
+    zeroed (selected) in both operands in the first and last step, as :func:`tgmm` does. Between two groups of one
+    segment only ``dy`` is masked: a non-finite ``x`` row of one group can make a neighbour's gradient NaN, in a step
+    whose gradients are non-finite anyway."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x.shape
+    n = dy.shape[1]
+    tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    em, en, nbuf = cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
+    cta_n = 2 * tn
+    g = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32)).astype(jnp.int32)
+    g0, g1, b0s, steps_s, lo_s, hi_s = segments(group_sizes, m, cfg.seg_rows, tk)
+    n_seg = g0.shape[0]
+    dtype = x.dtype
+    transforms = _smem_transforms(plgpu, tk, dtype)
+    grid_m, grid_n = k // tm, n // cta_n
+
+    def get_pipeline(pipeline_body, compute_context, steps, b0, mi, ni):
+        return plgpu.emit_pipeline_warp_specialized(
+            pipeline_body,
+            grid=(steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tk, tm), lambda s: (b0 + s, mi), transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((tk, cta_n), lambda s: (b0 + s, ni), transforms=transforms, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def kernel(ends_gmem, g0_gmem, g1_gmem, b0_gmem, steps_gmem, lo_gmem, hi_gmem, x_gmem, dy_gmem, o_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
+        allocs = get_pipeline(ignore, ignore, cfg.max_concurrent_steps, 0, 0, 0).get_allocations(x_gmem, dy_gmem)
+
+        @functools.partial(pl.run_scoped, pipeline_allocs=allocs, out_smem=plgpu.SMEM((2, nbuf, em, en), dtype),
+                           collective_axes="wg")
+        def scope(pipeline_allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            def store(acc, gi, mi, ni):  # as tgmm's
+                col0 = ni * cta_n + wg * tn
+                for i in range(tm // em):
+                    for j in range(tn // en):
+                        b = (i * (tn // en) + j) % nbuf
+                        plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
+                        out_smem[wg, b] = acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg, b], o_gmem.at[gi, pl.ds(mi * tm + i * em, em), pl.ds(col0 + j * en, en)])
+
+            def group_end(gi):
+                return ends_gmem[jnp.minimum(gi, g - 1)]
+
+            @plgpu.nd_loop((n_seg * grid_m * grid_n,), collective_axes="sm")
+            def mn_loop(info):
+                (lin,) = info.index
+                si_seg = lin // (grid_m * grid_n)
+                mi, ni = plgpu.planar_snake(lin % (grid_m * grid_n), (grid_m, grid_n), 1, cfg.grid_tile_width)
+                steps, b0 = steps_gmem[si_seg], b0_gmem[si_seg]
+                first_g, end_g = g0_gmem[si_seg], g1_gmem[si_seg]
+                row_lo, row_hi = lo_gmem[si_seg], hi_gmem[si_seg]
+
+                @pl.when(steps > 0)
+                def _():
+                    def compute_context(eval_pipeline):
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                        def _(acc_ref):
+                            eval_pipeline((acc_ref, first_g, row_lo, group_end(first_g)))
+
+                    def mma_body(idx, x_smem, dy_smem, carry):
+                        acc_ref, gc, g_start, g_stop = carry
+                        (si,) = idx
+                        row0 = (b0 + si) * tk
+                        dy_half = dy_smem.at[:, pl.ds(wg * tn, tn)]
+
+                        @pl.when((si == 0) | (si == steps - 1))
+                        def _():  # rows outside the segment: zero (selected) in x, as tgmm does
+                            r = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tk, tm), 0) + row0,
+                                                  plgpu.Layout.WGMMA)
+                            x_smem[...] = jnp.where((r >= row_lo) & (r < row_hi), x_smem[...], jnp.zeros((), dtype))
+                            plgpu.commit_smem()
+
+                        x_t = plgpu.transpose_ref(x_smem, (1, 0))
+                        crossing = (si == 0) | (g_stop <= row0 + tk)
+
+                        @pl.when(jnp.logical_not(crossing))
+                        def _():  # a block inside group gc
+                            plgpu.wgmma(acc_ref, x_t, dy_half)
+                            plgpu.wgmma_wait(0)
+
+                        def boundary():
+                            r = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tk, tn), 0) + row0,
+                                                  plgpu.Layout.WGMMA)
+                            v = dy_half[...]
+
+                            def masked_mma(lo, hi):  # acc += x^T dy with only rows [lo, hi) of dy kept
+                                dy_half[...] = jnp.where((r >= lo) & (r < hi), v, jnp.zeros((), dtype))
+                                plgpu.commit_smem()
+                                plgpu.wgmma(acc_ref, x_t, dy_half)
+                                plgpu.wgmma_wait(0)
+
+                            def ends_here(c):
+                                gc, _, g_stop = c
+                                return (gc < end_g) & (g_stop <= row0 + tk)
+
+                            def close_group(c):  # group gc's rows in this block; its tile stored, the acc zeroed
+                                gc, g_start, g_stop = c
+                                lo = jnp.maximum(g_start, row0)
+                                pl.when(g_stop > lo)(lambda: masked_mma(lo, g_stop))
+                                store(acc_ref[...].astype(dtype), gc, mi, ni)
+                                acc_ref[...] = jnp.zeros((tm, tn), jnp.float32)
+                                return gc + 1, g_stop, group_end(gc + 1)
+
+                            gc2, g_start2, g_stop2 = lax.while_loop(ends_here, close_group, (gc, g_start, g_stop))
+                            lo = jnp.maximum(g_start2, row0)
+                            pl.when((gc2 < end_g) & (row0 + tk > lo))(lambda: masked_mma(lo, row0 + tk))
+                            return gc2, g_start2, g_stop2
+
+                        gc, g_start, g_stop = lax.cond(crossing, boundary, lambda: (gc, g_start, g_stop))
+                        return acc_ref, gc, g_start, g_stop
+
+                    get_pipeline(mma_body, compute_context, steps, b0, mi, ni)(
+                        x_gmem, dy_gmem, allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    call = _ws_kernel(plgpu, kernel, jax.ShapeDtypeStruct((g, k, n), dtype), num_sms)
+    return call(ends, g0, g1, b0s, steps_s, lo_s, hi_s, x, dy)
 
 
 def tuned(configs: dict, spec: str) -> dict:
@@ -417,6 +608,9 @@ def tuned(configs: dict, spec: str) -> dict:
 # 2.63, the 30B shapes within 1%). grid_tile_width 4 / 16 were within +-3% of 8. Run 15: 2 epilogue buffers, faster
 # in 6 of the 8 per-matmul timings (forward 2-4% at every shape, 235B d(x) 2-4%, the 30B d(x) within 1%); the layer
 # the same within its resolution. d(w): TConfig's defaults (run 15: grid_tile_width 2 was 5% slower at the 235B gate_up).
+# Run 16: the streamed d(w) (seg_rows 8192) 2.4-5.4% faster per matmul at all four shapes, but in the layer +1.9-2.5%
+# at 30B-A3B and -1.3% / +0.1% at 235B-A22B, and the proxy step 0.6% slower (684.3 vs 680.3 ms): opt-in
+# ($MOEVLM_GMM_MGPU_TUNE=dw.seg_rows=8192).
 # $MOEVLM_GMM_MGPU_TUNE overrides any field (:func:`tuned`).
 CONFIGS: dict[str, Config | TConfig] = tuned(
     {"fwd": Config(max_concurrent_steps=3, epi_buffers=2), "dx": Config(max_concurrent_steps=3, epi_buffers=2),

@@ -46,9 +46,11 @@ OURS = [(128, 128, 64, 3, 8, 64, 64, 8, 2), (128, 128, 64, 3, 8, 64, 64, 8, 1), 
 # all four with --jax)
 TRANSPOSED = [(128, 128, 64, 4, 4), (128, 192, 64, 4, 4), (128, 128, 64, 5, 8), (128, 128, 64, 3, 8)]
 # parallelism.gmm_mgpu.tgmm (dw): (tile_m, tile_n per compute warpgroup, tile_k, max_concurrent_steps, grid_tile_width,
-# epi_tile_m, epi_tile_n, epi_buffers): the defaults first
-OURS_DW = [(128, 128, 64, 4, 4, 64, 64, 2), (128, 128, 64, 4, 2, 64, 64, 2), (128, 128, 64, 4, 4, 64, 64, 1),
-           (128, 128, 64, 3, 4, 64, 64, 2)]
+# epi_tile_m, epi_tile_n, epi_buffers, epi_swizzle, cluster_m, seg_rows): the defaults first, then the swizzled
+# epilogue, CTA pairs sharing the dy block, both, and the streamed segments with the swizzled epilogue
+OURS_DW = [(128, 128, 64, 4, 4, 64, 64, 2, False, 1, 0), (128, 128, 64, 4, 4, 64, 64, 2, True, 1, 0),
+           (128, 128, 64, 4, 4, 64, 64, 2, False, 2, 0), (128, 128, 64, 4, 4, 64, 64, 2, True, 2, 0),
+           (128, 128, 64, 4, 4, 64, 64, 2, True, 1, 8192)]
 
 
 def main() -> int:
@@ -126,20 +128,30 @@ def main() -> int:
                 else:
                     fn = lambda a, b, s, c=c, t=kind == "dx": gm.gmm(a, b, s, trans_w=t, config=c)  # noqa: E731
                     inputs = (x, w, gs) if kind == "fwd" else (dy, w, gs)
-                record(dict(base, kernel=kind, variant=f"gmm_mgpu {cfg}", config=list(cfg)), fn, inputs, fl, ref,
+                record(dict(base, kernel=kind, variant=f"gmm_mgpu {cfg[8:] if kind == 'dw' else cfg}", config=list(cfg)), fn, inputs, fl, ref,
                        None if kind == "dw" else valid)
             if kind == "dw":  # rows past sum(group_sizes) hold NaN (the experts may leave them unwritten): no NaN out
                 cut = sizes_np.copy()
                 last = int(np.nonzero(cut)[0][-1])
                 cut[last] -= min(1000, int(cut[last]))
+                cut[[3, 7]] = 0  # and two empty groups: zero gradients
                 tail = (jnp.arange(m) >= int(cut.sum()))[:, None]
                 xn, dyn = jnp.where(tail, jnp.nan, x).astype(x.dtype), jnp.where(tail, jnp.nan, dy).astype(dy.dtype)
-                got = jax.jit(gm.tgmm)(xn, dyn, jnp.asarray(cut))
-                row = dict(base, kernel=kind, variant="gmm_mgpu.tgmm, NaN rows past the groups",
-                           finite=bool(jnp.isfinite(got.astype(jnp.float32)).all()),
-                           rel_err_vs_triton=rel(got, gt.tgmm(x, dy, jnp.asarray(cut))))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                want = gt.tgmm(x, dy, jnp.asarray(cut))
+                for cfg in OURS_DW[:args.first or None]:
+                    c = gm.TConfig(*cfg)
+                    if not gm.tsupported(m, k, n, c):
+                        continue
+                    row = dict(base, kernel=kind, variant=f"tgmm {cfg[8:]} NaN rows past the groups")
+                    try:
+                        got = jax.jit(lambda a, b, s, c=c: gm.tgmm(a, b, s, config=c))(xn, dyn, jnp.asarray(cut))
+                        row.update(finite=bool(jnp.isfinite(got.astype(jnp.float32)).all()),
+                                   empty_zero=bool((got[jnp.asarray([3, 7])] == 0).all()),
+                                   rel_err_vs_triton=rel(got, want))
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = error_text(e)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
             del ref
         if args.dense:
             from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm

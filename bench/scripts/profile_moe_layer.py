@@ -63,6 +63,12 @@ def classify(kernel: str, info: dict | None, shape: dict) -> str:
         if "gmm_trans" in low or "gmm_trans" in stack or "gmm_trans" in line:
             return "GEMM gate_up d(x)" if dims[-1:] == [h] else "GEMM down d(x)"
         return "GEMM gate_up fwd" if dims[-1:] == [i2] else "GEMM down fwd"
+    if "mosaic_gpu" in low and "expert_ffn" in parts:  # parallelism.gmm_mgpu's kernels (named "kernel")
+        if len(dims) == 3:
+            return "GEMM gate_up d(w) (tgmm)" if dims[1:] == [h, i2] else "GEMM down d(w) (tgmm)"
+        if "transpose" in stack:  # the backward: d(x) of gate_up [M, H], of down [M, I]
+            return "GEMM gate_up d(x)" if dims[-1:] == [h] else "GEMM down d(x)"
+        return "GEMM gate_up fwd" if dims[-1:] == [i2] else "GEMM down fwd"
     if not info:
         return "unmatched"
     if "router" in parts:

@@ -143,3 +143,54 @@ def test_tune_overrides_one_field_of_one_kind():
     for bad in ("fwd.epi_buffers", "up.tile_m=64", "dw.align=8", "fwd=2"):
         with pytest.raises(ValueError, match="MOEVLM_GMM_MGPU_TUNE"):
             gmm_mgpu.tuned(base, bad)
+
+
+def test_streamed_segments_hand_computed():
+    # 4096 rows, ~1024 a segment (4), 64-row blocks; groups of 1000, 0, 24, 3000, 0, 0, 72, 0 rows (ends 1000, 1000,
+    # 1024, 4024, 4024, 4024, 4096, 4096): the cuts at rows 1024, 2048, 3072 all fall inside group 3 (rows 1024-4023),
+    # so segment 0 holds groups 0-2 (rows 0-1023, blocks 0-15), segments 1 and 2 none, segment 3 groups 3-7 (rows
+    # 1024-4095, blocks 16-63)
+    g0, g1, b0, steps, lo, hi = (np.asarray(a) for a in gmm_mgpu.segments(
+        jnp.asarray([1000, 0, 24, 3000, 0, 0, 72, 0]), 4096, 1024, 64))
+    np.testing.assert_array_equal(g0, [0, 3, 3, 3])
+    np.testing.assert_array_equal(g1, [3, 3, 3, 8])
+    np.testing.assert_array_equal(b0[steps > 0], [0, 16])
+    np.testing.assert_array_equal(steps, [16, 0, 0, 48])
+    np.testing.assert_array_equal(lo[steps > 0], [0, 1024])
+    np.testing.assert_array_equal(hi[steps > 0], [1024, 4096])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streamed_segments_give_every_group_to_one_segment_whose_blocks_hold_its_rows(seed):
+    """Random sizes with empty groups and unused rows past them (and, seed 0, every row used with empty groups last:
+    the first block clamped to the last one)."""
+    rng = np.random.default_rng(seed)
+    m, g, tk, seg = 8192, 16, 64, 1024
+    sizes = rng.integers(0, 2 * m // g, g) * (rng.random(g) > 0.3)
+    if seed == 0:
+        sizes = np.array([m // 4] * 4 + [0] * (g - 4))
+    sizes = np.minimum(sizes, m - np.concatenate([[0], np.cumsum(sizes)[:-1]]).clip(max=m)).clip(min=0)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    g0, g1, b0, steps, lo, hi = (np.asarray(a) for a in gmm_mgpu.segments(jnp.asarray(sizes, jnp.int32), m, seg, tk))
+    assert len(g0) == m // seg and g0[0] == 0 and g1[-1] == g and (g0[1:] == g1[:-1]).all() and (g1 >= g0).all()
+    for s in range(len(g0)):
+        if g1[s] == g0[s]:
+            assert steps[s] == 0
+            continue
+        assert lo[s] == starts[g0[s]] and hi[s] == ends[g1[s] - 1]
+        assert steps[s] >= 1 and 0 <= b0[s] and (b0[s] + steps[s]) * tk <= m  # whole blocks inside the rows
+        assert b0[s] * tk <= lo[s] and hi[s] <= (b0[s] + steps[s]) * tk  # they hold the segment's rows
+        assert (b0[s] + steps[s] - 1) * tk < max(hi[s], b0[s] * tk + 1)  # and no block past them
+
+
+def test_tgmm_options_checked():
+    bf = jnp.bfloat16
+    x, dy, s = jnp.zeros((256, 128), bf), jnp.zeros((256, 256), bf), jnp.asarray([100, 156])
+    assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(cluster_m=2))
+    assert not gmm_mgpu.tsupported(256, 128, 256, gmm_mgpu.TConfig(cluster_m=2))  # K: one 128-row block per CTA pair
+    assert not gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(cluster_m=2, seg_rows=1024))  # not combined
+    with pytest.raises(ValueError, match="K % 256"):
+        gmm_mgpu.tgmm(x, dy, s, config=gmm_mgpu.TConfig(cluster_m=2))
+    assert gmm_mgpu.tuned(dict(gmm_mgpu.CONFIGS), "dw.seg_rows=8192,dw.epi_swizzle=1")["dw"] == gmm_mgpu.TConfig(
+        seg_rows=8192, epi_swizzle=True)
