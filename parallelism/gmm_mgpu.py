@@ -276,6 +276,7 @@ class TConfig:
     # 2: CTA pairs in a cluster on neighbouring K blocks of one (group, N block) tile, the dy block loaded once for
     # both (TMA multicast)
     cluster_m: int = 1
+    # (epi_swizzle and cluster_m: the per-group kernel only)
     # 0: one pipeline per (group, output tile), as above. > 0: the sorted rows cut at group boundaries into segments
     # of about this many rows, one pipeline per (segment, output tile) streaming the segment's row blocks and storing
     # each group's tile where the group ends (:func:`_tgmm_streamed`)
@@ -286,7 +287,7 @@ def tsupported(m: int, k: int, n: int, cfg: TConfig | None = None) -> bool:
     """Whether :func:`tgmm` takes ``x [m, k]``, ``dy [m, n]``: whole output tiles, whole row steps."""
     cfg = cfg or CONFIGS["dw"]
     return (k % (cfg.tile_m * cfg.cluster_m) == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_k == 0
-            and cfg.cluster_m in (1, 2) and not (cfg.cluster_m > 1 and cfg.seg_rows)
+            and cfg.cluster_m in (1, 2) and not (cfg.seg_rows and (cfg.cluster_m > 1 or cfg.epi_swizzle))
             and cfg.tile_m % cfg.epi_tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
             and (cfg.tile_m // cfg.epi_tile_m * cfg.tile_n // cfg.epi_tile_n) % cfg.epi_buffers == 0)
 
@@ -314,8 +315,8 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
         raise ValueError(f"gmm_mgpu.tgmm: x {x.shape} {x.dtype} and dy {dy.shape} {dy.dtype} need the same rows, dtype")
     if not tsupported(m, k, n, cfg):
         raise ValueError(f"gmm_mgpu.tgmm: x [{m}, {k}], dy [{m}, {n}] need K % {cfg.tile_m * cfg.cluster_m} == 0, "
-                         f"N % {2 * cfg.tile_n} == 0 and M % {cfg.tile_k} == 0 (and cluster_m 1 or 2, 1 when "
-                         f"streamed: {cfg})")
+                         f"N % {2 * cfg.tile_n} == 0 and M % {cfg.tile_k} == 0 (and cluster_m 1 or 2; the streamed "
+                         f"kernel, seg_rows > 0, has neither CTA pairs nor the swizzled epilogue: {cfg})")
     if cfg.seg_rows:
         return _tgmm_streamed(x, dy, group_sizes, cfg, num_sms)
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
@@ -331,10 +332,11 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
     transforms = _smem_transforms(plgpu, tk, dtype)
     grid_m, grid_n = k // tm, n // cta_n
     cl = cfg.cluster_m
-    out_smem_type = plgpu.SMEM((2, nbuf, em, en), dtype, transforms=(
-        plgpu.TilingTransform((8, plgpu.find_swizzle(en * jnp.dtype(dtype).itemsize * 8) // jnp.dtype(dtype).itemsize)),
-        plgpu.SwizzleTransform(plgpu.find_swizzle(en * jnp.dtype(dtype).itemsize * 8)))) if cfg.epi_swizzle \
-        else plgpu.SMEM((2, nbuf, em, en), dtype)
+    out_smem_type = plgpu.SMEM((2, nbuf, em, en), dtype)
+    if cfg.epi_swizzle:  # 8-row tiles of one swizzle width, swizzled, as hopper_matmul_mgpu stores its output
+        swizzle = plgpu.find_swizzle(en * jnp.dtype(dtype).itemsize * 8)
+        out_smem_type = plgpu.SMEM((2, nbuf, em, en), dtype, transforms=(
+            plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)))
 
     def get_pipeline(pipeline_body, compute_context, steps, b0, mi, ni):
         return plgpu.emit_pipeline_warp_specialized(

@@ -189,8 +189,13 @@ def test_tgmm_options_checked():
     x, dy, s = jnp.zeros((256, 128), bf), jnp.zeros((256, 256), bf), jnp.asarray([100, 156])
     assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(cluster_m=2))
     assert not gmm_mgpu.tsupported(256, 128, 256, gmm_mgpu.TConfig(cluster_m=2))  # K: one 128-row block per CTA pair
-    assert not gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(cluster_m=2, seg_rows=1024))  # not combined
+    # the streamed kernel has neither CTA pairs nor the swizzled epilogue: refused, not ignored
+    assert not gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(cluster_m=2, seg_rows=1024))
+    assert not gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_swizzle=True, seg_rows=1024))
+    assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_swizzle=True, cluster_m=2))
     with pytest.raises(ValueError, match="K % 256"):
         gmm_mgpu.tgmm(x, dy, s, config=gmm_mgpu.TConfig(cluster_m=2))
-    assert gmm_mgpu.tuned(dict(gmm_mgpu.CONFIGS), "dw.seg_rows=8192,dw.epi_swizzle=1")["dw"] == gmm_mgpu.TConfig(
-        seg_rows=8192, epi_swizzle=True)
+    with pytest.raises(ValueError, match="neither CTA pairs nor the swizzled epilogue"):
+        gmm_mgpu.tgmm(x, jnp.zeros((256, 256), bf), s, config=gmm_mgpu.TConfig(epi_swizzle=True, seg_rows=1024))
+    assert gmm_mgpu.tuned(dict(gmm_mgpu.CONFIGS), "dw.seg_rows=8192,dw.max_concurrent_steps=3")["dw"] == \
+        gmm_mgpu.TConfig(seg_rows=8192, max_concurrent_steps=3)
