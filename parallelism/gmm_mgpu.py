@@ -292,6 +292,22 @@ def tsupported(m: int, k: int, n: int, cfg: TConfig | None = None) -> bool:
             and (cfg.tile_m // cfg.epi_tile_m * cfg.tile_n // cfg.epi_tile_n) % cfg.epi_buffers == 0)
 
 
+def _store_dw_tile(plgpu, cfg: TConfig, out_smem, o_gmem, wg, acc, gi, mi, ni) -> None:
+    """This warpgroup's ``[tile_m, tile_n]`` block ``acc`` of group ``gi``'s gradient (output tile ``mi``, ``ni``), slab
+    by slab through the epilogue buffers in turn: one store per slab, so at most ``epi_buffers - 1`` pending leaves the
+    next buffer free (a tile has a whole number of rounds, so every tile starts at buffer 0)."""
+    tm, tn, em, en, nbuf = cfg.tile_m, cfg.tile_n, cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
+    col0 = ni * (2 * tn) + wg * tn
+    for i in range(tm // em):
+        for j in range(tn // en):
+            b = (i * (tn // en) + j) % nbuf
+            plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
+            out_smem[wg, b] = acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[wg, b], o_gmem.at[gi, pl.ds(mi * tm + i * em, em), pl.ds(col0 + j * en, en)])
+
+
 def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig | None = None,
          num_sms: int | None = None) -> jax.Array:
     """d(w) of a grouped matmul: ``x [M, K]``, ``dy [M, N]`` rows sorted by group -> ``[G, K, N]``, per group the
@@ -364,18 +380,7 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
             cta = lax.axis_index("cluster") if cl > 1 else 0
 
             def store(acc, gi, mi, ni):
-                """This warpgroup's [tm, tn] block of group gi's gradient, slab by slab through the buffers in
-                turn: one store per slab, so at most nbuf - 1 pending leaves the next buffer free (a tile has a
-                whole number of rounds, so every tile starts at buffer 0)."""
-                col0 = ni * cta_n + wg * tn
-                for i in range(tm // em):
-                    for j in range(tn // en):
-                        b = (i * (tn // en) + j) % nbuf
-                        plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
-                        out_smem[wg, b] = acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg, b], o_gmem.at[gi, pl.ds(mi * tm + i * em, em), pl.ds(col0 + j * en, en)])
+                _store_dw_tile(plgpu, cfg, out_smem, o_gmem, wg, acc, gi, mi, ni)
 
             @plgpu.nd_loop((g * grid_m // cl * grid_n,), collective_axes="cluster_grid" if cl > 1 else "sm")
             def mn_loop(info):
@@ -497,16 +502,8 @@ def _tgmm_streamed(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, cfg: TCo
         def scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            def store(acc, gi, mi, ni):  # as tgmm's
-                col0 = ni * cta_n + wg * tn
-                for i in range(tm // em):
-                    for j in range(tn // en):
-                        b = (i * (tn // en) + j) % nbuf
-                        plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
-                        out_smem[wg, b] = acc[i * em:(i + 1) * em, j * en:(j + 1) * en]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg, b], o_gmem.at[gi, pl.ds(mi * tm + i * em, em), pl.ds(col0 + j * en, en)])
+            def store(acc, gi, mi, ni):
+                _store_dw_tile(plgpu, cfg, out_smem, o_gmem, wg, acc, gi, mi, ni)
 
             def group_end(gi):
                 return ends_gmem[jnp.minimum(gi, g - 1)]
