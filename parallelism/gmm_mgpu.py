@@ -22,7 +22,7 @@ kernels' time; windows at each group's start take 0.86-0.96x (run 14), outputs b
 table: about G/2 partly used windows, and each epilogue slab waits for the previous slab's stores. :func:`tgmm`
 (the same pipeline, a dynamic number of row steps per group) took 0.88-0.96x the Triton d(w) kernel's time (run 14).
 Its opt-in variants (``TConfig``: rows streamed over segments of several groups, a swizzled epilogue, CTA pairs
-sharing the dy block) ran up to 5-9% faster per matmul but within +-1% in the layer and 0.6% slower in the proxy
+sharing the dy block) ran up to 2-9% faster per matmul but within +-1% in the layer and 0.6% slower in the proxy
 step (run 16), so the defaults stay.
 """
 
