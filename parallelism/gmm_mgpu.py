@@ -292,6 +292,27 @@ def tsupported(m: int, k: int, n: int, cfg: TConfig | None = None) -> bool:
             and (cfg.tile_m // cfg.epi_tile_m * cfg.tile_n // cfg.epi_tile_n) % cfg.epi_buffers == 0)
 
 
+def _dw_pipeline(plgpu, cfg: TConfig, transforms, body, compute_context, steps, b0, mi, ni):
+    """The d(w) kernels' pipeline over ``steps`` row blocks from block ``b0``: x's ``[tile_k, tile_m]`` block of output
+    tile row ``mi`` and dy's ``[tile_k, 2 * tile_n]`` block of tile column ``ni`` (with ``cluster_m`` 2 the dy block is
+    loaded once for the CTA pair: a collective BlockSpec), one memory and two compute warpgroups."""
+    tk, tm, cta_n = cfg.tile_k, cfg.tile_m, 2 * cfg.tile_n
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tk, tm), lambda s: (b0 + s, mi), transforms=transforms, memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((tk, cta_n), lambda s: (b0 + s, ni), transforms=transforms, memory_space=plgpu.SMEM,
+                            collective_axes=("cluster",) if cfg.cluster_m > 1 else ()),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=cfg.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+
 def _store_dw_tile(plgpu, cfg: TConfig, out_smem, o_gmem, wg, acc, gi, mi, ni) -> None:
     """This warpgroup's ``[tile_m, tile_n]`` block ``acc`` of group ``gi``'s gradient (output tile ``mi``, ``ni``), slab
     by slab through the epilogue buffers in turn: one store per slab, so at most ``epi_buffers - 1`` pending leaves the
@@ -355,20 +376,7 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
             plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)))
 
     def get_pipeline(pipeline_body, compute_context, steps, b0, mi, ni):
-        return plgpu.emit_pipeline_warp_specialized(
-            pipeline_body,
-            grid=(steps,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((tk, tm), lambda s: (b0 + s, mi), transforms=transforms, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((tk, cta_n), lambda s: (b0 + s, ni), transforms=transforms, memory_space=plgpu.SMEM,
-                                collective_axes=("cluster",) if cl > 1 else ()),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=compute_context,
-        )
+        return _dw_pipeline(plgpu, cfg, transforms, pipeline_body, compute_context, steps, b0, mi, ni)
 
     def kernel(starts_gmem, ends_gmem, first_gmem, steps_gmem, x_gmem, dy_gmem, o_gmem):
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
@@ -479,19 +487,7 @@ def _tgmm_streamed(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, cfg: TCo
     grid_m, grid_n = k // tm, n // cta_n
 
     def get_pipeline(pipeline_body, compute_context, steps, b0, mi, ni):
-        return plgpu.emit_pipeline_warp_specialized(
-            pipeline_body,
-            grid=(steps,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((tk, tm), lambda s: (b0 + s, mi), transforms=transforms, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((tk, cta_n), lambda s: (b0 + s, ni), transforms=transforms, memory_space=plgpu.SMEM),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=2,
-            max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=compute_context,
-        )
+        return _dw_pipeline(plgpu, cfg, transforms, pipeline_body, compute_context, steps, b0, mi, ni)
 
     def kernel(ends_gmem, g0_gmem, g1_gmem, b0_gmem, steps_gmem, lo_gmem, hi_gmem, x_gmem, dy_gmem, o_gmem):
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
