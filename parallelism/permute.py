@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from parallelism import fp8, gmm_triton
+from parallelism import fp8, gmm_triton, permute_triton
 from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, mgpu_takes, plain_gmm, plain_tgmm, zero_tail
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE
@@ -185,6 +185,49 @@ def _combine_bwd(res, g):
 combine_rows.defvjp(_combine_fwd, _combine_bwd)
 
 
+# Triton kernels for the sorted experts' row movement (parallelism.permute_triton), from $MOEVLM_PERMUTE_KERNELS at
+# import (a comma list; "" for none, XLA's gathers): "dispatch" (dispatch_rows_kernel) and "combine_bwd"
+# (combine_rows_kernel); read when the experts are traced. Both leave the buffer's rows no assignment maps to unwritten,
+# so only for the Triton / Mosaic expert kernels (no row past sum(group_sizes) read) and not FP8 (whose scales are
+# maxima over every row).
+KERNELS_ENV = "MOEVLM_PERMUTE_KERNELS"
+KERNEL_KINDS = ("dispatch", "combine_bwd")
+KERNELS: frozenset[str] = frozenset(f for f in os.environ.get(KERNELS_ENV, ",".join(KERNEL_KINDS)).split(",") if f)
+if KERNELS - set(KERNEL_KINDS):
+    raise ValueError(f"${KERNELS_ENV}: unknown kernels {sorted(KERNELS - set(KERNEL_KINDS))}; known: {KERNEL_KINDS}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch_rows_kernel(x: jax.Array, src: jax.Array, slot: jax.Array, top_k: int) -> jax.Array:
+    """:func:`dispatch_rows` as one Pallas-Triton kernel (``permute_triton.dispatch``: each token row read once and
+    written to its slots); the buffer's rows no assignment maps to are left unwritten. Same backward."""
+    return permute_triton.dispatch(x, slot, top_k, src.shape[0])
+
+
+def _dispatch_kernel_fwd(x, src, slot, top_k):
+    return dispatch_rows_kernel(x, src, slot, top_k), slot
+
+
+dispatch_rows_kernel.defvjp(_dispatch_kernel_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def combine_rows_kernel(y: jax.Array, weights: jax.Array, slot: jax.Array, src: jax.Array) -> jax.Array:
+    """:func:`combine_rows` whose backward is one Pallas-Triton kernel (``permute_triton.combine_bwd``: g and y read
+    once, d(weights) and d(y) in one pass) instead of XLA's gather and gathered-row reduction. The rows of d(y) no
+    assignment maps to are left unwritten."""
+    return combine_rows(y, weights, slot, src)
+
+
+def _combine_kernel_bwd(res, g):
+    y, weights, slot, _ = res
+    dy, dw = permute_triton.combine_bwd(y, weights, slot, g)
+    return dy, dw, None, None
+
+
+combine_rows_kernel.defvjp(_combine_fwd, _combine_kernel_bwd)
+
+
 FFN_SCOPE = "expert_ffn"  # the expert matmuls + SwiGLU in profiler traces (the rest of "experts": dispatch)
 
 
@@ -246,12 +289,15 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
     slot = sorted_slots(plan)
     src = inverse_slots(slot, slot.shape[0])
     k = w.shape[1]
+    # the row kernels leave rows past sum(counts) unwritten: the Triton / Mosaic expert kernels read none of them
+    kernels = backend == "triton" and fp8.experts_scope() is None
     if _fused(backend, fp8.experts_scope(), "gather") and (
             FUSE_SET or not mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype)):
         y = _fused_ffn(x, jnp.where(src >= 0, src // k, 0), slot, k, plan.counts, w_gate_up, w_down, False)
     else:
-        y = expert_ffn(dispatch_rows(x, src, slot, k), plan.counts, w_gate_up, w_down, backend, zero_tail_rows=False)
-    return combine_rows(y, w, slot, src)
+        dispatch = dispatch_rows_kernel if kernels and "dispatch" in KERNELS else dispatch_rows
+        y = expert_ffn(dispatch(x, src, slot, k), plan.counts, w_gate_up, w_down, backend, zero_tail_rows=False)
+    return (combine_rows_kernel if kernels and "combine_bwd" in KERNELS else combine_rows)(y, w, slot, src)
 
 
 # ----------------------------------------------------------------------------- fused Triton experts

@@ -69,6 +69,8 @@ def classify(kernel: str, info: dict | None, shape: dict) -> str:
         if "transpose" in stack:  # the backward: d(x) of gate_up [M, H], of down [M, I]
             return "GEMM gate_up d(x)" if dims[-1:] == [h] else "GEMM down d(x)"
         return "GEMM gate_up fwd" if dims[-1:] == [i2] else "GEMM down fwd"
+    if re.match(r"(dispatch|combine_bwd)", low):  # parallelism.permute_triton's kernels
+        return "row kernels: dispatch / combine bwd (Triton)"
     if not info:
         return "unmatched"
     if "router" in parts:
