@@ -9,7 +9,9 @@ dispatcher only differs in how it computes ``slot``; moving rows is always
 :func:`dispatch_rows` (a gather, whose backward is a gather plus a sum over ``K``) and
 :func:`combine_rows` (a gather times the routing weights summed over ``K``, whose backward is two
 gathers). Gathers need no atomics and are deterministic; the scatter-add alternative needs atomics
-on GPU and a separate weight multiply pass.
+on GPU and a separate weight multiply pass. On the Triton backend the local sorted experts move the rows with
+Pallas-Triton kernels instead (:data:`KERNELS`, ``parallelism/permute_triton.py``: the dispatch as a scatter of each
+token row to its unique slots, the combine's backward in one pass), same values.
 """
 
 from __future__ import annotations
