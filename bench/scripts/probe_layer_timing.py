@@ -1,0 +1,74 @@
+"""Issue 24: why the MoE layer bench's pipelined time sits above its synchronised one (bench/moe_layer.md run 17: at
+235B-A22B 30.355 vs 28.895 ms, and above profile_moe_layer.py's pipelined 28.958 ms on the same machine, while the
+einsum ceiling's pipelined time is below its synchronised one). Times the bench's layer step
+(``moevlm_jax.tools.bench_moe.layer_step``, same inputs) in one process, in this order, each the median of
+``--rounds`` rounds:
+
+- ``jit``: the bench's way (``time_calls``: ``--iters`` calls issued back to back, then one wait; and each call waited
+  for, "synchronised");
+- ``jit, N in flight``: the same with ``--short`` calls a round (fewer outputs alive at once);
+- ``executable``: the compiled executable called directly, as profile_moe_layer.py times it;
+- the einsum ceiling (as the bench runs it before the layer), then ``jit`` again (does the ceiling's run change it?).
+
+Each line also gives the device's peak bytes in use so far and the allocator's allocation count (``memory_stats``,
+where the backend has them).
+
+    python3 bench/scripts/probe_layer_timing.py --shapes 235b-a22b --out $OUT/timing.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from moevlm_jax.tools import bench_moe as bm
+
+
+def memory() -> dict:
+    stats = jax.devices()[0].memory_stats() or {}
+    return {k: stats[k] for k in ("peak_bytes_in_use", "num_allocs", "bytes_in_use") if k in stats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="235b-a22b")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--short", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--zipf", type=float, default=0.2)
+    ap.add_argument("--out", default="timing.json")
+    args = ap.parse_args()
+    shapes = {**bm.SHAPES, **bm.TINY}
+    out = {"device": str(jax.devices()[0]), "jax": jax.__version__, "args": vars(args), "results": {}}
+    for name in args.shapes.split(","):
+        shape = shapes[name]
+        inp = bm.make_inputs(shape, args.tokens, args.zipf, jnp.bfloat16)
+        xs = (inp["x"], inp["router"], inp["w_gate_up"], inp["w_down"], inp["probe"])
+        step = bm.layer_step(shape["top_k"], backend=args.backend)
+        res = out["results"][name] = {}
+
+        def row(label, fn, inputs, iters, rounds=args.rounds):
+            piped, synced, _ = bm.time_calls(fn, inputs, iters, 2, rounds=rounds)
+            res[label] = dict(pipelined_ms=piped, synchronised_ms=synced, **memory())
+            print(f"{name} {label:34s} pipelined {piped:8.3f} ms  synchronised {synced:8.3f} ms  {memory()}", flush=True)
+
+        row("jit", step, xs, args.iters)
+        row(f"jit, {args.short} in flight", step, xs, args.short, rounds=args.rounds * args.iters // args.short)
+        row("executable", step.lower(*xs).compile(), xs, args.iters)
+        e, k, h = shape["experts"], shape["top_k"], shape["hidden"]
+        rows = jax.random.normal(jax.random.PRNGKey(2), (e, args.tokens * k // e, h), jnp.float32).astype(jnp.bfloat16)
+        row("ceiling (balanced einsum)", bm.ceiling_step(), (rows, inp["w_gate_up"], inp["w_down"]), args.iters)
+        del rows
+        row("jit, after the ceiling", step, xs, args.iters)
+    with open(args.out, "w") as fh:
+        json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
