@@ -101,15 +101,17 @@ def _check_size(what: str, *arrays: jax.Array | jax.ShapeDtypeStruct) -> None:
                          f"kernels); split the rows (smaller micro-batch) or use backend 'tokamax' / 'capacity'")
 
 
+def fit_block(block: int, dim: int) -> int:
+    """``block`` halved until it divides ``dim`` (a power-of-two block: the largest power of two up to it that does)."""
+    while block > 1 and dim % block:
+        block //= 2
+    return block
+
+
 def _fit(cfg: Config, k: int, n: int, what: str, interpret: bool) -> Config:
     """``cfg`` with block_k / block_n cut to the largest power of two that divides K / N (small test
     shapes); on the GPU a block under 16 (Triton's smallest dot) is an error."""
-    def fit(block: int, dim: int) -> int:
-        while block > 1 and dim % block:
-            block //= 2
-        return block
-
-    out = dataclasses.replace(cfg, block_k=fit(cfg.block_k, k), block_n=fit(cfg.block_n, n))
+    out = dataclasses.replace(cfg, block_k=fit_block(cfg.block_k, k), block_n=fit_block(cfg.block_n, n))
     if not interpret and min(out.block_k, out.block_n) < 16:
         raise ValueError(f"{what}: K={k} and N={n} need a power-of-two divisor >= 16 for the Triton kernels")
     return out

@@ -291,9 +291,10 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
     slot = sorted_slots(plan)
     src = inverse_slots(slot, slot.shape[0])
     k = w.shape[1]
+    q = fp8.experts_scope()
     # the row kernels leave rows past sum(counts) unwritten: the Triton / Mosaic expert kernels read none of them
-    kernels = backend == "triton" and fp8.experts_scope() is None
-    if _fused(backend, fp8.experts_scope(), "gather") and (
+    kernels = backend == "triton" and q is None
+    if _fused(backend, q, "gather") and (
             FUSE_SET or not mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype)):
         y = _fused_ffn(x, jnp.where(src >= 0, src // k, 0), slot, k, plan.counts, w_gate_up, w_down, False)
     else:

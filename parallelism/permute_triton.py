@@ -96,9 +96,7 @@ def _combine_bwd_kernel(slot_ref, w_ref, g_ref, y_ref, dy_ref, dw_ref, *, k: int
 
 def _fit(cfg: Config | None, h: int, what: str, interpret: bool) -> Config:
     cfg = cfg or CONFIGS[what]
-    block_h = cfg.block_h
-    while block_h > 1 and h % block_h:
-        block_h //= 2
+    block_h = gmm_triton.fit_block(cfg.block_h, h)
     if not interpret and block_h < 16:
         raise ValueError(f"{what}: hidden size {h} needs a power-of-two divisor >= 16 for the Triton kernel")
     return dataclasses.replace(cfg, block_h=block_h)
