@@ -2,6 +2,8 @@
 
 Compares, at Qwen3-VL-30B-A3B and 235B-A22B expert shapes with Zipf-skewed routing:
 (a) the ceiling: the same FLOPs as one balanced batched einsum ``[E, T*K/E, H] x [E, H, 2I]``...,
+timed as XLA compiles it by default and with XLA's Triton GEMMs off (cuBLAS for every dot; on the GPU), the faster
+of the two being the ceiling (XLA's autotuner picks Triton or cuBLAS per process: bench/moe_layer.md run 18),
 (b) each grouped-matmul backend through ``experts_forward`` (tokamax, ragged_dot, capacity einsum,
 and the grouped backend with the same capacity factor, which must equal the capacity einsum),
 (c) Hugging Face transformers' ``Qwen3VLMoeTextSparseMoeBlock`` in torch with the ``grouped_mm``
@@ -54,6 +56,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--zipf", type=float, default=0.2, help="router bias -s*log(rank+1): expert-load skew")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="pipelined rounds of --iters calls; the median is reported")
+    p.add_argument("--paired", action="store_true",
+                   help="time each grouped backend in rounds alternating with the ceiling's (x ceiling from the "
+                        "ceiling's rounds beside it: drifts of the device's speed cancel)")
     p.add_argument("--slow-iters", type=int, default=2, help="iterations for jax.lax.ragged_dot on GPU")
     p.add_argument(
         "--slow-tokens",
@@ -102,6 +108,29 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int, rounds: int =
         out = jax.block_until_ready(out)
         piped.append((time.perf_counter() - t0) * 1e3 / iters)
     return statistics.median(piped), statistics.median(synced) if synced else None, out
+
+
+def time_paired(fn: Callable, args: tuple, ref: Callable, ref_args: tuple, iters: int, warmup: int,
+                rounds: int) -> tuple[float, float, Any]:
+    """Pipelined milliseconds of one call of ``fn(*args)`` and of ``ref(*ref_args)`` (the ceiling), measured in
+    alternating rounds (``iters`` calls back to back, one wait, ``rounds`` of each): the median of each side's
+    rounds, and ``fn``'s last result. A drift of the device's speed over the run (clocks, power) reaches both
+    sides alike, where :func:`time_calls` run once per side compares rounds taken at different times."""
+    out = None
+    for _ in range(max(1, warmup)):
+        jax.block_until_ready(ref(*ref_args))
+        out = jax.block_until_ready(fn(*args))
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for r in range(2 * rounds):
+        f, a = (ref, ref_args) if r % 2 == 0 else (fn, args)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            res = f(*a)
+        res = jax.block_until_ready(res)
+        times[r % 2].append((time.perf_counter() - t0) * 1e3 / iters)
+        if r % 2:
+            out = res
+    return statistics.median(times[1]), statistics.median(times[0]), out
 
 
 def time_jax(fn: Callable, args: tuple, iters: int, warmup: int) -> tuple[float, Any]:
@@ -178,13 +207,19 @@ def reference(inputs: tuple, top_k: int, capacity_factor: float | None, dtype: A
         return layer_step(top_k, route_dtype=dtype, backend="capacity", capacity_factor=capacity_factor)(*f32)
 
 
-def ceiling_step() -> Callable:
-    """The same expert FLOPs as balanced batched einsums, forward + backward."""
+CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # compiler options: every dot on cuBLAS (XLA's Triton GEMMs off)
+
+
+def ceiling_step(options: dict | None = None) -> Callable:
+    """The same expert FLOPs as balanced batched einsums, forward + backward; ``options``: compiler options beside
+    the run's (e.g. :data:`CUBLAS`)."""
     from parallelism.permute import capacity_ffn
 
     def loss(rows, w_gate_up, w_down):
         return jnp.sum(capacity_ffn(rows, w_gate_up, w_down).astype(jnp.float32))
 
+    if options:
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)), compiler_options={**JIT_OPTIONS, **options})
     return jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
@@ -206,8 +241,8 @@ class Report(list):
         """Append ``row`` (with ``ms``: TFLOP/s and ratio to its shape's ceiling filled in) and print it."""
         if "ms" in row and "flops" in row:
             row["tflops"] = row.pop("flops") / row["ms"] / 1e9
-            if row["variant"].startswith("ceiling"):
-                self.ceiling[row["shape"]] = row["tflops"]
+            if row["variant"].startswith("ceiling"):  # the fastest ceiling row of the shape
+                self.ceiling[row["shape"]] = max(row["tflops"], self.ceiling.get(row["shape"], 0.0))
             elif row["shape"] in self.ceiling:
                 row["vs_ceiling"] = row["tflops"] / self.ceiling[row["shape"]]
         self.append(row)
@@ -227,6 +262,9 @@ class Report(list):
                 notes.append(f"{100 * r[key]:.1f}% {what}")
         if "ms_synchronised" in r:
             notes.append(f"{r['ms_synchronised']:.3f} ms synchronised per call")
+        if "vs_ceiling_paired" in r:
+            notes.append(f"paired with the ceiling: {r['ms_paired']:.3f} vs {r['ceiling_ms_paired']:.3f} ms, "
+                         f"x ceil {r['vs_ceiling_paired']:.3f}")
         if "gbps" in r:
             notes.append(f"{r['gbps']:.1f} GB/s ({r['bytes_per_device'] / 1e6:.1f} MB/device)")
         if "max_rel_err" in r:
@@ -286,17 +324,32 @@ def bench_shape(name: str, shape: dict, args: argparse.Namespace, dtype: Any, re
         report.add(dict(base, variant="tokamax", skipped="tokamax not importable"))
         backends.remove("tokamax")
 
-    def timed(variant: str, step: Callable, inputs: tuple, iters: int, **extra: Any) -> Any:
+    def timed(variant: str, step: Callable, inputs: tuple, iters: int, paired: bool = False, **extra: Any) -> Any:
         def go():
-            ms, synced, out = time_calls(step, inputs, iters, min(args.warmup, iters))
-            report.add(dict(base, variant=variant, ms=ms, ms_synchronised=synced, flops=flops, **extra))
+            ms, synced, out = time_calls(step, inputs, iters, min(args.warmup, iters), rounds=args.rounds)
+            row = dict(base, variant=variant, ms=ms, ms_synchronised=synced, flops=flops, **extra)
+            if paired:
+                row["ms_paired"], row["ceiling_ms_paired"], out = time_paired(
+                    step, inputs, *ceiling, iters, min(args.warmup, iters), args.rounds)
+                row["vs_ceiling_paired"] = row["ceiling_ms_paired"] / row["ms_paired"]  # same FLOPs
+            report.add(row)
             return out
 
         return guarded(report, base, variant, go)
 
     rows = jax.random.normal(jax.random.PRNGKey(2), (e, t * k // e, h), jnp.float32).astype(dtype)
-    timed("ceiling (balanced einsum)", ceiling_step(), (rows, inp["w_gate_up"], inp["w_down"]), args.iters)
-    del rows
+    ceilings = {"ceiling (balanced einsum)": ceiling_step()}
+    if gpu:  # XLA's autotuner may pick Triton GEMMs that run slower than cuBLAS's in the loop
+        ceilings["ceiling (balanced einsum, cuBLAS)"] = ceiling_step(CUBLAS)
+    best = None
+    for label, fn in ceilings.items():
+        timed(label, fn, (rows, inp["w_gate_up"], inp["w_down"]), args.iters)
+        ms = report[-1].get("ms")
+        if ms is not None and (best is None or ms < best[0]):
+            best = (ms, fn)
+    ceiling = (best[1] if best else ceilings["ceiling (balanced einsum)"], (rows, inp["w_gate_up"], inp["w_down"]))
+    if not args.paired:
+        del rows, ceiling
     ref = ref_cf = None
     if not args.no_check:
         ref = guarded(report, base, "f32 reference", lambda: reference(xs, k, None, dtype))
@@ -310,7 +363,8 @@ def bench_shape(name: str, shape: dict, args: argparse.Namespace, dtype: Any, re
                 lambda *a: experts_forward_with_stats(*a, capacity_factor=args.capacity_factor, backend="capacity")
             )(inp["x"], idx, w, inp["w_gate_up"], inp["w_down"])
             note = {"dropped_frac" if backend == "capacity" else "overflow_frac": int(stats["dropped"]) / (t * k)}
-        out = timed(backend, layer_step(k, backend=backend, **extra), xs, args.iters, **note)
+        out = timed(backend, layer_step(k, backend=backend, **extra), xs, args.iters,
+                    paired=args.paired and backend not in ("capacity", "hybrid"), **note)
         if out is not None:
             grouped = grouped or (backend if backend not in ("capacity", "hybrid") else None)
             if want is not None:

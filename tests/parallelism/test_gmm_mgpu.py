@@ -137,7 +137,7 @@ def test_tune_overrides_one_field_of_one_kind():
     base = dict(gmm_mgpu.CONFIGS)
     out = gmm_mgpu.tuned(base, "fwd.max_concurrent_steps=4, dw.grid_tile_width=2")
     assert out["fwd"] == gmm_mgpu.Config(max_concurrent_steps=4, epi_buffers=2)
-    assert out["dw"] == gmm_mgpu.TConfig(grid_tile_width=2)
+    assert out["dw"] == gmm_mgpu.TConfig(seg_rows=16384, grid_tile_width=2)
     assert out["dx"] == base["dx"] and base == gmm_mgpu.CONFIGS  # the table itself untouched
     assert gmm_mgpu.tuned(base, "") == base
     for bad in ("fwd.epi_buffers", "up.tile_m=64", "dw.align=8", "fwd=2"):

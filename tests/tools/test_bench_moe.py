@@ -56,3 +56,45 @@ def test_time_calls_synchronises_each_warmup_and_timed_call_then_once_a_round(mo
     assert len(calls) == 2 + 4 + 3 * 4
     assert waits == [1, 2, 3, 4, 5, 6, 10, 14, 18]
     assert float(out) == 18.0 and ms > 0 and synced > 0
+
+
+def test_time_paired_alternates_rounds_with_the_ceiling_and_returns_the_layers_result(monkeypatch):
+    """Warm-up: ceiling then layer, each waited for; then rounds alternate ceiling, layer, ... (``iters`` calls
+    issued, one wait), ``rounds`` of each; the result is the layer's last."""
+    calls, waits = [], []
+    monkeypatch.setattr(bench_moe.jax, "block_until_ready", lambda x: (waits.append("".join(calls)), x)[1])
+
+    def layer(a):
+        calls.append("L")
+        return a + calls.count("L")
+
+    def ceiling(a):
+        calls.append("C")
+        return a - 1
+
+    ms, ceiling_ms, out = bench_moe.time_paired(layer, (jnp.zeros(()),), ceiling, (jnp.zeros(()),), iters=2,
+                                                warmup=1, rounds=2)
+    assert "".join(calls) == "CL" + "CCLLCCLL"
+    assert [len(w) for w in waits] == [1, 2, 4, 6, 8, 10]  # warm-up calls each, then once a round
+    assert float(out) == 5.0 and ms > 0 and ceiling_ms > 0
+
+
+def test_the_fastest_ceiling_row_is_the_ceiling():
+    """Two ceiling rows (XLA's choice, cuBLAS): a backend's ratio is to the faster, whichever came first."""
+    report = bench_moe.Report(echo=False)
+    base = dict(shape="s", tokens=1)
+    report.add(dict(base, variant="ceiling (balanced einsum)", ms=2.0, flops=4e9))
+    report.add(dict(base, variant="ceiling (balanced einsum, cuBLAS)", ms=1.0, flops=4e9))
+    report.add(dict(base, variant="ceiling (slower again)", ms=4.0, flops=4e9))
+    row = report.add(dict(base, variant="triton", ms=1.6, flops=4e9))
+    assert row["vs_ceiling"] == 1.0 / 1.6
+
+
+def test_paired_run_reports_the_ratio_to_the_ceiling_timed_beside_it(tmp_path):
+    out = tmp_path / "paired.json"
+    rc = bench_moe.main(["--tiny", "--backends", "triton", "--no-hf", "--no-check", "--paired", "--rounds", "1",
+                         "--iters", "1", "--out", str(out)])
+    assert rc == 0
+    row = next(r for r in json.loads(out.read_text())["results"] if r["variant"] == "triton")
+    assert row["ms_paired"] > 0 and row["ceiling_ms_paired"] > 0
+    assert row["vs_ceiling_paired"] == row["ceiling_ms_paired"] / row["ms_paired"]
