@@ -23,8 +23,8 @@ table: about G/2 partly used windows, and each epilogue slab waits for the previ
 (the same pipeline, a dynamic number of row steps per group) took 0.88-0.96x the Triton d(w) kernel's time (run 14).
 Its variants (``TConfig``: rows streamed over segments of several groups, a swizzled epilogue, CTA pairs
 sharing the dy block) ran up to 2-9% faster per matmul but within +-1% in the layer and 0.6% slower in the proxy
-step (run 16); run 18 timed the streamed kernel at 16,384-row segments 1.4-1.5% faster in the layer at both shape
-sets and the same in the step: the default since (``CONFIGS``).
+step (run 16); run 18 timed the streamed kernel at 16,384-row segments 1.5% (235B-A22B) and 0.9-1.8% (30B-A3B) faster
+in the layer and the same in the step: the default since (``CONFIGS``).
 """
 
 from __future__ import annotations
@@ -607,9 +607,9 @@ def tuned(configs: dict, spec: str) -> dict:
 # Run 16: the streamed d(w) (seg_rows 8192) 2.4-5.4% faster per matmul at all four shapes, but in the layer +1.9-2.5%
 # at 30B-A3B and -1.3% / +0.1% at 235B-A22B, and the proxy step 0.6% slower (684.3 vs 680.3 ms): opt-in
 # ($MOEVLM_GMM_MGPU_TUNE=dw.seg_rows=8192).
-# Run 18: the streamed d(w) at seg_rows 16384 took 1.5% (235B-A22B) / 1.4% (30B-A3B) off the layer in one process
-# series (28.675 / 7.894 ms against 29.075-29.117 / 7.968-8.040 as before; seg_rows 8192 -0.4% / ~0), and the proxy
-# step the same (671.0 vs 671.2 ms, bench/step_h200.md run 32): the default since.
+# Run 18: the streamed d(w) at seg_rows 16384 took 1.5% (235B-A22B) / 0.9-1.8% (30B-A3B) off the layer in one call
+# (28.675 / 7.894 ms against 29.075-29.117 / 7.968-8.040 as before; seg_rows 8192 -0.4% / ~0), and the proxy step
+# the same (671.0 vs 671.2 ms, bench/step_h200.md run 32): the default since.
 # $MOEVLM_GMM_MGPU_TUNE overrides any field (:func:`tuned`; `dw.seg_rows=0` for the per-group kernel, which CTA pairs
 # and the swizzled epilogue need).
 CONFIGS: dict[str, Config | TConfig] = tuned(
