@@ -58,8 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3, help="pipelined rounds of --iters calls; the median is reported")
     p.add_argument("--paired", action="store_true",
-                   help="time each grouped backend in rounds alternating with the ceiling's (x ceiling from the "
-                        "ceiling's rounds beside it: drifts of the device's speed cancel)")
+                   help="also time each grouped backend in rounds alternating with the ceiling's (x ceiling from "
+                        "the ceiling's rounds beside it; each switch of program costs the first calls of a round: "
+                        "biased against the layer at small shapes, bench/moe_layer.md run 18)")
     p.add_argument("--slow-iters", type=int, default=2, help="iterations for jax.lax.ragged_dot on GPU")
     p.add_argument(
         "--slow-tokens",
@@ -115,7 +116,9 @@ def time_paired(fn: Callable, args: tuple, ref: Callable, ref_args: tuple, iters
     """Pipelined milliseconds of one call of ``fn(*args)`` and of ``ref(*ref_args)`` (the ceiling), measured in
     alternating rounds (``iters`` calls back to back, one wait, ``rounds`` of each): the median of each side's
     rounds, and ``fn``'s last result. A drift of the device's speed over the run (clocks, power) reaches both
-    sides alike, where :func:`time_calls` run once per side compares rounds taken at different times."""
+    sides alike, where :func:`time_calls` run once per side compares rounds taken at different times; but each round
+    starts right after the other program's, which cost the 30B-A3B layer ~0.4 ms a call in rounds of 10 on the H200
+    (bench/moe_layer.md run 18): the ratio is biased at small shapes, and the unpaired figures stay the reported ones."""
     out = None
     for _ in range(max(1, warmup)):
         jax.block_until_ready(ref(*ref_args))
