@@ -221,9 +221,7 @@ def ceiling_step(options: dict | None = None) -> Callable:
     def loss(rows, w_gate_up, w_down):
         return jnp.sum(capacity_ffn(rows, w_gate_up, w_down).astype(jnp.float32))
 
-    if options:
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)), compiler_options={**JIT_OPTIONS, **options})
-    return jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)), compiler_options={**JIT_OPTIONS, **(options or {})} or None)
 
 
 # ----------------------------------------------------------------------------- report
