@@ -24,7 +24,11 @@ table: about G/2 partly used windows, and each epilogue slab waits for the previ
 Its variants (``TConfig``: rows streamed over segments of several groups, a swizzled epilogue, CTA pairs
 sharing the dy block) ran up to 2-9% faster per matmul but within +-1% in the layer and 0.6% slower in the proxy
 step (run 16); run 18 timed the streamed kernel at 16,384-row segments 1.5% (235B-A22B) and 0.9-1.8% (30B-A3B) faster
-in the layer and the same in the step: the default since (``CONFIGS``).
+in the layer and the same in the step: the default since (``CONFIGS``), with (run 19) one 128 x 128 epilogue slab per
+warpgroup, another 3-7% per d(w) matmul.
+
+Options that did not pay on the H200 (run 19; ``Config``): the tiles' pipelines chained (Pallas'
+``PipelinePipeline``: the next tile's first blocks load during this tile's epilogue) and one wgmma kept in flight.
 """
 
 from __future__ import annotations
@@ -58,6 +62,14 @@ class Config:
     epi_tile_n: int = 64
     align: int = 8
     epi_buffers: int = 1
+    # 1: the output tiles' pipelines chained (Pallas' "pipeline of pipelines", ``PipelinePipeline``) where the K
+    # steps divide by ``max_concurrent_steps`` (:func:`chained`): the memory warpgroup loads the next tile's first K
+    # blocks while the compute warpgroups finish this tile and store it, where each tile's pipeline would otherwise
+    # fill after the store; the persistent loop then visits only the used tiles.
+    chain: int = 0
+    # 1: each compute warpgroup keeps one wgmma in flight (``wgmma_wait(1)``), its shared-memory blocks released a
+    # step later (BlockSpec ``delay_release``); not with ``chain`` (Pallas has no delayed release in chained pipelines)
+    delay_release: int = 0
 
 
 TUNE_ENV = "MOEVLM_GMM_MGPU_TUNE"
@@ -81,6 +93,13 @@ def supported(m: int, k: int, n: int, cfg: Config | None = None) -> bool:
     least one row tile."""
     cfg = cfg or Config()
     return k % cfg.tile_k == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
+
+
+def chained(k: int, cfg: Config) -> bool:
+    """Whether ``cfg`` chains the tiles' pipelines at contraction size ``k``: Pallas chains pipelines whose step
+    count is a multiple of ``max_concurrent_steps`` (each starts at buffer slot 0), without delayed release; a
+    ``chain`` config at another ``k`` runs its tiles' pipelines one by one."""
+    return bool(cfg.chain) and (k // cfg.tile_k) % cfg.max_concurrent_steps == 0 and not cfg.delay_release
 
 
 def block_table(group_sizes: jax.Array, m: int, tile_m: int, align: int | None = None
@@ -165,26 +184,31 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
     cta_n = 2 * tn
     group, row0, lo_rows, hi_rows = block_table(group_sizes, m, tm, cfg.align)
     n_tiles, n_iters, k_iters = group.shape[0], n // cta_n, k // tk
+    chain = chained(k, cfg)
+    n_used = jnp.sum(hi_rows > lo_rows, dtype=jnp.int32).reshape(1)  # used tiles come first (block_table)
     dtype = x.dtype
     transforms = _smem_transforms(plgpu, tk, dtype)
+    delay = cfg.delay_release
 
-    def get_pipeline(pipeline_body, compute_context):
+    def get_pipeline(pipeline_body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             pipeline_body,
             grid=(k_iters,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM,
+                                delay_release=delay),
                 plgpu.BlockSpec((cta_n, tk) if trans_w else (tk, cta_n), (lambda kk: (0, kk)) if trans_w else (lambda kk: (kk, 0)),
-                                transforms=transforms, memory_space=plgpu.SMEM),
+                                transforms=transforms, memory_space=plgpu.SMEM, delay_release=delay),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
             max_concurrent_steps=cfg.max_concurrent_steps,
             compute_context=compute_context,
+            pipeline_state=state,
         )
 
-    def kernel(group_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, out_gmem):
+    def kernel(used_gmem, group_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, out_gmem):
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
         b_block = b_gmem.at[0, pl.ds(0, cta_n), :] if trans_w else b_gmem.at[0, :, pl.ds(0, cta_n)]
 
@@ -193,11 +217,13 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
                            out_smem=plgpu.SMEM((2, nbuf, em, en), dtype), collective_axes="wg")
         def scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
+            # chained: a loop over the used tiles only, so that every visited tile runs a pipeline
+            rows = used_gmem[0] if chain else n_tiles
 
-            @plgpu.nd_loop((n_tiles * n_iters,), collective_axes="sm")
+            @plgpu.nd_loop((rows * n_iters,), collective_axes="sm")
             def mn_loop(info):
                 (lin,) = info.index
-                t, ni = plgpu.planar_snake(lin, (n_tiles, n_iters), 1, cfg.grid_tile_width)
+                t, ni = plgpu.planar_snake(lin, (rows, n_iters), 1, cfg.grid_tile_width)
                 r0, r1, g = lo_gmem[t], hi_gmem[t], group_gmem[t]
 
                 @pl.when(r1 > r0)
@@ -210,6 +236,8 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
                         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
                         def _(acc_ref):
                             eval_pipeline(acc_ref)
+                            if delay:
+                                plgpu.wgmma_wait(0)  # the last step's wgmma
                             acc = acc_ref[...].astype(dtype)
                             prev = None  # the previous slab's row count (this tile's)
                             for mi in range(tm // em):
@@ -242,18 +270,30 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
                         else:
                             b = b_smem.at[:, pl.ds(wg * tn, tn)]
                         plgpu.wgmma(acc_ref, a_smem, b)
-                        plgpu.wgmma_wait(0)
+                        plgpu.wgmma_wait(delay)
                         return acc_ref
 
                     cols = pl.ds(ni * cta_n, cta_n)
-                    get_pipeline(mma_body, compute_context)(
-                        a_gmem.at[pl.ds(start, tm), :], b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols],
-                        allocations=pipeline_allocs)
+                    operands = (a_gmem.at[pl.ds(start, tm), :],
+                                b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols])
+                    if not chain:
+                        get_pipeline(mma_body, compute_context)(*operands, allocations=pipeline_allocs)
+                        return
+                    # this SM's first tile starts the chain (loads its first blocks), its last one ends it (waits
+                    # for the compute warpgroups' last releases); a lone tile is an unchained pipeline
+                    j, n_local = info.local_index, info.num_local_steps
+                    state = jnp.where(j == 0, int(plgpu.PipelinePipeline.START),
+                                      jnp.where(j == n_local - 1, int(plgpu.PipelinePipeline.STOP),
+                                                int(plgpu.PipelinePipeline.STEADY)))
+                    pl.when(n_local == 1)(lambda: get_pipeline(mma_body, compute_context)(
+                        *operands, allocations=pipeline_allocs))
+                    pl.when(n_local > 1)(lambda: get_pipeline(mma_body, compute_context, state)(
+                        *operands, allocations=pipeline_allocs))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     call = _ws_kernel(plgpu, kernel, jax.ShapeDtypeStruct((m, n), dtype), num_sms, interpret)
-    return call(group, row0, lo_rows, hi_rows, x, w)
+    return call(n_used, group, row0, lo_rows, hi_rows, x, w)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +317,7 @@ class TConfig:
     # 2: CTA pairs in a cluster on neighbouring K blocks of one (group, N block) tile, the dy block loaded once for
     # both (TMA multicast)
     cluster_m: int = 1
-    # (epi_swizzle and cluster_m: the per-group kernel only)
+    # (cluster_m: the per-group kernel only)
     # 0: one pipeline per (group, output tile), as above. > 0: the sorted rows cut at group boundaries into segments
     # of about this many rows, one pipeline per (segment, output tile) streaming the segment's row blocks and storing
     # each group's tile where the group ends (:func:`_tgmm_streamed`)
@@ -288,7 +328,7 @@ def tsupported(m: int, k: int, n: int, cfg: TConfig | None = None) -> bool:
     """Whether :func:`tgmm` takes ``x [m, k]``, ``dy [m, n]``: whole output tiles, whole row steps."""
     cfg = cfg or CONFIGS["dw"]
     return (k % (cfg.tile_m * cfg.cluster_m) == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_k == 0
-            and cfg.cluster_m in (1, 2) and not (cfg.seg_rows and (cfg.cluster_m > 1 or cfg.epi_swizzle))
+            and cfg.cluster_m in (1, 2) and not (cfg.seg_rows and cfg.cluster_m > 1)
             and cfg.tile_m % cfg.epi_tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
             and (cfg.tile_m // cfg.epi_tile_m * cfg.tile_n // cfg.epi_tile_n) % cfg.epi_buffers == 0)
 
@@ -312,6 +352,17 @@ def _dw_pipeline(plgpu, cfg: TConfig, transforms, body, compute_context, steps, 
         max_concurrent_steps=cfg.max_concurrent_steps,
         compute_context=compute_context,
     )
+
+
+def _dw_out_smem(plgpu, cfg: TConfig, dtype):
+    """The d(w) epilogue's shared-memory slabs, ``epi_buffers`` per compute warpgroup; with ``epi_swizzle`` in 8-row
+    tiles of one swizzle width, swizzled, as hopper_matmul_mgpu stores its output."""
+    shape = (2, cfg.epi_buffers, cfg.epi_tile_m, cfg.epi_tile_n)
+    if not cfg.epi_swizzle:
+        return plgpu.SMEM(shape, dtype)
+    swizzle = plgpu.find_swizzle(cfg.epi_tile_n * jnp.dtype(dtype).itemsize * 8)
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
 def _store_dw_tile(plgpu, cfg: TConfig, out_smem, o_gmem, wg, acc, gi, mi, ni) -> None:
@@ -354,11 +405,10 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
     if not tsupported(m, k, n, cfg):
         raise ValueError(f"gmm_mgpu.tgmm: x [{m}, {k}], dy [{m}, {n}] need K % {cfg.tile_m * cfg.cluster_m} == 0, "
                          f"N % {2 * cfg.tile_n} == 0 and M % {cfg.tile_k} == 0 (and cluster_m 1 or 2; the streamed "
-                         f"kernel, seg_rows > 0, has neither CTA pairs nor the swizzled epilogue: {cfg})")
+                         f"kernel, seg_rows > 0, has no CTA pairs: {cfg})")
     if cfg.seg_rows:
         return _tgmm_streamed(x, dy, group_sizes, cfg, num_sms)
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    em, en, nbuf = cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
     cta_n = 2 * tn
     g = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
@@ -370,11 +420,7 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
     transforms = _smem_transforms(plgpu, tk, dtype)
     grid_m, grid_n = k // tm, n // cta_n
     cl = cfg.cluster_m
-    out_smem_type = plgpu.SMEM((2, nbuf, em, en), dtype)
-    if cfg.epi_swizzle:  # 8-row tiles of one swizzle width, swizzled, as hopper_matmul_mgpu stores its output
-        swizzle = plgpu.find_swizzle(en * jnp.dtype(dtype).itemsize * 8)
-        out_smem_type = plgpu.SMEM((2, nbuf, em, en), dtype, transforms=(
-            plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)))
+    out_smem_type = _dw_out_smem(plgpu, cfg, dtype)
 
     def get_pipeline(pipeline_body, compute_context, steps, b0, mi, ni):
         return _dw_pipeline(plgpu, cfg, transforms, pipeline_body, compute_context, steps, b0, mi, ni)
@@ -477,7 +523,6 @@ def _tgmm_streamed(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, cfg: TCo
     m, k = x.shape
     n = dy.shape[1]
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    em, en, nbuf = cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
     cta_n = 2 * tn
     g = group_sizes.shape[0]
     ends = jnp.cumsum(group_sizes.astype(jnp.int32)).astype(jnp.int32)
@@ -494,7 +539,7 @@ def _tgmm_streamed(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, cfg: TCo
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
         allocs = get_pipeline(ignore, ignore, cfg.max_concurrent_steps, 0, 0, 0).get_allocations(x_gmem, dy_gmem)
 
-        @functools.partial(pl.run_scoped, pipeline_allocs=allocs, out_smem=plgpu.SMEM((2, nbuf, em, en), dtype),
+        @functools.partial(pl.run_scoped, pipeline_allocs=allocs, out_smem=_dw_out_smem(plgpu, cfg, dtype),
                            collective_axes="wg")
         def scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
@@ -610,9 +655,16 @@ def tuned(configs: dict, spec: str) -> dict:
 # Run 18: the streamed d(w) at seg_rows 16384 took 1.5% (235B-A22B) / 0.9-1.8% (30B-A3B) off the layer in one call
 # (28.675 / 7.894 ms against 29.075-29.117 / 7.968-8.040 as before; seg_rows 8192 -0.4% / ~0), and the proxy step
 # the same (671.0 vs 671.2 ms, bench/step_h200.md run 32): the default since.
+# Run 19: that kernel's epilogue as one 128 x 128 slab per warpgroup (one TMA store a tile instead of four 64 x 64
+# slabs, each waiting on the one before; 3 steps in flight to fit it in shared memory) took 3-7% off the d(w)
+# matmuls at both shapes (235B-A22B gate_up 5.547 vs 5.988 ms, down 2.700 vs 2.890; 30B-A3B 1.355 vs 1.401, 0.693 vs
+# 0.694) and 0.5 ms off the 235B layer (29.120 vs 29.772-29.835 ms; 30B 8.130 vs 8.177-8.300), the step the same
+# (686.9 vs 684.5 ms, within its spread): the default since. Chained tiles (``chain``) and one wgmma in flight
+# (``delay_release``) did not pay: per matmul -5%..+15% (chain at 4 steps in flight: down forward 235B -5%, gate_up
+# +3%), in the layer within its spread; opt-in.
 # $MOEVLM_GMM_MGPU_TUNE overrides any field (:func:`tuned`; `dw.seg_rows=0` for the per-group kernel, which CTA pairs
 # and the swizzled epilogue need).
 CONFIGS: dict[str, Config | TConfig] = tuned(
     {"fwd": Config(max_concurrent_steps=3, epi_buffers=2), "dx": Config(max_concurrent_steps=3, epi_buffers=2),
-     "dw": TConfig(seg_rows=16384)},
+     "dw": TConfig(seg_rows=16384, max_concurrent_steps=3, epi_tile_m=128, epi_tile_n=128, epi_buffers=1)},
     os.environ.get(TUNE_ENV, ""))

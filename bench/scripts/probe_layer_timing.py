@@ -8,7 +8,10 @@ einsum ceiling's pipelined time is below its synchronised one). Times the bench'
   for, "synchronised");
 - ``jit, N in flight``: the same with ``--short`` calls a round (fewer outputs alive at once);
 - ``executable``: the compiled executable called directly, as profile_moe_layer.py times it;
-- the einsum ceiling (as the bench runs it before the layer), then ``jit`` again (does the ceiling's run change it?).
+- the einsum ceiling (as the bench runs it before the layer), then ``jit`` again (does the ceiling's run change it?);
+- ``--long`` calls a round, the same calls while ``jax.profiler`` traces them (run 19: profile_moe_layer.py's traced
+  30B-A3B steps took 7.46 ms against 8.06 timed untraced in the same process), and when each of ``--long`` calls
+  issued back to back returns to the host.
 
 Each line also gives the device's peak bytes in use so far and the allocator's allocation count (``memory_stats``,
 where the backend has them), and ``host`` how long issuing a call takes and what the compiled program holds. Run 18
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 
 import jax
@@ -41,6 +45,7 @@ def main() -> int:
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--short", type=int, default=3)
+    ap.add_argument("--long", type=int, default=30, help="calls a round in the long rounds and the return-time probe")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--zipf", type=float, default=0.2)
     ap.add_argument("--out", default="timing.json")
@@ -60,6 +65,23 @@ def main() -> int:
             print(f"{name} {label:34s} pipelined {piped:8.3f} ms  synchronised {synced:8.3f} ms  {memory()}", flush=True)
 
         row("jit", step, xs, args.iters)
+        row(f"jit, {args.long} a round", step, xs, args.long)
+        with tempfile.TemporaryDirectory() as trace:  # the same calls while jax.profiler traces them
+            jax.profiler.start_trace(trace)
+            row("jit, traced by jax.profiler", step, xs, args.iters)
+            jax.profiler.stop_trace()
+        # when each of --long calls issued back to back returns to the host (ms after the first was issued): a
+        # host that waits for the device inside calls shows returns spaced by the device's time per call
+        t0 = time.perf_counter()
+        returns, last = [], None
+        for _ in range(args.long):
+            last = step(*xs)  # the previous call's outputs dropped, as the bench's rounds do
+            returns.append((time.perf_counter() - t0) * 1e3)
+        jax.block_until_ready(last)
+        done = (time.perf_counter() - t0) * 1e3
+        del last
+        res["returns_ms"] = dict(returns=[round(r, 3) for r in returns], all_done=round(done, 3))
+        print(f"{name} call returns (ms): {[round(r, 2) for r in returns]}; all done at {done:.2f}", flush=True)
         # the host's side: how long issuing --iters calls takes before the wait (near the pipelined time: the host
         # waits inside a call, e.g. on a loop's trip count), and what the compiled program holds
         issue = []

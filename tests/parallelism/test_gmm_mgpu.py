@@ -3,6 +3,8 @@ interpreter against a per-group einsum, and the shape checks. The d(x) form (w r
 not run here: the interpreter has no transposed wgmma operand (jax 0.10.2); on an H200 it was bitwise equal to the
 Triton kernel's (bench/moe_layer.md run 13)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -46,8 +48,12 @@ def test_block_table_group_start_windows_hand_computed():
         gmm_mgpu.block_table(jnp.asarray([3, 60]), 64, 16, 4)
 
 
-@pytest.mark.parametrize("align,epi_buffers", [(128, 1), (8, 1), (8, 2)])
-def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, epi_buffers):
+@pytest.mark.parametrize("align,epi_buffers,extra,sms", [(128, 1, {}, 4), (8, 1, {}, 4), (8, 2, {}, 4),
+                                                         (8, 2, {"chain": 1}, 4), (8, 2, {"chain": 1}, 2),
+                                                         (8, 2, {"delay_release": 1}, 4)])
+def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, epi_buffers, extra, sms):
+    """Also chained pipelines (2 K steps, 2 in flight; 7 used tiles over 4 programs: lone tiles and a chain of 2, over
+    2 programs: chains of 3 and 4) and one wgmma in flight."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     m, k, n = 512, 128, 256
@@ -57,8 +63,9 @@ def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, e
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(jax.random.key(1), (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)
     cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1,
-                          align=align, epi_buffers=epi_buffers)
-    out = gmm_mgpu.gmm(x, w, jnp.asarray(sizes), config=cfg, interpret=InterpretGPUParams(), num_sms=4)
+                          align=align, epi_buffers=epi_buffers, **extra)
+    assert gmm_mgpu.chained(k, cfg) == bool(extra.get("chain"))
+    out = gmm_mgpu.gmm(x, w, jnp.asarray(sizes), config=cfg, interpret=InterpretGPUParams(), num_sms=sms)
     used = int(sizes.sum())
     gid = np.repeat(np.arange(len(sizes)), sizes)
     ref = np.einsum("mk,mkn->mn", np.asarray(x[:used], np.float32), np.asarray(w, np.float32)[gid])
@@ -137,7 +144,9 @@ def test_tune_overrides_one_field_of_one_kind():
     base = dict(gmm_mgpu.CONFIGS)
     out = gmm_mgpu.tuned(base, "fwd.max_concurrent_steps=4, dw.grid_tile_width=2")
     assert out["fwd"] == gmm_mgpu.Config(max_concurrent_steps=4, epi_buffers=2)
-    assert out["dw"] == gmm_mgpu.TConfig(seg_rows=16384, grid_tile_width=2)
+    assert out["dw"] == dataclasses.replace(base["dw"], grid_tile_width=2)
+    assert base["dw"] == gmm_mgpu.TConfig(seg_rows=16384, max_concurrent_steps=3, epi_tile_m=128, epi_tile_n=128,
+                                          epi_buffers=1)
     assert out["dx"] == base["dx"] and base == gmm_mgpu.CONFIGS  # the table itself untouched
     assert gmm_mgpu.tuned(base, "") == base
     for bad in ("fwd.epi_buffers", "up.tile_m=64", "dw.align=8", "fwd=2"):
@@ -189,13 +198,27 @@ def test_tgmm_options_checked():
     x, dy, s = jnp.zeros((256, 128), bf), jnp.zeros((256, 256), bf), jnp.asarray([100, 156])
     assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(cluster_m=2))
     assert not gmm_mgpu.tsupported(256, 128, 256, gmm_mgpu.TConfig(cluster_m=2))  # K: one 128-row block per CTA pair
-    # the streamed kernel has neither CTA pairs nor the swizzled epilogue: refused, not ignored
+    # the streamed kernel has no CTA pairs: refused, not ignored (its epilogue may be swizzled since run 19)
     assert not gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(cluster_m=2, seg_rows=1024))
-    assert not gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_swizzle=True, seg_rows=1024))
+    assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_swizzle=True, seg_rows=1024))
     assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_swizzle=True, cluster_m=2))
+    # one 128 x 128 epilogue slab per warpgroup (the default): one buffer; two would leave half a round
+    assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_tile_m=128, epi_tile_n=128, epi_buffers=1))
+    assert not gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_tile_m=128, epi_tile_n=128, epi_buffers=2))
     with pytest.raises(ValueError, match="K % 256"):
         gmm_mgpu.tgmm(x, dy, s, config=gmm_mgpu.TConfig(cluster_m=2))
-    with pytest.raises(ValueError, match="neither CTA pairs nor the swizzled epilogue"):
-        gmm_mgpu.tgmm(x, jnp.zeros((256, 256), bf), s, config=gmm_mgpu.TConfig(epi_swizzle=True, seg_rows=1024))
-    assert gmm_mgpu.tuned(dict(gmm_mgpu.CONFIGS), "dw.seg_rows=8192,dw.max_concurrent_steps=3")["dw"] == \
-        gmm_mgpu.TConfig(seg_rows=8192, max_concurrent_steps=3)
+    with pytest.raises(ValueError, match="no CTA pairs"):
+        gmm_mgpu.tgmm(x, jnp.zeros((256, 512), bf), jnp.asarray([100, 156]),
+                      config=gmm_mgpu.TConfig(cluster_m=2, seg_rows=1024))
+    assert gmm_mgpu.tuned(dict(gmm_mgpu.CONFIGS), "dw.seg_rows=8192,dw.max_concurrent_steps=4")["dw"] == \
+        dataclasses.replace(gmm_mgpu.CONFIGS["dw"], seg_rows=8192, max_concurrent_steps=4)
+
+
+def test_chained_only_where_the_k_steps_divide_by_the_steps_in_flight():
+    chain3 = gmm_mgpu.Config(max_concurrent_steps=3, chain=1)
+    assert gmm_mgpu.chained(1536, chain3)  # 24 K steps of 64
+    assert not gmm_mgpu.chained(4096, chain3)  # 64 steps: the tiles' pipelines one by one
+    assert gmm_mgpu.chained(4096, gmm_mgpu.Config(max_concurrent_steps=4, chain=1))
+    assert not gmm_mgpu.chained(4096, gmm_mgpu.Config(max_concurrent_steps=4))  # not asked for
+    assert not gmm_mgpu.chained(4096, gmm_mgpu.Config(max_concurrent_steps=4, chain=1, delay_release=1))
+    assert gmm_mgpu.supported(131072, 4096, 3072, chain3)  # the kernel still takes the shape
