@@ -162,6 +162,11 @@ def _ws_kernel(plgpu, kernel, out_type, num_sms: int | None, interpret=None, clu
     )
 
 
+# Both kernels are jitted functions: the call sites of one kernel (the same shapes and config, e.g. every layer of
+# an unrolled decoder) then share one lowered function, where each pallas_call would otherwise lower again and embed
+# its serialized Mosaic module (~200 KB each) in the program (bench/first_step_h200.md: the Mosaic kernels added
+# ~25 s to the proxy step's first compile).
+@functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms"))
 def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False, config: Config | None = None,
         interpret=None, num_sms: int | None = None) -> jax.Array:
     """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` -> ``[M, N]`` (with ``trans_w``: ``w [G, N, K]`` read
@@ -381,6 +386,7 @@ def _store_dw_tile(plgpu, cfg: TConfig, out_smem, o_gmem, wg, acc, gi, mi, ni) -
                 out_smem.at[wg, b], o_gmem.at[gi, pl.ds(mi * tm + i * em, em), pl.ds(col0 + j * en, en)])
 
 
+@functools.partial(jax.jit, static_argnames=("config", "num_sms"))  # one lowering per kernel, as gmm
 def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig | None = None,
          num_sms: int | None = None) -> jax.Array:
     """d(w) of a grouped matmul: ``x [M, K]``, ``dy [M, N]`` rows sorted by group -> ``[G, K, N]``, per group the

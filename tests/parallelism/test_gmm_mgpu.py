@@ -222,3 +222,18 @@ def test_chained_only_where_the_k_steps_divide_by_the_steps_in_flight():
     assert not gmm_mgpu.chained(4096, gmm_mgpu.Config(max_concurrent_steps=4))  # not asked for
     assert not gmm_mgpu.chained(4096, gmm_mgpu.Config(max_concurrent_steps=4, chain=1, delay_release=1))
     assert gmm_mgpu.supported(131072, 4096, 3072, chain3)  # the kernel still takes the shape
+
+
+def test_call_sites_of_one_kernel_share_one_lowered_mosaic_module():
+    """Every layer of an unrolled decoder calls the same kernels: lowered for a GPU (on this CPU), two calls of one
+    kernel hold its serialized Mosaic module once (a jitted kernel function), two different kernels twice."""
+    bf = jnp.bfloat16
+    x, w = jax.ShapeDtypeStruct((1024, 256), bf), jax.ShapeDtypeStruct((4, 256, 512), bf)
+    dy, s = jax.ShapeDtypeStruct((1024, 512), bf), jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def modules(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu_v2")
+
+    assert modules(lambda a, b, c: gmm_mgpu.gmm(a, b, c) + gmm_mgpu.gmm(2 * a, b, c), x, w, s) == 1
+    assert modules(lambda a, b, c: gmm_mgpu.tgmm(a, b, c) + gmm_mgpu.tgmm(a, 2 * b, c), x, dy, s) == 1
+    assert modules(lambda a, b, c, d: gmm_mgpu.gmm(a, b, c).sum() + gmm_mgpu.tgmm(a, d, c).sum(), x, w, s, dy) == 2
