@@ -29,6 +29,9 @@ warpgroup, another 3-7% per d(w) matmul.
 
 Options that did not pay on the H200 (run 19; ``Config``): the tiles' pipelines chained (Pallas'
 ``PipelinePipeline``: the next tile's first blocks load during this tile's epilogue) and one wgmma kept in flight.
+Not yet timed on a GPU (tested in the interpreter): ``Config.wg_m``, the compute warpgroups on the tile's row halves,
+so that a group's last window, half used or less (about a quarter of the ~G/2 partly used windows' work), leaves one
+warpgroup idle instead of computing rows nobody stores.
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ class Config:
     # 1: each compute warpgroup keeps one wgmma in flight (``wgmma_wait(1)``), its shared-memory blocks released a
     # step later (BlockSpec ``delay_release``); not with ``chain`` (Pallas has no delayed release in chained pipelines)
     delay_release: int = 0
+    # 1: the compute warpgroups split the tile's rows, not its columns: each owns ``tile_m / 2`` rows x ``2 * tile_n``
+    # columns (CUTLASS's cooperative split, m64n256 wgmmas at the defaults), and a warpgroup whose rows hold none of
+    # the group's (a group's last window, half used or less) issues no wgmma and stores nothing
+    wg_m: int = 0
 
 
 TUNE_ENV = "MOEVLM_GMM_MGPU_TUNE"
@@ -187,6 +194,10 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
     if nbuf not in (1, 2):
         raise ValueError(f"gmm_mgpu: epi_buffers {nbuf}: 1 or 2")
     cta_n = 2 * tn
+    # a compute warpgroup's block of the tile: its rows (from row wm0 of the window) and columns (from wn0)
+    wm, wn = (tm // 2, cta_n) if cfg.wg_m else (tm, tn)
+    if wm % em or wn % en:
+        raise ValueError(f"gmm_mgpu: a warpgroup's {wm} x {wn} block is not whole {em} x {en} epilogue slabs: {cfg}")
     group, row0, lo_rows, hi_rows = block_table(group_sizes, m, tm, cfg.align)
     n_tiles, n_iters, k_iters = group.shape[0], n // cta_n, k // tk
     chain = chained(k, cfg)
@@ -234,48 +245,67 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
                 @pl.when(r1 > r0)
                 def _():
                     start = pl.multiple_of(row0_gmem[t], cfg.align)
-                    skip, count = r0 - start, r1 - r0
-                    col0 = ni * cta_n + wg * tn
+                    wm0 = wg * wm if cfg.wg_m else 0  # this warpgroup's first row in the window
+                    skip, count = r0 - start - wm0, r1 - r0  # the group's rows from this warpgroup's first
+                    col0 = ni * cta_n + (0 if cfg.wg_m else wg * tn)
+                    mine = (skip + count > 0) & (skip < wm)  # this warpgroup's rows hold some of the group's
 
                     def compute_context(eval_pipeline):
-                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
                         def _(acc_ref):
                             eval_pipeline(acc_ref)
                             if delay:
                                 plgpu.wgmma_wait(0)  # the last step's wgmma
-                            acc = acc_ref[...].astype(dtype)
-                            prev = None  # the previous slab's row count (this tile's)
-                            for mi in range(tm // em):
-                                lo = jnp.clip(skip - mi * em, 0, em)
-                                hi = jnp.clip(skip + count - mi * em, 0, em)
-                                for nj in range(tn // en):
-                                    b = (mi * (tn // en) + nj) % nbuf
-                                    if nbuf == 1 or prev is None:
-                                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                    else:  # a whole previous slab was one store: the one before it is done
-                                        pl.when(prev == em)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
-                                        pl.when(prev != em)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
-                                    out_smem[wg, b] = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en]
-                                    plgpu.commit_smem()
-                                    s, c, size = lo, hi - lo, em
-                                    prev = c
-                                    while size >= 1:
-                                        @pl.when((c & size) != 0)
-                                        def _(s=s, size=size, b=b):
-                                            plgpu.copy_smem_to_gmem(
-                                                out_smem.at[wg, b, pl.ds(s, size)],
-                                                out_gmem.at[pl.ds(start + mi * em + s, size), pl.ds(col0 + nj * en, en)])
+                            if cfg.wg_m:
+                                pl.when(mine)(lambda: store(acc_ref))
+                            else:
+                                store(acc_ref)
 
-                                        s = s + (c & size)
-                                        size //= 2
+                    def store(acc_ref):
+                        acc = acc_ref[...].astype(dtype)
+                        prev = None  # the previous slab's row count (this tile's)
+                        for mi in range(wm // em):
+                            lo = jnp.clip(skip - mi * em, 0, em)
+                            hi = jnp.clip(skip + count - mi * em, 0, em)
+                            for nj in range(wn // en):
+                                b = (mi * (wn // en) + nj) % nbuf
+                                if nbuf == 1 or prev is None:
+                                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                                else:  # a whole previous slab was one store: the one before it is done
+                                    pl.when(prev == em)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
+                                    pl.when(prev != em)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
+                                out_smem[wg, b] = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en]
+                                plgpu.commit_smem()
+                                s, c, size = lo, hi - lo, em
+                                prev = c
+                                while size >= 1:
+                                    @pl.when((c & size) != 0)
+                                    def _(s=s, size=size, b=b):
+                                        plgpu.copy_smem_to_gmem(
+                                            out_smem.at[wg, b, pl.ds(s, size)],
+                                            out_gmem.at[pl.ds(start + wm0 + mi * em + s, size),
+                                                        pl.ds(col0 + nj * en, en)])
+
+                                    s = s + (c & size)
+                                    size //= 2
 
                     def mma_body(_, a_smem, b_smem, acc_ref):
-                        if trans_w:
-                            b = plgpu.transpose_ref(b_smem.at[pl.ds(wg * tn, tn)], (1, 0))
+                        if cfg.wg_m:  # this warpgroup's rows, all the columns
+                            a = a_smem.at[pl.ds(wg * wm, wm)]
+                            b = plgpu.transpose_ref(b_smem, (1, 0)) if trans_w else b_smem
+                        else:  # all the rows, this warpgroup's columns
+                            a = a_smem
+                            b = (plgpu.transpose_ref(b_smem.at[pl.ds(wg * tn, tn)], (1, 0)) if trans_w
+                                 else b_smem.at[:, pl.ds(wg * tn, tn)])
+
+                        def mma():
+                            plgpu.wgmma(acc_ref, a, b)
+                            plgpu.wgmma_wait(delay)
+
+                        if cfg.wg_m:
+                            pl.when(mine)(mma)
                         else:
-                            b = b_smem.at[:, pl.ds(wg * tn, tn)]
-                        plgpu.wgmma(acc_ref, a_smem, b)
-                        plgpu.wgmma_wait(delay)
+                            mma()
                         return acc_ref
 
                     cols = pl.ds(ni * cta_n, cta_n)

@@ -38,28 +38,27 @@ from parallelism import gmm_triton as gt
 # ragged_dot (fwd, dx): (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
 RAGGED = [(128, 192, 64, 4, 4), (128, 128, 64, 5, 8)]  # the fastest two of run 13's first call
 # parallelism.gmm_mgpu (fwd, dx): (tile_m, tile_n per compute warpgroup, tile_k, max_concurrent_steps, grid_tile_width,
-# epi_tile_m, epi_tile_n, align, epi_buffers, chain, delay_release): the defaults first, then the tiles' pipelines
-# chained (4 and 2 steps in flight: the K steps must divide by it), one wgmma kept in flight (3 and 4 steps), and the
-# defaults at 4 steps (run 14's set: one epilogue buffer, aligned 128-row windows, was timed in runs 13-15)
-OURS = [(128, 128, 64, 3, 8, 64, 64, 8, 2, 0, 0), (128, 128, 64, 4, 8, 64, 64, 8, 2, 1, 0),
-        (128, 128, 64, 2, 8, 64, 64, 8, 2, 1, 0), (128, 128, 64, 3, 8, 64, 64, 8, 2, 0, 1),
-        (128, 128, 64, 4, 8, 64, 64, 8, 2, 0, 1), (128, 128, 64, 4, 8, 64, 64, 8, 2, 0, 0)]
+# epi_tile_m, epi_tile_n, align, epi_buffers, chain, delay_release, wg_m): the defaults first, then the warpgroups on
+# row halves (3 and 4 steps in flight) and chained tiles at 4 (moe_layer.md run 19 timed chain at 2 and 4 and one wgmma
+# in flight at 3 and 4: no gain)
+OURS = [(128, 128, 64, 3, 8, 64, 64, 8, 2, 0, 0, 0), (128, 128, 64, 3, 8, 64, 64, 8, 2, 0, 0, 1),
+        (128, 128, 64, 4, 8, 64, 64, 8, 2, 0, 0, 1), (128, 128, 64, 4, 8, 64, 64, 8, 2, 1, 0, 0)]
 # transposed_ragged_dot (dw): block_m x block_n = the output tile, block_k = rows per step (run 13's best first;
 # all four with --jax)
 TRANSPOSED = [(128, 128, 64, 4, 4), (128, 192, 64, 4, 4), (128, 128, 64, 5, 8), (128, 128, 64, 3, 8)]
 # parallelism.gmm_mgpu.tgmm (dw): (tile_m, tile_n per compute warpgroup, tile_k, max_concurrent_steps, grid_tile_width,
-# epi_tile_m, epi_tile_n, epi_buffers, epi_swizzle, cluster_m, seg_rows): the default (streamed, 16,384-row segments)
-# first, then its epilogue swizzled, one 128 x 128 slab per warpgroup (3 steps in flight: shared memory), the same
-# swizzled, and the per-group kernel (runs 14-16 timed its swizzled epilogue and CTA pairs: -5%..+1%)
-OURS_DW = [(128, 128, 64, 4, 4, 64, 64, 2, False, 1, 16384), (128, 128, 64, 4, 4, 64, 64, 2, True, 1, 16384),
-           (128, 128, 64, 3, 4, 128, 128, 1, False, 1, 16384), (128, 128, 64, 3, 4, 128, 128, 1, True, 1, 16384),
-           (128, 128, 64, 4, 4, 64, 64, 2, False, 1, 0)]
+# epi_tile_m, epi_tile_n, epi_buffers, epi_swizzle, cluster_m, seg_rows): the default (streamed, 16,384-row segments, one
+# 128 x 128 epilogue slab per warpgroup, 3 steps in flight: moe_layer.md run 19) first, then run 18's default (64 x 64
+# slabs, 2 buffers, 4 in flight), its epilogue swizzled, and the per-group kernel (runs 14-16 timed its swizzled
+# epilogue and CTA pairs: -5%..+1%)
+OURS_DW = [(128, 128, 64, 3, 4, 128, 128, 1, False, 1, 16384), (128, 128, 64, 4, 4, 64, 64, 2, False, 1, 16384),
+           (128, 128, 64, 4, 4, 64, 64, 2, True, 1, 16384), (128, 128, 64, 4, 4, 64, 64, 2, False, 1, 0)]
 
 def name(kind: str, cfg: tuple) -> str:
     """A short label of one of :data:`OURS` / :data:`OURS_DW` (the fields they vary)."""
     if kind == "dw":
         return f"tgmm mcs{cfg[3]} epi{cfg[5]}x{cfg[6]}/{cfg[7]} swz{int(cfg[8])} cl{cfg[9]} seg{cfg[10]}"
-    return f"mcs{cfg[3]} align{cfg[7]} epi/{cfg[8]} chain{cfg[9]} delay{cfg[10]}"
+    return f"mcs{cfg[3]} align{cfg[7]} epi/{cfg[8]} chain{cfg[9]} delay{cfg[10]} wg_m{cfg[11]}"
 
 
 def main() -> int:

@@ -50,10 +50,13 @@ def test_block_table_group_start_windows_hand_computed():
 
 @pytest.mark.parametrize("align,epi_buffers,extra,sms", [(128, 1, {}, 4), (8, 1, {}, 4), (8, 2, {}, 4),
                                                          (8, 2, {"chain": 1}, 4), (8, 2, {"chain": 1}, 2),
-                                                         (8, 2, {"delay_release": 1}, 4)])
+                                                         (8, 2, {"delay_release": 1}, 4), (8, 2, {"wg_m": 1}, 4),
+                                                         (8, 1, {"wg_m": 1, "chain": 1}, 2)])
 def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, epi_buffers, extra, sms):
     """Also chained pipelines (2 K steps, 2 in flight; 7 used tiles over 4 programs: lone tiles and a chain of 2, over
-    2 programs: chains of 3 and 4) and one wgmma in flight."""
+    2 programs: chains of 3 and 4), one wgmma in flight, and the warpgroups on row halves (``wg_m``): g0's second
+    window (2 rows) and g3's (10) leave the second half idle, g4's last window, moved back to end at row 512 (rows
+    464-479 from 384), the first."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     m, k, n = 512, 128, 256
