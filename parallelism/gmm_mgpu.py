@@ -173,12 +173,12 @@ def _ws_kernel(plgpu, kernel, out_type, num_sms: int | None, interpret=None, clu
 # an unrolled decoder) then share one lowered function, where each pallas_call would otherwise lower again and embed
 # its serialized Mosaic module (~200 KB each) in the program (bench/first_step_h200.md: the Mosaic kernels added
 # ~25 s to the proxy step's first compile).
-@functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms"))
+@functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms", "swiglu"))
 def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False, config: Config | None = None,
-        interpret=None, num_sms: int | None = None) -> jax.Array:
+        interpret=None, num_sms: int | None = None, swiglu: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` -> ``[M, N]`` (with ``trans_w``: ``w [G, N, K]`` read
     transposed, i.e. ``x @ w[g]^T``). Rows past ``sum(group_sizes)`` are left unwritten. ``interpret``: a
-    ``InterpretGPUParams`` to run the kernel in Pallas' GPU interpreter (tests on CPU)."""
+    ``InterpretGPUParams`` to run the kernel in Pallas' GPU interpreter (tests on CPU). ``swiglu``: :func:`gmm_swiglu`."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     cfg = config or CONFIGS["dx" if trans_w else "fwd"]
@@ -186,20 +186,23 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
     n = w.shape[1] if trans_w else w.shape[2]
     if (w.shape[2] if trans_w else w.shape[1]) != k:
         raise ValueError(f"gmm_mgpu: x {x.shape} and w {w.shape} (trans_w={trans_w}) do not contract")
-    if not supported(m, k, n, cfg):
+    if not supported(m, k, n, cfg) or (swiglu and (trans_w or n % (2 * cfg.tile_n))):
         raise ValueError(f"gmm_mgpu: x [{m}, {k}] -> [{m}, {n}] needs K % {cfg.tile_k} == 0, N % {2 * cfg.tile_n} == 0 "
-                         f"and M % {cfg.tile_m} == 0")
+                         f"and M % {cfg.tile_m} == 0" + (f" (swiglu: N / 2 % {cfg.tile_n} == 0, no trans_w)" if swiglu else ""))
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     em, en, nbuf = cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
     if nbuf not in (1, 2):
         raise ValueError(f"gmm_mgpu: epi_buffers {nbuf}: 1 or 2")
     cta_n = 2 * tn
-    # a compute warpgroup's block of the tile: its rows (from row wm0 of the window) and columns (from wn0)
-    wm, wn = (tm // 2, cta_n) if cfg.wg_m else (tm, tn)
+    inter = n // 2  # swiglu: the gate half's columns, then the up half's
+    split_m = bool(cfg.wg_m or swiglu)
+    # a compute warpgroup's block of the tile: its rows (from row wm0 of the window) and its columns; with swiglu the
+    # CTA's columns are tile_n gate columns and the tile_n up columns that go with them, each warpgroup on its rows
+    wm, wn = (tm // 2, tn if swiglu else cta_n) if split_m else (tm, tn)
     if wm % em or wn % en:
         raise ValueError(f"gmm_mgpu: a warpgroup's {wm} x {wn} block is not whole {em} x {en} epilogue slabs: {cfg}")
     group, row0, lo_rows, hi_rows = block_table(group_sizes, m, tm, cfg.align)
-    n_tiles, n_iters, k_iters = group.shape[0], n // cta_n, k // tk
+    n_tiles, n_iters, k_iters = group.shape[0], (inter // tn if swiglu else n // cta_n), k // tk
     chain = chained(k, cfg)
     n_used = jnp.sum(hi_rows > lo_rows, dtype=jnp.int32).reshape(1)  # used tiles come first (block_table)
     dtype = x.dtype
@@ -214,8 +217,11 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
             in_specs=[
                 plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM,
                                 delay_release=delay),
-                plgpu.BlockSpec((cta_n, tk) if trans_w else (tk, cta_n), (lambda kk: (0, kk)) if trans_w else (lambda kk: (kk, 0)),
-                                transforms=transforms, memory_space=plgpu.SMEM, delay_release=delay),
+                *([plgpu.BlockSpec((tk, tn), lambda kk: (kk, 0), transforms=transforms, memory_space=plgpu.SMEM,
+                                   delay_release=delay)] * 2 if swiglu else
+                  [plgpu.BlockSpec((cta_n, tk) if trans_w else (tk, cta_n),
+                                   (lambda kk: (0, kk)) if trans_w else (lambda kk: (kk, 0)),
+                                   transforms=transforms, memory_space=plgpu.SMEM, delay_release=delay)]),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -224,12 +230,16 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
             pipeline_state=state,
         )
 
-    def kernel(used_gmem, group_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, out_gmem):
+    def kernel(used_gmem, group_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, out_gmem, act_gmem=None):
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
-        b_block = b_gmem.at[0, pl.ds(0, cta_n), :] if trans_w else b_gmem.at[0, :, pl.ds(0, cta_n)]
+        if swiglu:
+            b_blocks = (b_gmem.at[0, :, pl.ds(0, tn)],) * 2
+        else:
+            b_blocks = (b_gmem.at[0, pl.ds(0, cta_n), :] if trans_w else b_gmem.at[0, :, pl.ds(0, cta_n)],)
 
         @functools.partial(pl.run_scoped,
-                           pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem.at[pl.ds(0, tm), :], b_block),
+                           pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem.at[pl.ds(0, tm), :],
+                                                                                          *b_blocks),
                            out_smem=plgpu.SMEM((2, nbuf, em, en), dtype), collective_axes="wg")
         def scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
@@ -245,25 +255,45 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
                 @pl.when(r1 > r0)
                 def _():
                     start = pl.multiple_of(row0_gmem[t], cfg.align)
-                    wm0 = wg * wm if cfg.wg_m else 0  # this warpgroup's first row in the window
+                    wm0 = wg * wm if split_m else 0  # this warpgroup's first row in the window
                     skip, count = r0 - start - wm0, r1 - r0  # the group's rows from this warpgroup's first
-                    col0 = ni * cta_n + (0 if cfg.wg_m else wg * tn)
+                    col0 = ni * tn if swiglu else ni * cta_n + (0 if split_m else wg * tn)
                     mine = (skip + count > 0) & (skip < wm)  # this warpgroup's rows hold some of the group's
 
                     def compute_context(eval_pipeline):
+                        if swiglu:
+                            @functools.partial(pl.run_scoped, acc_g=plgpu.ACC((wm, wn), jnp.float32),
+                                               acc_u=plgpu.ACC((wm, wn), jnp.float32))
+                            def _(acc_g, acc_u):
+                                eval_pipeline((acc_g, acc_u))
+                                if delay:
+                                    plgpu.wgmma_wait(0)
+                                pl.when(mine)(lambda: store_swiglu(acc_g, acc_u))
+                            return
+
                         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
                         def _(acc_ref):
                             eval_pipeline(acc_ref)
                             if delay:
                                 plgpu.wgmma_wait(0)  # the last step's wgmma
-                            if cfg.wg_m:
-                                pl.when(mine)(lambda: store(acc_ref))
+                            if split_m:
+                                pl.when(mine)(lambda: store(acc_ref[...].astype(dtype), out_gmem, col0))
                             else:
-                                store(acc_ref)
+                                store(acc_ref[...].astype(dtype), out_gmem, col0)
 
-                    def store(acc_ref):
-                        acc = acc_ref[...].astype(dtype)
-                        prev = None  # the previous slab's row count (this tile's)
+                    def store_swiglu(acc_g, acc_u):
+                        # h rounded to the output dtype first, SwiGLU in float32 from those values (as
+                        # parallelism.permute.swiglu computes it from h)
+                        gate, up = acc_g[...].astype(dtype), acc_u[...].astype(dtype)
+                        g32 = gate.astype(jnp.float32)
+                        act = (g32 / (1.0 + jnp.exp(-g32)) * up.astype(jnp.float32)).astype(dtype)
+                        prev = store(gate, out_gmem, col0)
+                        prev = store(up, out_gmem, inter + col0, prev)
+                        store(act, act_gmem, col0, prev)
+
+                    def store(acc, o_gmem, c0, prev=None):
+                        """``acc`` (this warpgroup's block) into ``o_gmem`` from column ``c0``, only the group's rows;
+                        ``prev``: the row count of the last slab stored before (this tile's), returned for the next."""
                         for mi in range(wm // em):
                             lo = jnp.clip(skip - mi * em, 0, em)
                             hi = jnp.clip(skip + count - mi * em, 0, em)
@@ -283,14 +313,26 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
                                     def _(s=s, size=size, b=b):
                                         plgpu.copy_smem_to_gmem(
                                             out_smem.at[wg, b, pl.ds(s, size)],
-                                            out_gmem.at[pl.ds(start + wm0 + mi * em + s, size),
-                                                        pl.ds(col0 + nj * en, en)])
+                                            o_gmem.at[pl.ds(start + wm0 + mi * em + s, size),
+                                                      pl.ds(c0 + nj * en, en)])
 
                                     s = s + (c & size)
                                     size //= 2
+                        return prev
+
+                    def mma_swiglu(_, a_smem, bg_smem, bu_smem, accs):
+                        a = a_smem.at[pl.ds(wg * wm, wm)]
+
+                        def mma():
+                            plgpu.wgmma(accs[0], a, bg_smem)
+                            plgpu.wgmma(accs[1], a, bu_smem)
+                            plgpu.wgmma_wait(delay)
+
+                        pl.when(mine)(mma)
+                        return accs
 
                     def mma_body(_, a_smem, b_smem, acc_ref):
-                        if cfg.wg_m:  # this warpgroup's rows, all the columns
+                        if split_m:  # this warpgroup's rows, all the columns
                             a = a_smem.at[pl.ds(wg * wm, wm)]
                             b = plgpu.transpose_ref(b_smem, (1, 0)) if trans_w else b_smem
                         else:  # all the rows, this warpgroup's columns
@@ -302,15 +344,20 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
                             plgpu.wgmma(acc_ref, a, b)
                             plgpu.wgmma_wait(delay)
 
-                        if cfg.wg_m:
+                        if split_m:
                             pl.when(mine)(mma)
                         else:
                             mma()
                         return acc_ref
 
                     cols = pl.ds(ni * cta_n, cta_n)
-                    operands = (a_gmem.at[pl.ds(start, tm), :],
-                                b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols])
+                    if swiglu:
+                        operands = (a_gmem.at[pl.ds(start, tm), :], b_gmem.at[g, :, pl.ds(col0, tn)],
+                                    b_gmem.at[g, :, pl.ds(inter + col0, tn)])
+                        mma_body = mma_swiglu  # noqa: F811 - the body of this kernel's pipeline
+                    else:
+                        operands = (a_gmem.at[pl.ds(start, tm), :],
+                                    b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols])
                     if not chain:
                         get_pipeline(mma_body, compute_context)(*operands, allocations=pipeline_allocs)
                         return
@@ -327,8 +374,23 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    call = _ws_kernel(plgpu, kernel, jax.ShapeDtypeStruct((m, n), dtype), num_sms, interpret)
+    out_type = jax.ShapeDtypeStruct((m, n), dtype)
+    if swiglu:
+        out_type = (out_type, jax.ShapeDtypeStruct((m, inter), dtype))
+    call = _ws_kernel(plgpu, kernel, out_type, num_sms, interpret)
     return call(n_used, group, row0, lo_rows, hi_rows, x, w)
+
+
+def gmm_swiglu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: Config | None = None, interpret=None,
+               num_sms: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """The experts' first matmul with SwiGLU in its epilogue: ``x [M, K]``, ``w [G, K, 2I]`` (gate columns first) ->
+    ``h = x @ w[g]`` ``[M, 2I]`` and ``act = silu(gate) * up`` ``[M, I]`` (float32 from h's rounded values), rows past
+    ``sum(group_sizes)`` unwritten in both. Each CTA owns ``tile_n`` gate columns and the matching up columns (two
+    weight blocks a step, two accumulators a warpgroup), its compute warpgroups on the tile's row halves (as
+    ``Config.wg_m``), so that a warpgroup holds both halves of its rows' SwiGLU. Saves the elementwise pass that reads
+    h and writes act (bench/moe_layer.md: 0.15 / 0.36 ms a layer at the 30B-A3B / 235B-A22B shapes); not yet timed on
+    a GPU (tested in the interpreter)."""
+    return gmm(x, w, group_sizes, config=config, interpret=interpret, num_sms=num_sms, swiglu=True)
 
 
 @dataclasses.dataclass(frozen=True)

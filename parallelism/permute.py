@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from parallelism import fp8, gmm_triton, permute_triton
-from parallelism.grouped_matmul import capacity_matmul, grouped_matmul, mgpu_takes, plain_gmm, plain_tgmm, zero_tail
+from parallelism import gmm_mgpu
+from parallelism.grouped_matmul import (capacity_matmul, grouped_matmul, mgpu_swiglu_takes, mgpu_takes, plain_gmm,
+                                        plain_tgmm, zero_tail)
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE
 # "gather" the rows the gate_up kernel writes for d(w), with "gather_dw" the int32 row index: no rows are built)
@@ -260,6 +262,13 @@ def expert_ffn(
     q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
     if _fused(backend, q, "swiglu"):
         return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down, zero_tail_rows)
+    if (backend == "triton" and q is None and not zero_tail_rows and "mgpu_swiglu" in FUSE
+            and mgpu_swiglu_takes(rows.shape[0], rows.shape[1], w_gate_up.shape[2], rows.dtype)):
+        with jax.named_scope(FFN_SCOPE):
+            _, act = _mgpu_gate_up_swiglu(rows, w_gate_up.astype(rows.dtype), group_sizes.astype(jnp.int32))
+            act = checkpoint_name(act, MOE_ACT)  # (h, named inside the forward rule, only the backward reads)
+            y = grouped_matmul(act, w_down, group_sizes, backend=backend, zero_tail_rows=False)
+        return checkpoint_name(y, MOE_EXPERT_OUT)
     # FP8 scales each operand by its amax over every row: unwritten rows (any values, NaN included) would set it
     gmm = functools.partial(grouped_matmul, backend=backend, zero_tail_rows=zero_tail_rows or q is not None)
     with jax.named_scope(FFN_SCOPE):
@@ -303,6 +312,29 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
     return (combine_rows_kernel if kernels and "combine_bwd" in KERNELS else combine_rows)(y, w, slot, src)
 
 
+@jax.custom_vjp
+def _mgpu_gate_up_swiglu(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(h, act)``: the gate_up forward on the Mosaic-GPU kernel with SwiGLU in its epilogue (``gmm_mgpu.gmm_swiglu``,
+    FUSE "mgpu_swiglu"); rows past ``sum(group_sizes)`` unwritten in both. The backward: d(h) = h's cotangent plus
+    SwiGLU's backward of act's, then d(x) and d(w) as :func:`grouped_matmul`'s."""
+    return gmm_mgpu.gmm_swiglu(x, w, group_sizes)
+
+
+def _mgpu_gate_up_swiglu_fwd(x, w, group_sizes):
+    h, act = gmm_mgpu.gmm_swiglu(x, w, group_sizes)
+    return (h, act), (checkpoint_name(x, MOE_PERMUTED), w, group_sizes, checkpoint_name(h, MOE_GATE_UP))
+
+
+def _mgpu_gate_up_swiglu_bwd(res, g):
+    x, w, group_sizes, h = res
+    dh = g[0].astype(h.dtype) + jax.vjp(swiglu, h)[1](g[1].astype(h.dtype))[0]
+    dx = plain_gmm(dh, w, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten (never read)
+    return dx, plain_tgmm(x, dh, group_sizes, out_dtype=w.dtype), None
+
+
+_mgpu_gate_up_swiglu.defvjp(_mgpu_gate_up_swiglu_fwd, _mgpu_gate_up_swiglu_bwd)
+
+
 # ----------------------------------------------------------------------------- fused Triton experts
 
 # Which fusions the Triton experts use (outside FP8), from $MOEVLM_MOE_FUSE at import (a comma list, "" for
@@ -327,7 +359,10 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
 #   kernel; it writes d(h)). Every Triton expert_ffn. Run 10: that kernel +1.7 ms at 235B-A22B against the 0.5 ms
 #   elementwise backward it replaces.
 FUSE_ENV = "MOEVLM_MOE_FUSE"
-FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd")
+# - "mgpu_swiglu": where the gate_up forward runs on the Mosaic-GPU kernel (Hopper, grouped_matmul.mgpu_takes),
+#   SwiGLU in that kernel's epilogue (gmm_mgpu.gmm_swiglu: h and act written together; the elementwise pass that
+#   reads h and writes act goes); the backward as without it. Not yet timed on a GPU (tested in the interpreter).
+FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu")
 FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
 FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather").split(",") if f)
 if FUSE - set(FUSIONS):

@@ -77,6 +77,36 @@ def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, e
     np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("sms", [4, 3])
+def test_swiglu_kernel_in_the_gpu_interpreter_matches_per_group_einsum_and_swiglu(sms):
+    """gmm_swiglu: h = x @ w[g] as gmm gives it, act = SwiGLU of h's rounded values (permute.swiglu); two gate / up
+    column blocks; rows of the same five groups as the forward kernel's test (idle row halves included)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    from parallelism.permute import swiglu
+
+    m, k, n = 512, 128, 512
+    sizes = np.array([130, 0, 200, 10, 140], np.int32)
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(1), (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)
+    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
+    h, act = gmm_mgpu.gmm_swiglu(x, w, jnp.asarray(sizes), config=cfg, interpret=InterpretGPUParams(), num_sms=sms)
+    assert h.shape == (m, n) and act.shape == (m, n // 2)
+    used = int(sizes.sum())
+    plain = gmm_mgpu.gmm(x, w, jnp.asarray(sizes), config=cfg, interpret=InterpretGPUParams(), num_sms=sms)
+    np.testing.assert_array_equal(np.asarray(h[:used]), np.asarray(plain[:used]))  # the same accumulation, bits
+    gid = np.repeat(np.arange(len(sizes)), sizes)
+    ref = np.einsum("mk,mkn->mn", np.asarray(x[:used], np.float32), np.asarray(w, np.float32)[gid])
+    np.testing.assert_allclose(np.asarray(h[:used], np.float32), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
+    want = np.asarray(swiglu(h[:used]), np.float32)
+    got = np.asarray(act[:used], np.float32)
+    # SwiGLU of the same bf16 values: equal but for the float32 sigmoid's last bits before rounding to bf16
+    np.testing.assert_allclose(got, want, rtol=8e-3, atol=1e-6)
+    assert np.mean(got == want) > 0.99
+    with pytest.raises(ValueError, match="swiglu"):
+        gmm_mgpu.gmm_swiglu(x, w[:, :, :384], jnp.asarray(sizes), config=cfg)  # I = 192: not whole 128-column blocks
+
+
 def test_shape_checks_name_the_problem():
     x = jnp.zeros((256, 100), jnp.bfloat16)
     w = jnp.zeros((2, 100, 256), jnp.bfloat16)
@@ -240,3 +270,74 @@ def test_call_sites_of_one_kernel_share_one_lowered_mosaic_module():
     assert modules(lambda a, b, c: gmm_mgpu.gmm(a, b, c) + gmm_mgpu.gmm(2 * a, b, c), x, w, s) == 1
     assert modules(lambda a, b, c: gmm_mgpu.tgmm(a, b, c) + gmm_mgpu.tgmm(a, 2 * b, c), x, dy, s) == 1
     assert modules(lambda a, b, c, d: gmm_mgpu.gmm(a, b, c).sum() + gmm_mgpu.tgmm(a, d, c).sum(), x, w, s, dy) == 2
+
+
+def test_swiglu_fused_gate_up_gradients_match_the_unfused_layer(monkeypatch):
+    """permute._mgpu_gate_up_swiglu (FUSE "mgpu_swiglu"): its outputs and its custom VJP (d(h) = h's cotangent +
+    SwiGLU's backward of act's, then d(x), d(w)) against the per-group einsum and SwiGLU differentiated by JAX, in
+    float32 on the same bf16 values; the kernel in Pallas' GPU interpreter, the backward's matmuls on the Triton
+    kernels (interpreted on CPU)."""
+    import functools
+
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    from parallelism import permute
+
+    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
+    monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", functools.partial(gmm_mgpu.gmm_swiglu, config=cfg,
+                                                                  interpret=InterpretGPUParams(), num_sms=4))
+    m, k, n = 512, 128, 512
+    sizes = np.array([130, 0, 200, 10, 172], np.int32)  # every row used: the reference has no tail rows to ignore
+    ks = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)
+    ph, pa = jax.random.normal(ks[2], (m, n), jnp.float32), jax.random.normal(ks[3], (m, n // 2), jnp.float32)
+    gid = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes))
+
+    def fused(x, w):
+        h, act = permute._mgpu_gate_up_swiglu(x, w, jnp.asarray(sizes))
+        return jnp.sum(h.astype(jnp.float32) * ph) + jnp.sum(act.astype(jnp.float32) * pa)
+
+    def reference(x, w):
+        h = jnp.einsum("mk,mkn->mn", x, w[gid], precision="highest")
+        gate, up = jnp.split(h, 2, axis=-1)
+        return jnp.sum(h * ph) + jnp.sum(jax.nn.silu(gate) * up * pa)
+
+    got = jax.grad(fused, argnums=(0, 1))(x, w)
+    want = jax.grad(reference, argnums=(0, 1))(x.astype(jnp.float32), w.astype(jnp.float32))
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2  # bf16 h, act and gradients against float32
+
+
+def test_expert_ffn_takes_the_swiglu_kernel_only_with_the_fusion_asked_for_and_a_shape_it_takes(monkeypatch):
+    """permute.expert_ffn: FUSE "mgpu_swiglu" + a gate_up forward the Mosaic kernel takes (both halves whole 128-column
+    blocks) + tail rows left unwritten -> the fused kernel's act goes to the down projection (the same output as
+    the unfused experts, the kernel stood in for by its reference); otherwise the unfused path."""
+    from parallelism import grouped_matmul as gmmod
+    from parallelism import permute
+
+    calls = []
+
+    def stand_in(x, w, s):  # gmm_swiglu's contract, from the plain grouped matmul
+        calls.append(x.shape)
+        h = gmmod.grouped_matmul(x, w, s, backend="triton", zero_tail_rows=False)
+        return h, permute.swiglu(h)
+
+    monkeypatch.setattr(permute, "_mgpu_gate_up_swiglu", stand_in)
+    monkeypatch.setattr(permute, "mgpu_swiglu_takes", lambda m, k, n, dtype: n // 2 % 128 == 0)
+    m, hdim, inter = 256, 64, 128
+    s = jnp.asarray([100, 0, 156])
+    ks = jax.random.split(jax.random.key(5), 3)
+    rows = jax.random.normal(ks[0], (m, hdim), jnp.float32).astype(jnp.bfloat16)
+    wgu = (jax.random.normal(ks[1], (3, hdim, 2 * inter), jnp.float32) / 8).astype(jnp.bfloat16)
+    wd = (jax.random.normal(ks[2], (3, inter, hdim), jnp.float32) / 8).astype(jnp.bfloat16)
+    monkeypatch.setattr(permute, "FUSE", frozenset())
+    plain = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
+    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_swiglu"}))
+    fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
+    assert calls == [(m, hdim)]
+    np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
+    permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=True)  # tail rows zeroed: the unfused path
+    permute.expert_ffn(rows, s, wgu[:, :, :192], wd[:, :96], "triton", zero_tail_rows=False)  # I = 96: not taken
+    assert calls == [(m, hdim)]
