@@ -276,10 +276,13 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
                             eval_pipeline(acc_ref)
                             if delay:
                                 plgpu.wgmma_wait(0)  # the last step's wgmma
-                            if split_m:
-                                pl.when(mine)(lambda: store(acc_ref[...].astype(dtype), out_gmem, col0))
-                            else:
+                            def store_acc() -> None:
                                 store(acc_ref[...].astype(dtype), out_gmem, col0)
+
+                            if split_m:
+                                pl.when(mine)(store_acc)
+                            else:
+                                store_acc()
 
                     def store_swiglu(acc_g, acc_u):
                         # h rounded to the output dtype first, SwiGLU in float32 from those values (as
@@ -352,14 +355,15 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
 
                     cols = pl.ds(ni * cta_n, cta_n)
                     if swiglu:
+                        body = mma_swiglu
                         operands = (a_gmem.at[pl.ds(start, tm), :], b_gmem.at[g, :, pl.ds(col0, tn)],
                                     b_gmem.at[g, :, pl.ds(inter + col0, tn)])
-                        mma_body = mma_swiglu  # noqa: F811 - the body of this kernel's pipeline
                     else:
+                        body = mma_body
                         operands = (a_gmem.at[pl.ds(start, tm), :],
                                     b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols])
                     if not chain:
-                        get_pipeline(mma_body, compute_context)(*operands, allocations=pipeline_allocs)
+                        get_pipeline(body, compute_context)(*operands, allocations=pipeline_allocs)
                         return
                     # this SM's first tile starts the chain (loads its first blocks), its last one ends it (waits
                     # for the compute warpgroups' last releases); a lone tile is an unchained pipeline
@@ -367,9 +371,9 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
                     state = jnp.where(j == 0, int(plgpu.PipelinePipeline.START),
                                       jnp.where(j == n_local - 1, int(plgpu.PipelinePipeline.STOP),
                                                 int(plgpu.PipelinePipeline.STEADY)))
-                    pl.when(n_local == 1)(lambda: get_pipeline(mma_body, compute_context)(
+                    pl.when(n_local == 1)(lambda: get_pipeline(body, compute_context)(
                         *operands, allocations=pipeline_allocs))
-                    pl.when(n_local > 1)(lambda: get_pipeline(mma_body, compute_context, state)(
+                    pl.when(n_local > 1)(lambda: get_pipeline(body, compute_context, state)(
                         *operands, allocations=pipeline_allocs))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
