@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from parallelism import fp8, gmm_triton, permute_triton
-from parallelism import gmm_mgpu
+from parallelism import fp8, gmm_mgpu, gmm_triton, permute_triton
 from parallelism.grouped_matmul import (capacity_matmul, grouped_matmul, mgpu_swiglu_takes, mgpu_takes, plain_gmm,
                                         plain_tgmm, zero_tail)
 
