@@ -36,15 +36,19 @@ warpgroup idle instead of computing rows nobody stores.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,16 +173,100 @@ def _ws_kernel(plgpu, kernel, out_type, num_sms: int | None, interpret=None, clu
     )
 
 
-# Both kernels are jitted functions: the call sites of one kernel (the same shapes and config, e.g. every layer of
-# an unrolled decoder) then share one lowered function, where each pallas_call would otherwise lower again and embed
-# its serialized Mosaic module (~200 KB each) in the program (bench/first_step_h200.md: the Mosaic kernels added
-# ~25 s to the proxy step's first compile).
-@functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms", "swiglu"))
+class Recording:
+    """The kernels called while tracing inside :func:`recording`: one entry per distinct kernel (the jitted function,
+    its arguments' shapes and dtypes, its static arguments), in call order."""
+
+    def __init__(self) -> None:
+        self.kernels: dict[tuple, tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self.kernels)
+
+    def compile_ahead(self, workers: int | None = None) -> list:
+        """Compile each recorded kernel alone, in a pool of threads (futures of the compiled programs). A Mosaic-GPU
+        kernel's module is compiled once per process, keyed by the hash of its serialized module (jaxlib's
+        ``mosaic/gpu/custom_call.cc``: ``GetOrCreateKernel``), and XLA compiles the kernels of a program one after
+        another when it emits their calls, after its own passes: compiled here, alongside a program's compile (whose
+        XLA passes run for tens of seconds first), they are ready when it reaches them. The kernel lowered alone is
+        the same module as inside the program (its hash: test_gmm_mgpu.py)."""
+        if not self.kernels:
+            return []
+        import concurrent.futures
+
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers or min(len(self.kernels), 8),
+                                                     thread_name_prefix="mosaic-ahead")
+        futures = [pool.submit(lambda fn=fn, args=args, kw=kw: fn.trace(*args, **dict(kw)).lower().compile())
+                   for fn, args, kw in self.kernels.values()]
+        pool.shutdown(wait=False)
+        for f in futures:  # a kernel that fails here is compiled by XLA in the step's compile, as without this
+            f.add_done_callback(lambda f: f.exception() and log.warning(
+                "a Mosaic-GPU kernel compiled ahead failed (%s); the step's compile compiles it", f.exception()))
+        return futures
+
+
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the Mosaic-GPU kernels that :func:`gmm` / :func:`tgmm` calls in this thread trace (e.g. while a train step
+    is lowered), for :meth:`Recording.compile_ahead`."""
+    rec, prev = Recording(), getattr(_recording, "current", None)
+    _recording.current = rec
+    try:
+        yield rec
+    finally:
+        _recording.current = prev
+
+
+def _record(fn, args: tuple, kw: dict) -> None:
+    rec = getattr(_recording, "current", None)
+    if rec is None or kw.get("interpret") is not None:
+        return
+    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
+    key = (fn.__name__, tuple((a.shape, str(a.dtype)) for a in avals), tuple(sorted(kw.items())))
+    rec.kernels.setdefault(key, (fn, avals, tuple(sorted(kw.items()))))
+
+
 def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False, config: Config | None = None,
         interpret=None, num_sms: int | None = None, swiglu: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` -> ``[M, N]`` (with ``trans_w``: ``w [G, N, K]`` read
     transposed, i.e. ``x @ w[g]^T``). Rows past ``sum(group_sizes)`` are left unwritten. ``interpret``: a
     ``InterpretGPUParams`` to run the kernel in Pallas' GPU interpreter (tests on CPU). ``swiglu``: :func:`gmm_swiglu`."""
+    kw = dict(trans_w=trans_w, config=config, interpret=interpret, num_sms=num_sms, swiglu=swiglu)
+    _record(_gmm, (x, w, group_sizes), kw)
+    return _gmm(x, w, group_sizes, **kw)
+
+
+# Both kernels are jitted functions (_gmm, _tgmm; gmm and tgmm record them for :func:`recording`, then call them):
+# the call sites of one kernel (the same shapes and config, e.g. every layer of an unrolled decoder) then share one
+# lowered function, where each pallas_call would otherwise lower again and embed its serialized Mosaic module
+# (~200 KB each) in the program (bench/first_step_h200.md: the Mosaic kernels added ~25 s to the proxy step's first
+# compile).
+def _traced_alone(fn):
+    """``fn`` (a kernel's jitted body) traced as if called at the top level: a kernel traced inside a transformation
+    rule (e.g. a custom VJP's backward, which JAX traces under the forward call's traceback and name stack) otherwise
+    carries the caller's source locations in its Mosaic module, so the same kernel is another module (another hash,
+    another compile) there than alone (:meth:`Recording.compile_ahead`; test_gmm_mgpu.py checks the hashes)."""
+    from jax._src import source_info_util  # (no public API: user_context(None) keeps the caller's traceback)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kw):
+        ctx = source_info_util._source_info_context
+        prev, ctx.context = ctx.context, source_info_util.new_source_info()
+        try:
+            return fn(*args, **kw)
+        finally:
+            ctx.context = prev
+
+    return wrapped
+
+
+@functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms", "swiglu"))
+@_traced_alone
+def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool, config: Config | None,
+         interpret, num_sms: int | None, swiglu: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     cfg = config or CONFIGS["dx" if trans_w else "fwd"]
@@ -482,7 +570,6 @@ def _store_dw_tile(plgpu, cfg: TConfig, out_smem, o_gmem, wg, acc, gi, mi, ni) -
                 out_smem.at[wg, b], o_gmem.at[gi, pl.ds(mi * tm + i * em, em), pl.ds(col0 + j * en, en)])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_sms"))  # one lowering per kernel, as gmm
 def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig | None = None,
          num_sms: int | None = None) -> jax.Array:
     """d(w) of a grouped matmul: ``x [M, K]``, ``dy [M, N]`` rows sorted by group -> ``[G, K, N]``, per group the
@@ -497,6 +584,14 @@ def tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig
     idempotent: an element is either kept or zero, whichever warpgroup writes it, and in whichever order), so each
     warpgroup's own pass is complete before its MMA reads the block, and the other's concurrent writes change no bit.
     Selecting, not multiplying by a mask (JAX's ``transposed_ragged_dot_mgpu``): 0 x NaN would reach the gradient."""
+    _record(_tgmm, (x, dy, group_sizes), dict(config=config, num_sms=num_sms))
+    return _tgmm(x, dy, group_sizes, config=config, num_sms=num_sms)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_sms"))  # one lowering per kernel, as _gmm
+@_traced_alone
+def _tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfig | None,
+          num_sms: int | None) -> jax.Array:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     cfg = config or CONFIGS["dw"]

@@ -11,6 +11,7 @@
 #   as_written   the recipe as written
 #   ahead        + train.compile_ahead=true (unrolled)
 #   largest      + train.reserve_bucket=null (every batch padded to the data's largest bucket)
+#   no_kernels_ahead  + train.kernels_ahead=false (the Mosaic-GPU kernels compiled inside XLA's compile only)
 # The summary's "first step done N s after the process started" and its steady useful tokens/s per run.
 # Results under $OUT: log.txt, {name}.log, {name}_metrics.jsonl.
 #   run(command="bash bench/scripts/h200_first_step.sh", carry=[".gpudeps"], timeout_s=600)
@@ -37,6 +38,7 @@ for name in ${RUNS:-ahead_vscan vscan as_written ahead}; do
     as_written) run as_written ;;
     ahead) run ahead train.compile_ahead=true ;;
     largest) run largest train.reserve_bucket=null ;;
+    no_kernels_ahead) run no_kernels_ahead train.kernels_ahead=false ;;
     *) echo "unknown run '$name'" | tee -a "$OUT/log.txt" ;;
   esac
 done

@@ -4,7 +4,7 @@
 # (bench/scripts/probe_step_parts.py --parts vision, 6 proxy blocks at MBS 10, forward + backward, command buffers
 # off) once per XLA flag set of FLAGSETS (';'-separated; "-" = XLA's defaults), each a fresh process, with its
 # kernel profile; PROBE=compile instead times the training step's trace / lower / XLA compile and the state
-# initialiser's compile per flag set (bench/scripts/probe_compile.py). FIRST_ENV="VAR=value ..." is the first-step
+# initialiser's compile per flag set (bench/scripts/probe_compile.py, with $PROBE_ARGS, e.g. --no-kernels-ahead). FIRST_ENV="VAR=value ..." is the first-step
 # run's environment (e.g. XLA_FLAGS=...). The recipe's own flags (its capture's, compute.xla_flags: since run 24
 # --xla_gpu_enable_triton_gemm=false) replace the same flags of the environment in the first-step run and PROBE=compile. Results under $OUT: log.txt, first_step.log, first_step_metrics.jsonl,
 # vision_<i>.json or compile_<i>.json.
@@ -30,7 +30,7 @@ for f in "${FS[@]}"; do
   echo "=== flag set $i: XLA_FLAGS='$f'" | tee -a "$OUT/log.txt"
   if [ "${PROBE:-vision}" = compile ]; then
     XLA_FLAGS="$f" env -u JAX_COMPILATION_CACHE_DIR timeout "$(left "${END:-590}")" python3 bench/scripts/probe_compile.py \
-        --init --out "$OUT/compile_$i.json" 2>&1 | grep -v "Autotuning cache miss" | tail -3 | tee -a "$OUT/log.txt"
+        --init ${PROBE_ARGS:-} --out "$OUT/compile_$i.json" 2>&1 | grep -v "Autotuning cache miss" | tail -3 | tee -a "$OUT/log.txt"
   else
     XLA_FLAGS="$f" env -u JAX_COMPILATION_CACHE_DIR timeout "$(left "${END:-590}")" python3 bench/scripts/probe_step_parts.py --parts vision \
         --variants bias_split --profile bias_split --rounds 3 --out "$OUT/vision_$i.json" 2>&1 \

@@ -103,6 +103,10 @@ class TrainConfig:
     # and the largest loss capacity short of whole rows (reserved too; a batch with more than half its
     # positions trained compiles its whole-rows step when it comes)
     compile_ahead: bool = False
+    # with compile_ahead: the step's Mosaic-GPU expert kernels (parallelism/gmm_mgpu.py, Hopper) compiled alone in
+    # other threads while XLA compiles the step, which then finds them compiled (XLA otherwise compiles them one
+    # after another, after its own passes)
+    kernels_ahead: bool = True
 
     def __post_init__(self) -> None:
         coerce_fields(self, "train")  # types, as the loader checks them

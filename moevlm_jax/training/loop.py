@@ -145,7 +145,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     _check_run_dir(run_dir, min(tr.keep_checkpoints + 1, saves)
                    * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
     if ahead is not None:  # compiles while the state initialises and the data pipeline starts
-        trainer.compile_ahead(abstract, *ahead)
+        trainer.compile_ahead(abstract, *ahead, kernels_ahead=tr.kernels_ahead)
     ckpt = Checkpointer(ckpt_dir, save_every=tr.checkpoint_every, keep=tr.keep_checkpoints,
                         async_save=tr.async_checkpointing)
     data_state = None

@@ -60,7 +60,7 @@ from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.objective import (ce_and_argmax, gather_trained, largest_capacity, loss_capacity,
                                           microbatch_objective, most_trained)
-from parallelism import grouped_matmul, sharding
+from parallelism import gmm_mgpu, grouped_matmul, sharding
 from parallelism.layout import Layout, LayoutOptions
 from parallelism.logical import Rules, data_parallel_size, logical_to_spec, normalize_rules, sharding_context
 from parallelism.multihost import agreed_max, host_ids
@@ -528,25 +528,33 @@ class Trainer:
         return ahead(state, batch.arrays)
 
     def compile_ahead(self, state: Any, arrays: Mapping[str, Any], capacity: int | None, *,
-                      bounded: bool = True) -> None:
+                      bounded: bool = True, kernels_ahead: bool = True) -> None:
         """Start compiling the train step for batches like ``arrays`` (ShapeDtypeStructs with their
         shardings, e.g. :meth:`abstract_batch`) with this loss ``capacity`` in a background thread
         (``state``: :meth:`abstract_state`); the next :meth:`step` waits for it, and every batch of
         that shape, dtypes, capacity and ``bounded`` runs its executable. A batch of another shape
-        compiles as usual; a compile that fails is logged and the step compiles as usual."""
+        compiles as usual; a compile that fails is logged and the step compiles as usual.
+        ``kernels_ahead``: the step's Mosaic-GPU kernels compiled alone in other threads beside it
+        (``gmm_mgpu.Recording.compile_ahead``; none off a Hopper GPU)."""
         key = _ahead_key(arrays, capacity, bounded)
 
         def work() -> None:
             t0 = time.perf_counter()
             try:
-                self._ahead[key] = self.lower_step(state, arrays, capacity, bounded=bounded).compile()
+                with gmm_mgpu.recording() as kernels:
+                    lowered = self.lower_step(state, arrays, capacity, bounded=bounded)
+                # the step's Mosaic-GPU kernels compiled alone in other threads while XLA compiles the step (which
+                # then finds them compiled; gmm_mgpu.Recording.compile_ahead)
+                compiling = kernels.compile_ahead() if kernels_ahead else []
+                self._ahead[key] = lowered.compile()
             except Exception as e:  # noqa: BLE001 - the first step compiles the usual way instead
                 log.warning("train step compiled ahead failed (%s: %s); the first step compiles it",
                             type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
                 return
             shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items() if k in ("input_ids", "pixel_values"))
-            log.info("train step compiled ahead (%s; loss capacity %s) in %.1f s", shapes, capacity or "full rows",
-                     time.perf_counter() - t0)
+            log.info("train step compiled ahead (%s; loss capacity %s) in %.1f s%s", shapes, capacity or "full rows",
+                     time.perf_counter() - t0,
+                     f" ({len(compiling)} Mosaic-GPU kernels compiled beside it)" if compiling else "")
 
         if self._ahead_thread is not None:
             self._ahead_thread.join()

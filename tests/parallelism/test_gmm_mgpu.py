@@ -270,6 +270,54 @@ def test_call_sites_of_one_kernel_share_one_lowered_mosaic_module():
     assert modules(lambda a, b, c, d: gmm_mgpu.gmm(a, b, c).sum() + gmm_mgpu.tgmm(a, d, c).sum(), x, w, s, dy) == 2
 
 
+def _kernel_hashes(lowered) -> list[str]:
+    import re
+
+    return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', lowered.as_text())
+
+
+@pytest.mark.parametrize("fuse", ["", "mgpu_swiglu"])
+def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypatch, fuse):
+    """Trainer.compile_ahead compiles the Mosaic kernels a step records (gmm_mgpu.recording) alone, beside the step's
+    compile, so that XLA finds them compiled (jaxlib keys a compiled kernel by its module's hash). Lowered for a GPU on
+    this CPU: the experts' forward and backward (the real expert_ffn, the Mosaic kernels taken where the shapes fit)
+    record each distinct kernel once, and each recorded kernel lowered alone is one of the step's modules, bit for bit
+    (the backward's kernels too, which JAX traces under the forward call's source locations: gmm_mgpu._traced_alone)."""
+    from parallelism import grouped_matmul as gmmod
+    from parallelism import permute
+
+    def takes(kind, m, k, n, dtype):  # the hardware checks left out (lowering only)
+        cfg = gmm_mgpu.CONFIGS[kind]
+        return gmm_mgpu.tsupported(m, k, n) if kind == "dw" else gmm_mgpu.supported(m, k, n, cfg)
+
+    monkeypatch.setattr(gmmod, "mgpu_takes", takes)
+    monkeypatch.setattr(permute, "mgpu_takes", takes)
+    monkeypatch.setattr(permute, "mgpu_swiglu_takes", lambda m, k, n, dtype: takes("fwd", m, k, n, dtype))
+    monkeypatch.setattr(permute, "FUSE", frozenset({fuse} - {""}))
+    bf = jnp.bfloat16
+    rows, s = jax.ShapeDtypeStruct((512, 256), bf), jax.ShapeDtypeStruct((4,), jnp.int32)
+    wgu, wd = jax.ShapeDtypeStruct((4, 256, 512), bf), jax.ShapeDtypeStruct((4, 256, 256), bf)
+
+    def step(rows, s, wgu, wd):
+        def loss(rows, wgu, wd):  # two layers of the same shapes: every kernel called twice
+            y = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
+            y = permute.expert_ffn(y, s, wgu, wd, "triton", zero_tail_rows=False)
+            return jnp.sum(y.astype(jnp.float32)[:300] ** 2)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(rows, wgu, wd)
+
+    with gmm_mgpu.recording() as rec:
+        in_step = set(_kernel_hashes(jax.jit(step).trace(rows, s, wgu, wd).lower(lowering_platforms=("cuda",))))
+    # forward gate_up (with SwiGLU or not), down; d(x) of both; d(w) of both
+    assert len(rec) == len(in_step) == 6
+    alone = [h for fn, args, kw in rec.kernels.values()
+             for h in _kernel_hashes(fn.trace(*args, **dict(kw)).lower(lowering_platforms=("cuda",)))]
+    assert len(alone) == 6 and set(alone) == in_step
+    with gmm_mgpu.recording() as nothing:  # no kernel traced: nothing to compile
+        jax.jit(lambda a: a * 2).trace(rows).lower()
+    assert len(nothing) == 0 and nothing.compile_ahead() == []
+
+
 def test_swiglu_fused_gate_up_gradients_match_the_unfused_layer(monkeypatch):
     """permute._mgpu_gate_up_swiglu (FUSE "mgpu_swiglu"): its outputs and its custom VJP (d(h) = h's cotangent +
     SwiGLU's backward of act's, then d(x), d(w)) against the per-group einsum and SwiGLU differentiated by JAX, in
