@@ -31,7 +31,10 @@ Options that did not pay on the H200 (run 19; ``Config``): the tiles' pipelines 
 ``PipelinePipeline``: the next tile's first blocks load during this tile's epilogue) and one wgmma kept in flight.
 Not yet timed on a GPU (tested in the interpreter): ``Config.wg_m``, the compute warpgroups on the tile's row halves,
 so that a group's last window, half used or less (about a quarter of the ~G/2 partly used windows' work), leaves one
-warpgroup idle instead of computing rows nobody stores.
+warpgroup idle instead of computing rows nobody stores; SwiGLU in the gate_up forward's epilogue (:func:`gmm_swiglu`)
+and its backward in the down projection's d(x) epilogue (:func:`gmm_dswiglu`).
+
+A step's kernels can be compiled ahead, beside the step's own compile (:func:`recording`, :class:`Recording`).
 """
 
 from __future__ import annotations
@@ -229,14 +232,17 @@ def _record(fn, args: tuple, kw: dict) -> None:
     rec.kernels.setdefault(key, (fn, avals, tuple(sorted(kw.items()))))
 
 
-def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False, config: Config | None = None,
-        interpret=None, num_sms: int | None = None, swiglu: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None = None, *, trans_w: bool = False,
+        config: Config | None = None, interpret=None, num_sms: int | None = None,
+        swiglu: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` -> ``[M, N]`` (with ``trans_w``: ``w [G, N, K]`` read
     transposed, i.e. ``x @ w[g]^T``). Rows past ``sum(group_sizes)`` are left unwritten. ``interpret``: a
-    ``InterpretGPUParams`` to run the kernel in Pallas' GPU interpreter (tests on CPU). ``swiglu``: :func:`gmm_swiglu`."""
+    ``InterpretGPUParams`` to run the kernel in Pallas' GPU interpreter (tests on CPU). ``swiglu``: :func:`gmm_swiglu`;
+    ``h``: :func:`gmm_dswiglu`."""
     kw = dict(trans_w=trans_w, config=config, interpret=interpret, num_sms=num_sms, swiglu=swiglu)
-    _record(_gmm, (x, w, group_sizes), kw)
-    return _gmm(x, w, group_sizes, **kw)
+    args = (x, w, group_sizes) if h is None else (x, w, group_sizes, h)
+    _record(_gmm, args, kw)
+    return _gmm(*args, **kw)
 
 
 # Both kernels are jitted functions (_gmm, _tgmm; gmm and tgmm record them for :func:`recording`, then call them):
@@ -265,8 +271,8 @@ def _traced_alone(fn):
 
 @functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms", "swiglu"))
 @_traced_alone
-def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool, config: Config | None,
-         interpret, num_sms: int | None, swiglu: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
+def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None = None, *, trans_w: bool,
+         config: Config | None, interpret, num_sms: int | None, swiglu: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     cfg = config or CONFIGS["dx" if trans_w else "fwd"]
@@ -281,8 +287,12 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool, c
     em, en, nbuf = cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
     if nbuf not in (1, 2):
         raise ValueError(f"gmm_mgpu: epi_buffers {nbuf}: 1 or 2")
+    dswiglu = h is not None  # the product is d(act): SwiGLU's backward in the epilogue, d(h) out
+    if dswiglu and (swiglu or cfg.wg_m or h.shape != (m, 2 * n) or h.dtype != x.dtype):
+        raise ValueError(f"gmm_mgpu: SwiGLU's backward needs h [{m}, {2 * n}] {x.dtype} (got {h.shape} {h.dtype}), "
+                         f"no swiglu, no wg_m")
     cta_n = 2 * tn
-    inter = n // 2  # swiglu: the gate half's columns, then the up half's
+    inter = n if dswiglu else n // 2  # swiglu / dswiglu: the gate half's columns, then the up half's
     split_m = bool(cfg.wg_m or swiglu)
     # a compute warpgroup's block of the tile: its rows (from row wm0 of the window) and its columns; with swiglu the
     # CTA's columns are tile_n gate columns and the tile_n up columns that go with them, each warpgroup on its rows
@@ -318,18 +328,27 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool, c
             pipeline_state=state,
         )
 
-    def kernel(used_gmem, group_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, out_gmem, act_gmem=None):
+    def kernel(used_gmem, group_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, *refs):
+        if dswiglu:
+            h_gmem, out_gmem, act_gmem = *refs, None
+        else:
+            h_gmem, out_gmem, act_gmem = None, refs[0], refs[1] if swiglu else None
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
         if swiglu:
             b_blocks = (b_gmem.at[0, :, pl.ds(0, tn)],) * 2
         else:
             b_blocks = (b_gmem.at[0, pl.ds(0, cta_n), :] if trans_w else b_gmem.at[0, :, pl.ds(0, cta_n)],)
+        # dswiglu: h's gate and up slabs [warpgroup, buffer, gate / up] (two slabs in flight a warpgroup), each
+        # overwritten with its d(h) slab and stored from there (no other epilogue buffer)
+        epi = (dict(out_smem=plgpu.SMEM((2, 2, 2, em, en), dtype),
+                    h_bar=plgpu.Barrier(num_arrivals=2, num_barriers=4)) if dswiglu
+               else dict(out_smem=plgpu.SMEM((2, nbuf, em, en), dtype)))
 
         @functools.partial(pl.run_scoped,
                            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem.at[pl.ds(0, tm), :],
                                                                                           *b_blocks),
-                           out_smem=plgpu.SMEM((2, nbuf, em, en), dtype), collective_axes="wg")
-        def scope(pipeline_allocs, out_smem):
+                           collective_axes="wg", **epi)
+        def scope(pipeline_allocs, out_smem, h_bar=None):
             wg = lax.axis_index("wg")
             # chained: a loop over the used tiles only, so that every visited tile runs a pipeline
             rows = used_gmem[0] if chain else n_tiles
@@ -361,9 +380,17 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool, c
 
                         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
                         def _(acc_ref):
+                            if dswiglu:  # h's first two slabs load while the tile's product runs
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last tile's stores read)
+                                for sl in range(min(2, n_slabs)):
+                                    load_h(sl)
                             eval_pipeline(acc_ref)
                             if delay:
                                 plgpu.wgmma_wait(0)  # the last step's wgmma
+                            if dswiglu:
+                                store_dswiglu(acc_ref)
+                                return
+
                             def store_acc() -> None:
                                 store(acc_ref[...].astype(dtype), out_gmem, col0)
 
@@ -382,6 +409,59 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool, c
                         prev = store(up, out_gmem, inter + col0, prev)
                         store(act, act_gmem, col0, prev)
 
+                    n_slabs = (wm // em) * (wn // en)
+
+                    def slab_at(sl):  # the rows (from the window's first) and columns of slab sl of this warpgroup
+                        mi, nj = divmod(sl, wn // en)
+                        return wm0 + mi * em, col0 + nj * en
+
+                    def load_h(sl):
+                        r, c = slab_at(sl)
+                        bar = h_bar.at[wg * 2 + sl % 2]
+                        plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(start + r, em), pl.ds(c, en)],
+                                                out_smem.at[wg, sl % 2, 0], bar)
+                        plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(start + r, em), pl.ds(inter + c, en)],
+                                                out_smem.at[wg, sl % 2, 1], bar)
+
+                    def store_dswiglu(acc_ref):
+                        """d(h) = SwiGLU's backward of d(act) = this warpgroup's product, slab by slab: h's gate and
+                        up slabs (loaded ahead, two in flight) read, overwritten with d(gate), d(up) (float32 from
+                        the product rounded to the output dtype and h, as JAX's gradient of permute.swiglu), those
+                        stored (only the group's rows), the buffer refilled with the slab after next."""
+                        acc = acc_ref[...].astype(dtype)
+                        for sl in range(n_slabs):
+                            b = sl % 2
+                            r, c = slab_at(sl)
+                            mi, nj = divmod(sl, wn // en)
+                            plgpu.barrier_wait(h_bar.at[wg * 2 + b])
+                            gate = out_smem[wg, b, 0].astype(jnp.float32)
+                            up = out_smem[wg, b, 1].astype(jnp.float32)
+                            da = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en].astype(jnp.float32)
+                            sig = 1.0 / (1.0 + jnp.exp(-gate))
+                            out_smem[wg, b, 1] = (da * (gate * sig)).astype(dtype)
+                            out_smem[wg, b, 0] = (da * up * (sig + gate * sig * (1.0 - sig))).astype(dtype)
+                            plgpu.commit_smem()
+                            lo = jnp.clip(skip + wm0 - r, 0, em)
+                            hi = jnp.clip(skip + count + wm0 - r, 0, em)
+                            store_rows(out_smem.at[wg, b, 0], out_gmem, start + r, c, lo, hi - lo)
+                            store_rows(out_smem.at[wg, b, 1], out_gmem, start + r, inter + c, lo, hi - lo)
+                            if sl + 2 < n_slabs:  # the buffer's stores read before it is refilled
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                                load_h(sl + 2)
+
+                    def store_rows(slab, o_gmem, row, c0, s, c):
+                        """Rows ``[s, s + c)`` of ``slab`` (shared memory) to ``o_gmem`` from row ``row + s``, column
+                        ``c0``: TMA boxes of 64, 32, ..., 1 rows (``c``'s binary digits; a box has a static size)."""
+                        size = em
+                        while size >= 1:
+                            @pl.when((c & size) != 0)
+                            def _(s=s, size=size):
+                                plgpu.copy_smem_to_gmem(slab.at[pl.ds(s, size)],
+                                                        o_gmem.at[pl.ds(row + s, size), pl.ds(c0, en)])
+
+                            s = s + (c & size)
+                            size //= 2
+
                     def store(acc, o_gmem, c0, prev=None):
                         """``acc`` (this warpgroup's block) into ``o_gmem`` from column ``c0``, only the group's rows;
                         ``prev``: the row count of the last slab stored before (this tile's), returned for the next."""
@@ -397,18 +477,8 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool, c
                                     pl.when(prev != em)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
                                 out_smem[wg, b] = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en]
                                 plgpu.commit_smem()
-                                s, c, size = lo, hi - lo, em
-                                prev = c
-                                while size >= 1:
-                                    @pl.when((c & size) != 0)
-                                    def _(s=s, size=size, b=b):
-                                        plgpu.copy_smem_to_gmem(
-                                            out_smem.at[wg, b, pl.ds(s, size)],
-                                            o_gmem.at[pl.ds(start + wm0 + mi * em + s, size),
-                                                      pl.ds(c0 + nj * en, en)])
-
-                                    s = s + (c & size)
-                                    size //= 2
+                                prev = hi - lo
+                                store_rows(out_smem.at[wg, b], o_gmem, start + wm0 + mi * em, c0 + nj * en, lo, prev)
                         return prev
 
                     def mma_swiglu(_, a_smem, bg_smem, bu_smem, accs):
@@ -466,11 +536,11 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool, c
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    out_type = jax.ShapeDtypeStruct((m, n), dtype)
+    out_type = jax.ShapeDtypeStruct((m, 2 * n if dswiglu else n), dtype)
     if swiglu:
         out_type = (out_type, jax.ShapeDtypeStruct((m, inter), dtype))
     call = _ws_kernel(plgpu, kernel, out_type, num_sms, interpret)
-    return call(n_used, group, row0, lo_rows, hi_rows, x, w)
+    return call(n_used, group, row0, lo_rows, hi_rows, x, w, *(() if h is None else (h,)))
 
 
 def gmm_swiglu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: Config | None = None, interpret=None,
@@ -483,6 +553,21 @@ def gmm_swiglu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: Co
     h and writes act (bench/moe_layer.md: 0.15 / 0.36 ms a layer at the 30B-A3B / 235B-A22B shapes); not yet timed on
     a GPU (tested in the interpreter)."""
     return gmm(x, w, group_sizes, config=config, interpret=interpret, num_sms=num_sms, swiglu=True)
+
+
+def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array, *, trans_w: bool = True,
+                config: Config | None = None, interpret=None, num_sms: int | None = None) -> jax.Array:
+    """The experts' down projection's d(x) with SwiGLU's backward in its epilogue: ``dy [M, H]``, ``w [G, I, H]`` (the
+    down weights as stored, read transposed; ``trans_w=False``: ``[G, H, I]``), ``h [M, 2I]`` the gate_up forward's
+    output -> ``d(h) [M, 2I]``, JAX's gradient of ``permute.swiglu`` at ``h`` for ``d(act) = dy @ w[g]^T`` rounded to
+    the output dtype (d(act) itself is never written), rows past ``sum(group_sizes)`` unwritten. Each compute
+    warpgroup loads h's gate and up slabs of its output block by TMA (the first two while the block's product runs,
+    two in flight), computes d(gate) and d(up) into those buffers and stores them from there. Saves SwiGLU's backward
+    pass, which reads h and d(act) and writes d(h) (bench/moe_layer.md: 0.23 / 0.48 ms a layer at the 30B-A3B /
+    235B-A22B shapes), less the loads the epilogue waits for; not yet timed on a GPU (tested in the interpreter,
+    ``trans_w=False``)."""
+    return gmm(dy, w, group_sizes, h, trans_w=trans_w, config=config or CONFIGS["dx" if trans_w else "fwd"],
+               interpret=interpret, num_sms=num_sms)
 
 
 @dataclasses.dataclass(frozen=True)

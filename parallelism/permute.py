@@ -261,9 +261,14 @@ def expert_ffn(
     q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
     if _fused(backend, q, "swiglu"):
         return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down, zero_tail_rows)
-    if (backend == "triton" and q is None and not zero_tail_rows and "mgpu_swiglu" in FUSE
+    if (backend == "triton" and q is None and not zero_tail_rows and FUSE & {"mgpu_swiglu", "mgpu_swiglu_bwd"}
             and mgpu_swiglu_takes(rows.shape[0], rows.shape[1], w_gate_up.shape[2], rows.dtype)):
         with jax.named_scope(FFN_SCOPE):
+            if "mgpu_swiglu_bwd" in FUSE and mgpu_takes("dx", rows.shape[0], w_down.shape[2], w_down.shape[1],
+                                                          rows.dtype):
+                y = _mgpu_swiglu_experts(rows, w_gate_up.astype(rows.dtype), w_down.astype(rows.dtype),
+                                         group_sizes.astype(jnp.int32))
+                return checkpoint_name(y, MOE_EXPERT_OUT)
             _, act = _mgpu_gate_up_swiglu(rows, w_gate_up.astype(rows.dtype), group_sizes.astype(jnp.int32))
             act = checkpoint_name(act, MOE_ACT)  # (h, named inside the forward rule, only the backward reads)
             y = grouped_matmul(act, w_down, group_sizes, backend=backend, zero_tail_rows=False)
@@ -334,6 +339,34 @@ def _mgpu_gate_up_swiglu_bwd(res, g):
 _mgpu_gate_up_swiglu.defvjp(_mgpu_gate_up_swiglu_fwd, _mgpu_gate_up_swiglu_bwd)
 
 
+@jax.custom_vjp
+def _mgpu_swiglu_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The SwiGLU experts on the Mosaic-GPU kernels with SwiGLU in both directions' epilogues (FUSE
+    "mgpu_swiglu_bwd"): forward ``gmm_swiglu`` then the down projection; backward the down projection's d(x) with
+    SwiGLU's backward in its epilogue (``gmm_mgpu.gmm_dswiglu``: d(h) written, d(act) never), then d(x), d(w) of
+    both matmuls. Rows past ``sum(group_sizes)`` unwritten (the caller reads none)."""
+    return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes)[0]
+
+
+def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes):
+    h, act = gmm_mgpu.gmm_swiglu(x, w_gate_up, group_sizes)
+    y = plain_gmm(act, w_down, group_sizes)
+    return y, (checkpoint_name(x, MOE_PERMUTED), w_gate_up, w_down, group_sizes, checkpoint_name(h, MOE_GATE_UP),
+               checkpoint_name(act, MOE_ACT))
+
+
+def _mgpu_swiglu_experts_bwd(res, g):
+    x, w_gate_up, w_down, group_sizes, h, act = res
+    g = g.astype(x.dtype)
+    dh = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h)
+    dw_down = plain_tgmm(act, g, group_sizes, out_dtype=w_down.dtype)
+    dx = plain_gmm(dh, w_gate_up, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten (never read)
+    return dx, plain_tgmm(x, dh, group_sizes, out_dtype=w_gate_up.dtype), dw_down, None
+
+
+_mgpu_swiglu_experts.defvjp(_mgpu_swiglu_experts_fwd, _mgpu_swiglu_experts_bwd)
+
+
 # ----------------------------------------------------------------------------- fused Triton experts
 
 # Which fusions the Triton experts use (outside FP8), from $MOEVLM_MOE_FUSE at import (a comma list, "" for
@@ -361,7 +394,10 @@ FUSE_ENV = "MOEVLM_MOE_FUSE"
 # - "mgpu_swiglu": where the gate_up forward runs on the Mosaic-GPU kernel (Hopper, grouped_matmul.mgpu_takes),
 #   SwiGLU in that kernel's epilogue (gmm_mgpu.gmm_swiglu: h and act written together; the elementwise pass that
 #   reads h and writes act goes); the backward as without it. Not yet timed on a GPU (tested in the interpreter).
-FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu")
+# - "mgpu_swiglu_bwd": "mgpu_swiglu" and, where the down projection's d(x) runs on the Mosaic-GPU kernel too,
+#   SwiGLU's backward in that kernel's epilogue (gmm_mgpu.gmm_dswiglu: it writes d(h) from h and its d(act); the
+#   elementwise pass that reads both and writes d(h) goes). Not yet timed on a GPU (tested in the interpreter).
+FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu", "mgpu_swiglu_bwd")
 FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
 FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather").split(",") if f)
 if FUSE - set(FUSIONS):

@@ -7,7 +7,8 @@ configs on the layer bench's row count and skewed routing, next to ``parallelism
 configs and the same FLOPs as one balanced batched einsum per matmul (the ceiling, cuBLAS), all in one process;
 each Mosaic result is checked against the Triton kernel's (norm-wise relative error over the kept rows).
 This project's ``parallelism.gmm_mgpu`` (forward and d(x) at several configs, the forward with SwiGLU after it or in
-its epilogue at the gate_up shapes, d(w) ``tgmm`` with NaN rows past the groups as well) runs at several configs;
+its epilogue at the gate_up shapes, the down projection's d(x) with SwiGLU's backward after it or in its epilogue
+(``gmm_dswiglu``) at the down shapes, d(w) ``tgmm`` with NaN rows past the groups as well) runs at several configs;
 JAX's ragged kernels with ``--jax`` (d(w): one config without). ``--dense`` also times JAX's warp-specialised dense
 Hopper matmul (``hopper_matmul_mgpu``) against ``jnp.dot`` on the forward's [rows, K] x [K, N]: what a
 warp-specialised grouped kernel could reach.
@@ -148,6 +149,20 @@ def main() -> int:
                     h = jax.jit(gm.gmm)(x, w, gs)
                     row = dict(base, kernel=kind, variant="gmm_swiglu vs gmm + swiglu",
                                h_rel_err=rel(fused[0], h, valid), act_rel_err=rel(fused[1], swiglu(h), valid))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            if kind == "dx" and shape.startswith("down") and gm.supported(m, n, k, gm.CONFIGS["dx"]):
+                # the down projection's d(x) [m, I], then SwiGLU's backward at h [m, 2I]; or that in its epilogue
+                from parallelism.permute import swiglu
+                hh = jax.random.normal(jax.random.key(9), (m, 2 * k), jnp.float32).astype(jnp.bfloat16)
+                unfused = record(dict(base, kernel=kind, variant="gmm_mgpu d(x), then XLA's SwiGLU backward"),
+                                 lambda a, b, s, h: jax.vjp(swiglu, h)[1](gm.gmm(a, b, s, trans_w=True))[0],
+                                 (dy, w, gs, hh), fl, None, None)
+                fused = record(dict(base, kernel=kind, variant="gmm_mgpu.gmm_dswiglu (SwiGLU's backward in the epilogue)"),
+                               lambda a, b, s, h: gm.gmm_dswiglu(a, b, s, h), (dy, w, gs, hh), fl, None, None)
+                if fused is not None and unfused is not None:
+                    row = dict(base, kernel=kind, variant="gmm_dswiglu vs gmm + SwiGLU's backward",
+                               dh_rel_err=rel(fused, unfused, valid))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             if kind == "dw":  # rows past sum(group_sizes) hold NaN (the experts may leave them unwritten): no NaN out

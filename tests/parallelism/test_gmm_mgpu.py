@@ -105,6 +105,37 @@ def test_swiglu_kernel_in_the_gpu_interpreter_matches_per_group_einsum_and_swigl
         gmm_mgpu.gmm_swiglu(x, w[:, :, :384], jnp.asarray(sizes), config=cfg)  # I = 192: not whole 128-column blocks
 
 
+def test_swiglu_backward_kernel_in_the_gpu_interpreter_matches_jax_gradient_of_swiglu(sms=3):
+    """gmm_dswiglu: d(h) = JAX's gradient of permute.swiglu at h for d(act) = dy @ w[g] as gmm gives it (bf16); each
+    warpgroup's four 64 x 64 slabs go through two h buffers (refilled twice); h's rows past the groups' are NaN (read
+    into the epilogue, never stored). trans_w=False here (the interpreter has no transposed wgmma operand); the
+    layer's call (trans_w=True) is cross-lowered for a GPU."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    from parallelism.permute import swiglu
+
+    m, k, n = 512, 128, 256
+    sizes = np.array([130, 0, 200, 10, 140], np.int32)
+    used = int(sizes.sum())
+    ks = jax.random.split(jax.random.key(7), 3)
+    dy = jax.random.normal(ks[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)
+    h = jax.random.normal(ks[2], (m, 2 * n), jnp.float32).at[used:].set(jnp.nan).astype(jnp.bfloat16)
+    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
+    run = dict(config=cfg, interpret=InterpretGPUParams(), num_sms=sms)
+    dh = gmm_mgpu.gmm_dswiglu(dy, w, jnp.asarray(sizes), h, trans_w=False, **run)
+    assert dh.shape == (m, 2 * n)
+    da = gmm_mgpu.gmm(dy, w, jnp.asarray(sizes), **run)
+    want = np.asarray(jax.vjp(swiglu, h[:used])[1](da[:used])[0], np.float32)
+    got = np.asarray(dh[:used], np.float32)
+    assert np.isfinite(got).all()
+    # the same bf16 values, float32 sigmoid and products (JAX's grad orders them its own way) rounded to bf16
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3 * np.abs(want).max())
+    assert np.mean(got == want) > 0.95
+    with pytest.raises(ValueError, match="SwiGLU's backward"):
+        gmm_mgpu.gmm_dswiglu(dy, w, jnp.asarray(sizes), h[:, :384], trans_w=False, config=cfg)
+
+
 def test_shape_checks_name_the_problem():
     x = jnp.zeros((256, 100), jnp.bfloat16)
     w = jnp.zeros((2, 100, 256), jnp.bfloat16)
@@ -276,7 +307,7 @@ def _kernel_hashes(lowered) -> list[str]:
     return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', lowered.as_text())
 
 
-@pytest.mark.parametrize("fuse", ["", "mgpu_swiglu"])
+@pytest.mark.parametrize("fuse", ["", "mgpu_swiglu", "mgpu_swiglu_bwd"])
 def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypatch, fuse):
     """Trainer.compile_ahead compiles the Mosaic kernels a step records (gmm_mgpu.recording) alone, beside the step's
     compile, so that XLA finds them compiled (jaxlib keys a compiled kernel by its module's hash). Lowered for a GPU on
@@ -308,7 +339,7 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
 
     with gmm_mgpu.recording() as rec:
         in_step = set(_kernel_hashes(jax.jit(step).trace(rows, s, wgu, wd).lower(lowering_platforms=("cuda",))))
-    # forward gate_up (with SwiGLU or not), down; d(x) of both; d(w) of both
+    # forward gate_up (with SwiGLU or not), down; d(x) of both (the down one with SwiGLU's backward or not); d(w)
     assert len(rec) == len(in_step) == 6
     alone = [h for fn, args, kw in rec.kernels.values()
              for h in _kernel_hashes(fn.trace(*args, **dict(kw)).lower(lowering_platforms=("cuda",)))]
@@ -356,10 +387,60 @@ def test_swiglu_fused_gate_up_gradients_match_the_unfused_layer(monkeypatch):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2  # bf16 h, act and gradients against float32
 
 
+def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
+    """permute._mgpu_swiglu_experts (FUSE "mgpu_swiglu_bwd"): the experts' output and gradients (SwiGLU's backward in
+    the down projection's d(x) kernel) against the per-group einsums and SwiGLU differentiated by JAX, in float32 on
+    the same bf16 values; the Mosaic kernels in Pallas' GPU interpreter (gmm_dswiglu on the down weights transposed
+    beforehand: the interpreter has no transposed wgmma operand), the other matmuls on the Triton kernels
+    (interpreted on CPU)."""
+    import functools
+
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    from parallelism import permute
+
+    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
+    run = dict(config=cfg, interpret=InterpretGPUParams(), num_sms=4)
+    dswiglu = gmm_mgpu.gmm_dswiglu
+    calls = []
+
+    def dswiglu_untransposed(dy, w, s, h):
+        calls.append(dy.shape)
+        return dswiglu(dy, jnp.swapaxes(w, 1, 2), s, h, trans_w=False, **run)
+
+    monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", functools.partial(gmm_mgpu.gmm_swiglu, **run))
+    monkeypatch.setattr(gmm_mgpu, "gmm_dswiglu", dswiglu_untransposed)
+    m, hdim, inter = 512, 128, 256
+    sizes = np.array([130, 0, 200, 10, 172], np.int32)  # every row used: the reference has no tail rows to ignore
+    ks = jax.random.split(jax.random.key(4), 4)
+    x = jax.random.normal(ks[0], (m, hdim), jnp.float32).astype(jnp.bfloat16)
+    wgu = (jax.random.normal(ks[1], (len(sizes), hdim, 2 * inter), jnp.float32) / 8).astype(jnp.bfloat16)
+    wd = (jax.random.normal(ks[2], (len(sizes), inter, hdim), jnp.float32) / 8).astype(jnp.bfloat16)
+    py = jax.random.normal(ks[3], (m, hdim), jnp.float32)
+    gid = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes))
+
+    def fused(x, wgu, wd):
+        return jnp.sum(permute._mgpu_swiglu_experts(x, wgu, wd, jnp.asarray(sizes)).astype(jnp.float32) * py)
+
+    def reference(x, wgu, wd):
+        h = jnp.einsum("mk,mkn->mn", x, wgu[gid], precision="highest")
+        gate, up = jnp.split(h, 2, axis=-1)
+        return jnp.sum(jnp.einsum("mk,mkn->mn", jax.nn.silu(gate) * up, wd[gid], precision="highest") * py)
+
+    got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(x, wgu, wd)
+    want = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2)))(*(a.astype(jnp.float32) for a in (x, wgu, wd)))
+    assert calls == [(m, hdim)]
+    assert abs(float(got[0]) - float(want[0])) < 1e-2 * abs(float(want[0]))
+    for a, b in zip(got[1], want[1]):
+        a, b = np.asarray(a, np.float32), np.asarray(b)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2  # bf16 h, act, d(h) and gradients against float32
+
+
 def test_expert_ffn_takes_the_swiglu_kernel_only_with_the_fusion_asked_for_and_a_shape_it_takes(monkeypatch):
     """permute.expert_ffn: FUSE "mgpu_swiglu" + a gate_up forward the Mosaic kernel takes (both halves whole 128-column
     blocks) + tail rows left unwritten -> the fused kernel's act goes to the down projection (the same output as
-    the unfused experts, the kernel stood in for by its reference); otherwise the unfused path."""
+    the unfused experts, the kernel stood in for by its reference); otherwise the unfused path. FUSE
+    "mgpu_swiglu_bwd" takes the experts fused both ways where the down projection's d(x) fits the Mosaic kernel."""
     from parallelism import grouped_matmul as gmmod
     from parallelism import permute
 
@@ -387,3 +468,21 @@ def test_expert_ffn_takes_the_swiglu_kernel_only_with_the_fusion_asked_for_and_a
     permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=True)  # tail rows zeroed: the unfused path
     permute.expert_ffn(rows, s, wgu[:, :, :192], wd[:, :96], "triton", zero_tail_rows=False)  # I = 96: not taken
     assert calls == [(m, hdim)]
+    # "mgpu_swiglu_bwd": both directions fused where the down projection's d(x) [m, H] -> [m, I] runs on the Mosaic
+    # kernel too, else the forward fusion alone
+    both = []
+
+    def both_in(x, wgu, wd, s):
+        both.append(x.shape)
+        return gmmod.grouped_matmul(stand_in(x, wgu, s)[1], wd, s, backend="triton", zero_tail_rows=False)
+
+    monkeypatch.setattr(permute, "_mgpu_swiglu_experts", both_in)
+    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_swiglu_bwd"}))
+    monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: kind == "dx" and n == inter)
+    fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
+    assert both == [(m, hdim)] and len(calls) == 2
+    np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
+    monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: False)
+    fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)  # the forward fusion only
+    assert both == [(m, hdim)] and len(calls) == 3
+    np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
