@@ -45,6 +45,7 @@ import functools
 import logging
 import os
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +183,7 @@ class Recording:
 
     def __init__(self) -> None:
         self.kernels: dict[tuple, tuple] = {}
+        self.compile_s: list[float] = []  # compile_ahead's time per kernel, as each finishes
 
     def __len__(self) -> int:
         return len(self.kernels)
@@ -199,8 +201,13 @@ class Recording:
 
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers or min(len(self.kernels), 8),
                                                      thread_name_prefix="mosaic-ahead")
-        futures = [pool.submit(lambda fn=fn, args=args, kw=kw: fn.trace(*args, **dict(kw)).lower().compile())
-                   for fn, args, kw in self.kernels.values()]
+        def compile_one(fn, args, kw):
+            t0 = time.perf_counter()
+            out = fn.trace(*args, **dict(kw)).lower().compile()
+            self.compile_s.append(time.perf_counter() - t0)
+            return out
+
+        futures = [pool.submit(compile_one, *kernel) for kernel in self.kernels.values()]
         pool.shutdown(wait=False)
         for f in futures:  # a kernel that fails here is compiled by XLA in the step's compile, as without this
             f.add_done_callback(lambda f: f.exception() and log.warning(

@@ -69,6 +69,7 @@ def main() -> None:
         for f in ahead:
             f.result()
         res["kernels_ahead_done_s"] = time.perf_counter() - t  # (all done by then: XLA waited for none of them)
+        res["kernel_compile_s"] = sorted(kernels.compile_s)
     try:
         res["hlo_instructions"] = sum(line.startswith("  ") for line in compiled.as_text().splitlines())
     except Exception:  # noqa: BLE001 - informational only

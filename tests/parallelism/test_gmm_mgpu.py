@@ -349,6 +349,18 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
     assert len(nothing) == 0 and nothing.compile_ahead() == []
 
 
+def test_compile_ahead_compiles_each_recorded_function_in_threads():
+    """Recording.compile_ahead's pool (a CPU stand-in for the kernels: jitted functions with static arguments): one
+    compiled program per entry, each timed; the compiled program computes what the function does."""
+    rec = gmm_mgpu.Recording()
+    scale = jax.jit(lambda a, *, k: a * k, static_argnames="k")
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    rec.kernels = {1: (scale, (x,), (("k", 2.0),)), 2: (scale, (x,), (("k", 3.0),))}
+    compiled = [f.result() for f in rec.compile_ahead()]
+    assert len(compiled) == 2 and len(rec.compile_s) == 2
+    np.testing.assert_array_equal(np.asarray(compiled[1](jnp.ones(4))), [3.0] * 4)
+
+
 def test_swiglu_fused_gate_up_gradients_match_the_unfused_layer(monkeypatch):
     """permute._mgpu_gate_up_swiglu (FUSE "mgpu_swiglu"): its outputs and its custom VJP (d(h) = h's cotangent +
     SwiGLU's backward of act's, then d(x), d(w)) against the per-group einsum and SwiGLU differentiated by JAX, in
