@@ -201,6 +201,7 @@ class Recording:
 
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers or min(len(self.kernels), 8),
                                                      thread_name_prefix="mosaic-ahead")
+
         def compile_one(fn, args, kw):
             t0 = time.perf_counter()
             out = fn.trace(*args, **dict(kw)).lower().compile()
@@ -252,11 +253,6 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None 
     return _gmm(*args, **kw)
 
 
-# Both kernels are jitted functions (_gmm, _tgmm; gmm and tgmm record them for :func:`recording`, then call them):
-# the call sites of one kernel (the same shapes and config, e.g. every layer of an unrolled decoder) then share one
-# lowered function, where each pallas_call would otherwise lower again and embed its serialized Mosaic module
-# (~200 KB each) in the program (bench/first_step_h200.md: the Mosaic kernels added ~25 s to the proxy step's first
-# compile).
 def _traced_alone(fn):
     """``fn`` (a kernel's jitted body) traced as if called at the top level: a kernel traced inside a transformation
     rule (e.g. a custom VJP's backward, which JAX traces under the forward call's traceback and name stack) otherwise
@@ -276,6 +272,11 @@ def _traced_alone(fn):
     return wrapped
 
 
+# Both kernels are jitted functions (_gmm, _tgmm; gmm and tgmm record them for :func:`recording`, then call them):
+# the call sites of one kernel (the same shapes and config, e.g. every layer of an unrolled decoder) then share one
+# lowered function, where each pallas_call would otherwise lower again and embed its serialized Mosaic module
+# (~200 KB each) in the program (bench/first_step_h200.md: the Mosaic kernels added ~25 s to the proxy step's first
+# compile).
 @functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms", "swiglu"))
 @_traced_alone
 def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None = None, *, trans_w: bool,
