@@ -236,8 +236,8 @@ def _record(fn, args: tuple, kw: dict) -> None:
     if rec is None or kw.get("interpret") is not None:
         return
     avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
-    key = (fn.__name__, tuple((a.shape, str(a.dtype)) for a in avals), tuple(sorted(kw.items())))
-    rec.kernels.setdefault(key, (fn, avals, tuple(sorted(kw.items()))))
+    static = tuple(sorted(kw.items()))
+    rec.kernels.setdefault((fn.__name__, tuple((a.shape, str(a.dtype)) for a in avals), static), (fn, avals, static))
 
 
 def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None = None, *, trans_w: bool = False,
@@ -449,8 +449,8 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                             out_smem[wg, b, 1] = (da * (gate * sig)).astype(dtype)
                             out_smem[wg, b, 0] = (da * up * (sig + gate * sig * (1.0 - sig))).astype(dtype)
                             plgpu.commit_smem()
-                            lo = jnp.clip(skip + wm0 - r, 0, em)
-                            hi = jnp.clip(skip + count + wm0 - r, 0, em)
+                            lo = jnp.clip(skip - mi * em, 0, em)
+                            hi = jnp.clip(skip + count - mi * em, 0, em)
                             store_rows(out_smem.at[wg, b, 0], out_gmem, start + r, c, lo, hi - lo)
                             store_rows(out_smem.at[wg, b, 1], out_gmem, start + r, inter + c, lo, hi - lo)
                             if sl + 2 < n_slabs:  # the buffer's stores read before it is refilled
@@ -574,8 +574,7 @@ def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Arra
     pass, which reads h and d(act) and writes d(h) (bench/moe_layer.md: 0.23 / 0.48 ms a layer at the 30B-A3B /
     235B-A22B shapes), less the loads the epilogue waits for; not yet timed on a GPU (tested in the interpreter,
     ``trans_w=False``)."""
-    return gmm(dy, w, group_sizes, h, trans_w=trans_w, config=config or CONFIGS["dx" if trans_w else "fwd"],
-               interpret=interpret, num_sms=num_sms)
+    return gmm(dy, w, group_sizes, h, trans_w=trans_w, config=config, interpret=interpret, num_sms=num_sms)
 
 
 @dataclasses.dataclass(frozen=True)

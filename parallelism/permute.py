@@ -263,13 +263,13 @@ def expert_ffn(
         return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down, zero_tail_rows)
     if (backend == "triton" and q is None and not zero_tail_rows and FUSE & {"mgpu_swiglu", "mgpu_swiglu_bwd"}
             and mgpu_swiglu_takes(rows.shape[0], rows.shape[1], w_gate_up.shape[2], rows.dtype)):
+        wgu, sizes = w_gate_up.astype(rows.dtype), group_sizes.astype(jnp.int32)
         with jax.named_scope(FFN_SCOPE):
             if "mgpu_swiglu_bwd" in FUSE and mgpu_takes("dx", rows.shape[0], w_down.shape[2], w_down.shape[1],
                                                           rows.dtype):
-                y = _mgpu_swiglu_experts(rows, w_gate_up.astype(rows.dtype), w_down.astype(rows.dtype),
-                                         group_sizes.astype(jnp.int32))
+                y = _mgpu_swiglu_experts(rows, wgu, w_down.astype(rows.dtype), sizes)
                 return checkpoint_name(y, MOE_EXPERT_OUT)
-            _, act = _mgpu_gate_up_swiglu(rows, w_gate_up.astype(rows.dtype), group_sizes.astype(jnp.int32))
+            _, act = _mgpu_gate_up_swiglu(rows, wgu, sizes)
             act = checkpoint_name(act, MOE_ACT)  # (h, named inside the forward rule, only the backward reads)
             y = grouped_matmul(act, w_down, group_sizes, backend=backend, zero_tail_rows=False)
         return checkpoint_name(y, MOE_EXPERT_OUT)
