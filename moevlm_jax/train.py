@@ -37,6 +37,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = ["", f"run {summary['run_dir']}: steps {summary['start_step']} -> {summary['end_step']} of "
              f"{summary['steps']} in {summary['wall_s']:.0f}s ({summary['compiles']} compiled batch shapes"
              + (", the first compiled ahead" if summary.get("compiled_ahead") else "")
+             + (", the evaluation's too" if summary.get("evals_compiled_ahead") else "")
              + (f"; first step done {summary['first_step_s']:.0f}s after the process started"
                 if summary.get("first_step_s") is not None else "") + ")",
              f"  loss            {fmt(summary['loss_first'])} (step {summary['first_step']}) -> "

@@ -12,6 +12,10 @@
 #   ahead        + train.compile_ahead=true (unrolled)
 #   largest      + train.reserve_bucket=null (every batch padded to the data's largest bucket)
 #   no_kernels_ahead  + train.kernels_ahead=false (the Mosaic-GPU kernels compiled inside XLA's compile only)
+#   llvm_parallel  + XLA_FLAGS=--xla_gpu_enable_llvm_module_compilation_parallelism=true (XLA splits the step's LLVM
+#                module and compiles the parts to PTX / cubin in its compile thread pool, then links them; off by
+#                default in XLA)
+#   llvm_parallel16  the same + --xla_gpu_force_compilation_parallelism=16 (the parts: 16, the host's cores)
 # The summary's "first step done N s after the process started" and its steady useful tokens/s per run.
 # Results under $OUT: log.txt, {name}.log, {name}_metrics.jsonl.
 #   run(command="bash bench/scripts/h200_first_step.sh", carry=[".gpudeps"], timeout_s=600)
@@ -39,6 +43,9 @@ for name in ${RUNS:-ahead_vscan vscan as_written ahead}; do
     ahead) run ahead train.compile_ahead=true ;;
     largest) run largest train.reserve_bucket=null ;;
     no_kernels_ahead) run no_kernels_ahead train.kernels_ahead=false ;;
+    llvm_parallel) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_llvm_module_compilation_parallelism=true" run llvm_parallel ;;
+    llvm_parallel16) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_llvm_module_compilation_parallelism=true"\
+" --xla_gpu_force_compilation_parallelism=16" run llvm_parallel16 ;;
     *) echo "unknown run '$name'" | tee -a "$OUT/log.txt" ;;
   esac
 done

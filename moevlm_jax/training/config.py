@@ -107,6 +107,11 @@ class TrainConfig:
     # other threads while XLA compiles the step, which then finds them compiled (XLA otherwise compiles them one
     # after another, after its own passes)
     kernels_ahead: bool = True
+    # with compile_ahead and evaluations: every eval batch padded to the training step's reserved bucket and loss
+    # capacity (one microbatch's rows, as the train job evaluates), and that eval step compiled in a background
+    # thread after the training step, while the first steps run (without XLA's autotuning: Trainer.compile_eval_
+    # ahead), so that the first evaluation runs without a compile (the proxy's took ~70 s, bench/first_step_h200.md)
+    eval_ahead: bool = True
 
     def __post_init__(self) -> None:
         coerce_fields(self, "train")  # types, as the loader checks them

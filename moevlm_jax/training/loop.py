@@ -144,8 +144,14 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     saves = (tr.steps // tr.checkpoint_every if tr.checkpoint_every else 0) + 1 if tr.checkpointing else 0
     _check_run_dir(run_dir, min(tr.keep_checkpoints + 1, saves)
                    * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
+    evals = data_lib.has_heldout(cfg.data)
     if ahead is not None:  # compiles while the state initialises and the data pipeline starts
         trainer.compile_ahead(abstract, *ahead, kernels_ahead=tr.kernels_ahead)
+        if evals and (tr.eval_every or tr.eval_batches) and tr.eval_ahead:  # then the eval step, for the same rows
+            trainer.reserve_patches(bucket, capacity=ahead[1], train=False)
+            trainer.compile_eval_ahead(abstract["params"], trainer.abstract_eval_batch(
+                tr.micro_batch_size, tr.seq_len, bucket, cfg.data.balance_vision_rows), ahead[1],
+                kernels_ahead=tr.kernels_ahead)
     ckpt = Checkpointer(ckpt_dir, save_every=tr.checkpoint_every, keep=tr.keep_checkpoints,
                         async_save=tr.async_checkpointing)
     data_state = None
@@ -194,7 +200,6 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             log.info("step %d/%d: %s", step, tr.steps, progress_postfix(record))
 
     save = _save if tr.checkpointing else (lambda *a, **k: False)  # train.checkpointing=false: none written
-    evals = data_lib.has_heldout(cfg.data)
     if not evals and (tr.eval_every or tr.eval_batches):
         log.warning("evaluation skipped: the %s source has no held-out split and data.heldout_fraction is 0 "
                     "(give the source a held-out split, or a data.heldout_fraction > 0)", cfg.data.kind)
@@ -293,6 +298,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             log.warning("curves.png not written: %s", e)
     summary.update({
         "end_step": step, "wall_s": wall, "compiles": len(trainer.compiled), "compiled_ahead": trainer.ahead_steps,
+        "evals_compiled_ahead": trainer.ahead_evals,
         "loss_first": records[0]["loss"] if records else None, "loss_last": records[-1]["loss"] if records else None,
         "first_step": records[0]["step"] if records else None, "last_step": records[-1]["step"] if records else None,
         "tokens_per_s": timed["useful_tokens"] / timed["time"] if timed["time"] else None,

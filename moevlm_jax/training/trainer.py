@@ -25,7 +25,8 @@ per combination, and a rare large batch does not pad every later one (padding pa
 capacity slots change no result). When every batch's shape is known before the first one
 (``reserve_patches`` with a capacity: the train job's ``train.reserve_largest_bucket``),
 :meth:`Trainer.compile_ahead` compiles that step in a background thread while the state initialises and
-the data starts (``train.compile_ahead``).
+the data starts (``train.compile_ahead``), and :meth:`Trainer.compile_eval_ahead` the eval step for the same rows
+after it, while the first steps run (``train.eval_ahead``): the first evaluation runs without a compile.
 
 The objective (what each microbatch adds to the loss, the gathered-positions LM head, the eval pass)
 is ``moevlm_jax.training.objective``; the trainer gives it the data-parallel size and the per-batch
@@ -311,6 +312,9 @@ class Trainer:
         self._ahead: dict[tuple, Any] = {}  # compile_ahead's executables by (shapes, dtypes, capacity, bounded)
         self._ahead_thread: threading.Thread | None = None
         self.ahead_steps = 0  # steps that ran an executable compiled ahead
+        self._eval_ahead: dict[tuple, Any] = {}  # compile_eval_ahead's executables, keyed as _ahead
+        self._eval_thread: threading.Thread | None = None
+        self.ahead_evals = 0  # eval batches that ran an executable compiled ahead
         self.reuse_shapes = reuse_shapes
         # kind -> the chain of (patches, capacity; inf: whole rows) its batches are padded to, ascending
         self._shapes: dict[str, list[tuple[int, float]]] = {}
@@ -381,6 +385,15 @@ class Trainer:
         spec = self.spec
         shapes = batch_shapes(spec.model, mbs * spec.dp_size, seq_len, patches, spec.grad_accum, dest)
         shards = sharding.batch_shardings({k: s for k, (s, _) in shapes.items()}, spec.mesh, spec.rules, 1)
+        return {k: jax.ShapeDtypeStruct(s, d, sharding=shards[k]) for k, (s, d) in shapes.items()}
+
+    def abstract_eval_batch(self, mbs: int, seq_len: int, patches: int, dest: bool = False) -> dict[str, Any]:
+        """An eval batch of ``mbs`` rows per data-parallel rank (the train job evaluates batches of a microbatch's
+        rows) as ShapeDtypeStructs with the shardings ``prepare(train=False)`` gives its arrays: no microbatch axis."""
+        spec = self.spec
+        shapes = {k: (s[1:], d) for k, (s, d) in
+                  batch_shapes(spec.model, mbs * spec.dp_size, seq_len, patches, 1, dest).items()}
+        shards = sharding.batch_shardings({k: s for k, (s, _) in shapes.items()}, spec.mesh, spec.rules, 0)
         return {k: jax.ShapeDtypeStruct(s, d, sharding=shards[k]) for k, (s, d) in shapes.items()}
 
     @property
@@ -536,32 +549,33 @@ class Trainer:
         compiles as usual; a compile that fails is logged and the step compiles as usual.
         ``kernels_ahead``: the step's Mosaic-GPU kernels compiled alone in other threads beside it
         (``gmm_mgpu.Recording.compile_ahead``; none off a Hopper GPU)."""
-        key = _ahead_key(arrays, capacity, bounded)
-
-        def work() -> None:
-            t0 = time.perf_counter()
-            try:
-                with gmm_mgpu.recording() as kernels:
-                    lowered = self.lower_step(state, arrays, capacity, bounded=bounded)
-                # the step's Mosaic-GPU kernels compiled alone in other threads while XLA compiles the step (which
-                # then finds them compiled; gmm_mgpu.Recording.compile_ahead)
-                compiling = kernels.compile_ahead() if kernels_ahead else []
-                self._ahead[key] = lowered.compile()
-            except Exception as e:  # noqa: BLE001 - the first step compiles the usual way instead
-                log.warning("train step compiled ahead failed (%s: %s); the first step compiles it",
-                            type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
-                return
-            shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items() if k in ("input_ids", "pixel_values"))
-            log.info("train step compiled ahead (%s; loss capacity %s) in %.1f s%s", shapes, capacity or "full rows",
-                     time.perf_counter() - t0,
-                     f" ({len(compiling)} Mosaic-GPU kernels compiled beside it)" if compiling else "")
-
         if self._ahead_thread is not None:
             self._ahead_thread.join()
-        # not a daemon: a run that fails while XLA compiles here waits for the compile at exit, instead of
-        # tearing the interpreter down under it (a segmentation fault on the H200, after a clear error)
-        self._ahead_thread = threading.Thread(target=work, name="compile-ahead", daemon=False)
-        self._ahead_thread.start()
+        self._ahead_thread = _compile_in_thread(
+            "train", lambda: self.lower_step(state, arrays, capacity, bounded=bounded), self._ahead,
+            _ahead_key(arrays, capacity, bounded), arrays, capacity, kernels_ahead, "the first step compiles it")
+
+    def compile_eval_ahead(self, params: Any, arrays: Mapping[str, Any], capacity: int | None, *,
+                           bounded: bool = True, kernels_ahead: bool = True) -> None:
+        """Start compiling the eval step for batches like ``arrays`` (ShapeDtypeStructs with their shardings, e.g.
+        :meth:`abstract_eval_batch`) with this loss ``capacity`` in a background thread, once the train step
+        :meth:`compile_ahead` started is compiled (``params``: the abstract state's); the next :meth:`evaluate` waits
+        for it, and every eval batch of that shape, dtypes, capacity and ``bounded`` runs its executable. It
+        compiles while the first training steps run, so without XLA's autotuning (``xla_gpu_autotune_level`` 0:
+        the library's default algorithms for the eval's GEMMs, no candidates run on the device while the training
+        step holds its memory); a compile that fails is logged and the evaluation compiles as usual."""
+        before = self._ahead_thread  # XLA compiles one step at a time: the train step first, it is waited for
+
+        def lower() -> Any:
+            if before is not None:
+                before.join()
+            return _eval_step.lower(params, dict(arrays), spec=self.spec, capacity=capacity, bounded=bounded)
+
+        if self._eval_thread is not None:
+            self._eval_thread.join()
+        self._eval_thread = _compile_in_thread(
+            "eval", lower, self._eval_ahead, _ahead_key(arrays, capacity, bounded), arrays, capacity, kernels_ahead,
+            "the evaluation compiles it", options=EVAL_AHEAD_OPTIONS)
 
     def lower_step(self, state: Any, arrays: Mapping[str, Any], capacity: int | None = None, *,
                    bounded: bool = False, trace_only: bool = False) -> Any:
@@ -578,9 +592,18 @@ class Trainer:
         """Teacher-forced eval of one batch: ({ce_sum, tokens}, argmax predictions ``[B, S]`` int32
         for this process's rows; -1 where the loss mask is 0 when trained positions were gathered)."""
         batch = self.prepare(host_batch, train=False)
-        self._note_compile("eval", batch.arrays, batch.capacity, batch.bounded)
-        metrics, pred, idx = _eval_step(params, batch.arrays, spec=self.spec, capacity=batch.capacity,
-                                        bounded=batch.bounded)
+        if self._eval_thread is not None:  # the first evaluation waits for the compile started ahead
+            self._eval_thread.join()
+            self._eval_thread = None
+        ahead = self._eval_ahead.get(_ahead_key(batch.arrays, batch.capacity, batch.bounded))
+        if ahead is None:
+            self._note_compile("eval", batch.arrays, batch.capacity, batch.bounded)
+            metrics, pred, idx = _eval_step(params, batch.arrays, spec=self.spec, capacity=batch.capacity,
+                                            bounded=batch.bounded)
+        else:
+            self.compiled.add(("eval", *compile_key(batch.arrays, batch.capacity, batch.bounded)))
+            self.ahead_evals += 1
+            metrics, pred, idx = ahead(params, batch.arrays)
         pred = sharding.host_rows(pred)
         if idx is None:
             return {k: float(v) for k, v in jax.device_get(metrics).items()}, pred
@@ -591,6 +614,41 @@ class Trainer:
         flat = idx[groups, slots]
         full[groups * (b // idx.shape[0]) + flat // s, flat % s] = pred[groups, slots]
         return {k: float(v) for k, v in jax.device_get(metrics).items()}, full
+
+
+# The eval step compiled ahead compiles while training runs: no autotuning (no candidate kernels run on the device,
+# no buffers allocated for them next to the training step's); XLA:CPU ignores the option.
+EVAL_AHEAD_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+def _compile_in_thread(kind: str, lower, into: dict, key: tuple, arrays: Mapping[str, Any], capacity: int | None,
+                       kernels_ahead: bool, fallback: str, options: Mapping[str, Any] | None = None
+                       ) -> threading.Thread:
+    """Lower (``lower()``) and compile a step in a started thread, its executable put in ``into[key]``; the step's
+    Mosaic-GPU kernels compiled alone in other threads while XLA compiles the step (which then finds them compiled;
+    ``gmm_mgpu.Recording.compile_ahead``). A failure is logged (``fallback``: what happens instead)."""
+
+    def work() -> None:
+        t0 = time.perf_counter()
+        try:
+            with gmm_mgpu.recording() as kernels:
+                lowered = lower()
+            compiling = kernels.compile_ahead() if kernels_ahead else []
+            into[key] = lowered.compile(compiler_options=dict(options) if options else None)
+        except Exception as e:  # noqa: BLE001 - the step compiles the usual way instead
+            log.warning("%s step compiled ahead failed (%s: %s); %s", kind, type(e).__name__,
+                        str(e).splitlines()[0][:300] if str(e) else "", fallback)
+            return
+        shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items() if k in ("input_ids", "pixel_values"))
+        log.info("%s step compiled ahead (%s; loss capacity %s) in %.1f s%s", kind, shapes, capacity or "full rows",
+                 time.perf_counter() - t0,
+                 f" ({len(compiling)} Mosaic-GPU kernels compiled beside it)" if compiling else "")
+
+    # not a daemon: a run that fails while XLA compiles here waits for the compile at exit, instead of tearing the
+    # interpreter down under it (a segmentation fault on the H200, after a clear error)
+    thread = threading.Thread(target=work, name=f"compile-ahead-{kind}", daemon=False)
+    thread.start()
+    return thread
 
 
 def build_mesh(layout: Layout, devices: Sequence[jax.Device] | None = None) -> Mesh:

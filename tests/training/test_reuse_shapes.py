@@ -187,6 +187,35 @@ def test_a_step_compiled_ahead_runs_the_batches_of_its_shape_with_their_own_resu
     assert ahead.ahead_steps == 1 and len([k for k in ahead.compiled if k[0] == "train"]) == 2
 
 
+def test_an_eval_step_compiled_ahead_runs_the_eval_batches_of_its_shape_with_their_own_result(tmp_path):
+    """``Trainer.compile_eval_ahead`` (``train.eval_ahead``): the eval step compiled in a background thread after
+    the train step, from abstract inputs (``abstract_eval_batch``: the train step's bucket and capacity, one
+    microbatch's rows), evaluates without the jit path compiling, with the metrics and predictions of the plain
+    trainer's eval of the unpadded batch; a batch of another shape compiles as usual."""
+    from moevlm_jax.training.trainer import _eval_step
+
+    (batch,) = host_batches(tmp_path, 1)
+    patches = batch["pixel_values"].shape[1] + 8  # the reserved bucket above the batch's: its rows padded
+    ahead, plain = _trainer(True), _trainer(False)
+    capacity = ahead.largest_capacity(ROWS, SEQ_LEN)
+    ahead.reserve_patches(patches, capacity=capacity)
+    ahead.reserve_patches(patches, capacity=capacity, train=False)
+    abstract = ahead.abstract_state()
+    ahead.compile_ahead(abstract, ahead.abstract_batch(ROWS, SEQ_LEN, patches), capacity)
+    ahead.compile_eval_ahead(abstract["params"], ahead.abstract_eval_batch(ROWS, SEQ_LEN, patches), capacity)
+    params = ahead.init_state(seed=0)["params"]
+    jitted = _eval_step._cache_size()
+    got, got_pred = ahead.evaluate(params, batch)
+    assert ahead.ahead_evals == 1 and _eval_step._cache_size() == jitted  # the jit path compiled nothing
+    assert [k[0] for k in ahead.compiled] == ["eval"]
+    want, want_pred = plain.evaluate(plain.init_state(seed=0)["params"], batch)
+    assert got["tokens"] == want["tokens"] > 0
+    assert got["ce_sum"] == pytest.approx(want["ce_sum"], rel=1e-6)
+    np.testing.assert_array_equal(got_pred, want_pred)
+    ahead.evaluate(params, _with_patches(batch, 16))  # over the reserved bucket: the usual compile
+    assert ahead.ahead_evals == 1 and len([k for k in ahead.compiled if k[0] == "eval"]) == 2
+
+
 def test_compile_ahead_needs_the_reserved_bucket():
     with pytest.raises(ValueError, match="reserve_largest_bucket"):
         TrainConfig(compile_ahead=True)
@@ -195,7 +224,8 @@ def test_compile_ahead_needs_the_reserved_bucket():
 
 def test_the_loop_compiles_the_first_step_ahead(tmp_path):
     """The train job with ``train.compile_ahead``: its first step runs the executable compiled from the
-    start (the abstract batch matches the loader's arrays: shapes, dtypes, shardings, capacity)."""
+    start, and its evaluation the eval step compiled after it (``train.eval_ahead``; the abstract batches match
+    the loaders' arrays: shapes, dtypes, shardings, capacity)."""
     import yaml
 
     from moevlm_jax.config.run import load_config
@@ -205,8 +235,10 @@ def test_the_loop_compiles_the_first_step_ahead(tmp_path):
     data = tmp_path / "data.yaml"
     data.write_text(yaml.safe_dump(data_config(tmp_path / "cache")))
     cfg = load_config("cpu-default", model="tiny", data=str(data), run_dir=str(tmp_path / "run"), overrides=[
-        "train.steps=2", "train.checkpointing=false", "train.eval_every=0", "train.eval_batches=0",
+        "train.steps=2", "train.checkpointing=false", "train.eval_every=0", "train.eval_batches=2",
         "train.show_answers=0", "train.tensorboard=false", "train.reserve_largest_bucket=true",
         "train.compile_ahead=true", "compute.dtype=float32"])
     summary = loop.run(cfg, progress=False)
-    assert summary["compiled_ahead"] == 2 and summary["compiles"] == 1, summary
+    # and the evaluation at the end ran the eval step compiled ahead, every held-out batch (no other compile)
+    assert summary["compiled_ahead"] == 2 and summary["evals_compiled_ahead"] >= 1, summary
+    assert summary["compiles"] == 2 and len(summary["evals"]) == 1 and summary["evals"][0]["tokens"] > 0, summary
