@@ -16,6 +16,9 @@
 #                module and compiles the parts to PTX / cubin in its compile thread pool, then links them; off by
 #                default in XLA)
 #   llvm_parallel16  the same + --xla_gpu_force_compilation_parallelism=16 (the parts: 16, the host's cores)
+#   eval_ahead     + an evaluation every 10 steps (8 held-out batches; train.eval_ahead, default on: its step compiled
+#                in the background after the training step's): the log's "eval at step 10 ... (N s)" is the stall
+#   eval_jit       the same with train.eval_ahead=false (the eval step compiled at the first evaluation)
 # The summary's "first step done N s after the process started" and its steady useful tokens/s per run.
 # Results under $OUT: log.txt, {name}.log, {name}_metrics.jsonl.
 #   run(command="bash bench/scripts/h200_first_step.sh", carry=[".gpudeps"], timeout_s=600)
@@ -33,7 +36,7 @@ run() {  # name, extra overrides
       --run-dir "/tmp/fs_$name" $COMMON "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/log.txt"
   cp "/tmp/fs_$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
-  grep -E "compiled ahead|-> compile|run .*steps|throughput" "$OUT/$name.log" | cut -c1-300 | tail -5 | tee -a "$OUT/log.txt"
+  grep -E "compiled ahead|-> compile|eval at step|run .*steps|throughput" "$OUT/$name.log" | cut -c1-300 | tail -8 | tee -a "$OUT/log.txt"
 }
 for name in ${RUNS:-ahead_vscan vscan as_written ahead}; do
   case $name in
@@ -43,6 +46,8 @@ for name in ${RUNS:-ahead_vscan vscan as_written ahead}; do
     ahead) run ahead train.compile_ahead=true ;;
     largest) run largest train.reserve_bucket=null ;;
     no_kernels_ahead) run no_kernels_ahead train.kernels_ahead=false ;;
+    eval_ahead) run eval_ahead train.eval_every=10 train.eval_batches=8 ;;
+    eval_jit) run eval_jit train.eval_every=10 train.eval_batches=8 train.eval_ahead=false ;;
     llvm_parallel) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_llvm_module_compilation_parallelism=true" run llvm_parallel ;;
     llvm_parallel16) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_llvm_module_compilation_parallelism=true"\
 " --xla_gpu_force_compilation_parallelism=16" run llvm_parallel16 ;;
