@@ -564,18 +564,13 @@ class Trainer:
         compiles while the first training steps run, so without XLA's autotuning (``xla_gpu_autotune_level`` 0:
         the library's default algorithms for the eval's GEMMs, no candidates run on the device while the training
         step holds its memory); a compile that fails is logged and the evaluation compiles as usual."""
-        before = self._ahead_thread  # XLA compiles one step at a time: the train step first, it is waited for
-
-        def lower() -> Any:
-            if before is not None:
-                before.join()
-            return _eval_step.lower(params, dict(arrays), spec=self.spec, capacity=capacity, bounded=bounded)
-
         if self._eval_thread is not None:
             self._eval_thread.join()
         self._eval_thread = _compile_in_thread(
-            "eval", lower, self._eval_ahead, _ahead_key(arrays, capacity, bounded), arrays, capacity, kernels_ahead,
-            "the evaluation compiles it", options=EVAL_AHEAD_OPTIONS)
+            "eval", lambda: _eval_step.lower(params, dict(arrays), spec=self.spec, capacity=capacity, bounded=bounded),
+            self._eval_ahead, _ahead_key(arrays, capacity, bounded), arrays, capacity, kernels_ahead,
+            "the evaluation compiles it", options=EVAL_AHEAD_OPTIONS,
+            after=self._ahead_thread)  # the training step first: the first step waits for that one
 
     def lower_step(self, state: Any, arrays: Mapping[str, Any], capacity: int | None = None, *,
                    bounded: bool = False, trace_only: bool = False) -> Any:
@@ -622,13 +617,16 @@ EVAL_AHEAD_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 
 def _compile_in_thread(kind: str, lower, into: dict, key: tuple, arrays: Mapping[str, Any], capacity: int | None,
-                       kernels_ahead: bool, fallback: str, options: Mapping[str, Any] | None = None
-                       ) -> threading.Thread:
-    """Lower (``lower()``) and compile a step in a started thread, its executable put in ``into[key]``; the step's
-    Mosaic-GPU kernels compiled alone in other threads while XLA compiles the step (which then finds them compiled;
-    ``gmm_mgpu.Recording.compile_ahead``). A failure is logged (``fallback``: what happens instead)."""
+                       kernels_ahead: bool, fallback: str, options: Mapping[str, Any] | None = None,
+                       after: threading.Thread | None = None) -> threading.Thread:
+    """Lower (``lower()``) and compile a step in a started thread (once ``after`` has ended), its executable put in
+    ``into[key]``; the step's Mosaic-GPU kernels compiled alone in other threads while XLA compiles the step (which
+    then finds them compiled; ``gmm_mgpu.Recording.compile_ahead``). A failure is logged (``fallback``: what happens
+    instead)."""
 
     def work() -> None:
+        if after is not None:
+            after.join()
         t0 = time.perf_counter()
         try:
             with gmm_mgpu.recording() as kernels:
