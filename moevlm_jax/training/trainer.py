@@ -309,11 +309,11 @@ class Trainer:
     def __init__(self, spec: StepSpec, reuse_shapes: bool = False):
         self.spec = spec
         self.compiled: set[tuple] = set()  # (kind, shapes, capacity, bounded) seen: one compile each
-        self._ahead: dict[tuple, Any] = {}  # compile_ahead's executables by (shapes, dtypes, capacity, bounded)
-        self._ahead_thread: threading.Thread | None = None
+        # kind (train / eval) -> the executables compiled ahead (compile_ahead, compile_eval_ahead) by (shapes, dtypes,
+        # capacity, bounded), and the thread compiling one
+        self._ahead: dict[str, dict[tuple, Any]] = {"train": {}, "eval": {}}
+        self._ahead_threads: dict[str, threading.Thread | None] = {"train": None, "eval": None}
         self.ahead_steps = 0  # steps that ran an executable compiled ahead
-        self._eval_ahead: dict[tuple, Any] = {}  # compile_eval_ahead's executables, keyed as _ahead
-        self._eval_thread: threading.Thread | None = None
         self.ahead_evals = 0  # eval batches that ran an executable compiled ahead
         self.reuse_shapes = reuse_shapes
         # kind -> the chain of (patches, capacity; inf: whole rows) its batches are padded to, ascending
@@ -529,16 +529,25 @@ class Trainer:
         """One optimizer step over the global batch (``state`` is donated); metrics stay on device:
         loss, ce_loss, router_aux_loss, router_z_loss, router_loss, moe/load_* (expert load, see
         ``router.expert_load_metrics``), grad_norm, lr, skipped, trained_tokens."""
-        if self._ahead_thread is not None:  # the first step waits for the compile started ahead
-            self._ahead_thread.join()
-            self._ahead_thread = None
-        ahead = self._ahead.get(_ahead_key(batch.arrays, batch.capacity, batch.bounded))
+        ahead = self._compiled_ahead("train", batch)
         if ahead is None:
-            self._note_compile("train", batch.arrays, batch.capacity, batch.bounded)
             return _train_step(state, batch.arrays, spec=self.spec, capacity=batch.capacity, bounded=batch.bounded)
-        self.compiled.add(("train", *compile_key(batch.arrays, batch.capacity, batch.bounded)))
         self.ahead_steps += 1
         return ahead(state, batch.arrays)
+
+    def _compiled_ahead(self, kind: str, batch: DeviceBatch) -> Any:
+        """The executable of ``kind`` compiled ahead for ``batch`` (the first call waits for the compile started
+        ahead), or None: the jit path compiles the batch's step (logged when new)."""
+        thread = self._ahead_threads[kind]
+        if thread is not None:
+            thread.join()
+            self._ahead_threads[kind] = None
+        ahead = self._ahead[kind].get(_ahead_key(batch.arrays, batch.capacity, batch.bounded))
+        if ahead is None:
+            self._note_compile(kind, batch.arrays, batch.capacity, batch.bounded)
+        else:
+            self.compiled.add((kind, *compile_key(batch.arrays, batch.capacity, batch.bounded)))
+        return ahead
 
     def compile_ahead(self, state: Any, arrays: Mapping[str, Any], capacity: int | None, *,
                       bounded: bool = True, kernels_ahead: bool = True) -> None:
@@ -549,10 +558,10 @@ class Trainer:
         compiles as usual; a compile that fails is logged and the step compiles as usual.
         ``kernels_ahead``: the step's Mosaic-GPU kernels compiled alone in other threads beside it
         (``gmm_mgpu.Recording.compile_ahead``; none off a Hopper GPU)."""
-        if self._ahead_thread is not None:
-            self._ahead_thread.join()
-        self._ahead_thread = _compile_in_thread(
-            "train", lambda: self.lower_step(state, arrays, capacity, bounded=bounded), self._ahead,
+        if self._ahead_threads["train"] is not None:
+            self._ahead_threads["train"].join()
+        self._ahead_threads["train"] = _compile_in_thread(
+            "train", lambda: self.lower_step(state, arrays, capacity, bounded=bounded), self._ahead["train"],
             _ahead_key(arrays, capacity, bounded), arrays, capacity, kernels_ahead, "the first step compiles it")
 
     def compile_eval_ahead(self, params: Any, arrays: Mapping[str, Any], capacity: int | None, *,
@@ -564,13 +573,13 @@ class Trainer:
         compiles while the first training steps run, so without XLA's autotuning (``xla_gpu_autotune_level`` 0:
         the library's default algorithms for the eval's GEMMs, no candidates run on the device while the training
         step holds its memory); a compile that fails is logged and the evaluation compiles as usual."""
-        if self._eval_thread is not None:
-            self._eval_thread.join()
-        self._eval_thread = _compile_in_thread(
+        if self._ahead_threads["eval"] is not None:
+            self._ahead_threads["eval"].join()
+        self._ahead_threads["eval"] = _compile_in_thread(
             "eval", lambda: _eval_step.lower(params, dict(arrays), spec=self.spec, capacity=capacity, bounded=bounded),
-            self._eval_ahead, _ahead_key(arrays, capacity, bounded), arrays, capacity, kernels_ahead,
+            self._ahead["eval"], _ahead_key(arrays, capacity, bounded), arrays, capacity, kernels_ahead,
             "the evaluation compiles it", options=EVAL_AHEAD_OPTIONS,
-            after=self._ahead_thread)  # the training step first: the first step waits for that one
+            after=self._ahead_threads["train"])  # the training step first: the first step waits for that one
 
     def lower_step(self, state: Any, arrays: Mapping[str, Any], capacity: int | None = None, *,
                    bounded: bool = False, trace_only: bool = False) -> Any:
@@ -587,16 +596,11 @@ class Trainer:
         """Teacher-forced eval of one batch: ({ce_sum, tokens}, argmax predictions ``[B, S]`` int32
         for this process's rows; -1 where the loss mask is 0 when trained positions were gathered)."""
         batch = self.prepare(host_batch, train=False)
-        if self._eval_thread is not None:  # the first evaluation waits for the compile started ahead
-            self._eval_thread.join()
-            self._eval_thread = None
-        ahead = self._eval_ahead.get(_ahead_key(batch.arrays, batch.capacity, batch.bounded))
+        ahead = self._compiled_ahead("eval", batch)
         if ahead is None:
-            self._note_compile("eval", batch.arrays, batch.capacity, batch.bounded)
             metrics, pred, idx = _eval_step(params, batch.arrays, spec=self.spec, capacity=batch.capacity,
                                             bounded=batch.bounded)
         else:
-            self.compiled.add(("eval", *compile_key(batch.arrays, batch.capacity, batch.bounded)))
             self.ahead_evals += 1
             metrics, pred, idx = ahead(params, batch.arrays)
         pred = sharding.host_rows(pred)
