@@ -235,20 +235,21 @@ def _record(fn, args: tuple, kw: dict) -> None:
     rec = getattr(_recording, "current", None)
     if rec is None or kw.get("interpret") is not None:
         return
-    avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
+    avals = tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
     static = tuple(sorted(kw.items()))
-    rec.kernels.setdefault((fn.__name__, tuple((a.shape, str(a.dtype)) for a in avals), static), (fn, avals, static))
+    key = tuple(None if a is None else (a.shape, str(a.dtype)) for a in avals)
+    rec.kernels.setdefault((fn.__name__, key, static), (fn, avals, static))
 
 
-def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None = None, *, trans_w: bool = False,
-        config: Config | None = None, interpret=None, num_sms: int | None = None,
-        swiglu: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None = None,
+        row_w: jax.Array | None = None, *, trans_w: bool = False, config: Config | None = None, interpret=None,
+        num_sms: int | None = None, swiglu: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` -> ``[M, N]`` (with ``trans_w``: ``w [G, N, K]`` read
     transposed, i.e. ``x @ w[g]^T``). Rows past ``sum(group_sizes)`` are left unwritten. ``interpret``: a
     ``InterpretGPUParams`` to run the kernel in Pallas' GPU interpreter (tests on CPU). ``swiglu``: :func:`gmm_swiglu`;
-    ``h``: :func:`gmm_dswiglu`."""
+    ``h``: :func:`gmm_dswiglu`; ``row_w``: their routing-weighted forms."""
     kw = dict(trans_w=trans_w, config=config, interpret=interpret, num_sms=num_sms, swiglu=swiglu)
-    args = (x, w, group_sizes) if h is None else (x, w, group_sizes, h)
+    args = (x, w, group_sizes) if h is None and row_w is None else (x, w, group_sizes, h, row_w)
     _record(_gmm, args, kw)
     return _gmm(*args, **kw)
 
@@ -279,8 +280,9 @@ def _traced_alone(fn):
 # compile).
 @functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms", "swiglu"))
 @_traced_alone
-def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None = None, *, trans_w: bool,
-         config: Config | None, interpret, num_sms: int | None, swiglu: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
+def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None = None,
+         row_w: jax.Array | None = None, *, trans_w: bool, config: Config | None, interpret, num_sms: int | None,
+         swiglu: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     cfg = config or CONFIGS["dx" if trans_w else "fwd"]
@@ -299,6 +301,10 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
     if dswiglu and (swiglu or cfg.wg_m or h.shape != (m, 2 * n) or h.dtype != x.dtype):
         raise ValueError(f"gmm_mgpu: SwiGLU's backward needs h [{m}, {2 * n}] {x.dtype} (got {h.shape} {h.dtype}), "
                          f"no swiglu, no wg_m")
+    weighted = row_w is not None  # act scaled by each row's routing weight (swiglu) / that scale's backward (dswiglu)
+    if weighted and (not (swiglu or dswiglu) or row_w.shape != (m,) or row_w.dtype != jnp.float32):
+        raise ValueError(f"gmm_mgpu: row weights are float32 [{m}] (got {row_w.shape} {row_w.dtype}), for SwiGLU in "
+                         f"the epilogue (swiglu or h) only")
     cta_n = 2 * tn
     inter = n if dswiglu else n // 2  # swiglu / dswiglu: the gate half's columns, then the up half's
     split_m = bool(cfg.wg_m or swiglu)
@@ -337,10 +343,12 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
         )
 
     def kernel(used_gmem, group_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, *refs):
-        if dswiglu:
-            h_gmem, out_gmem, act_gmem = *refs, None
-        else:
-            h_gmem, out_gmem, act_gmem = None, refs[0], refs[1] if swiglu else None
+        refs = list(refs)  # inputs h, row_w; outputs out, act (swiglu), the row sums (dswiglu, weighted)
+        h_gmem = refs.pop(0) if dswiglu else None
+        w_gmem = refs.pop(0) if weighted else None
+        out_gmem = refs.pop(0)
+        act_gmem = refs.pop(0) if swiglu else None
+        sums_gmem = refs.pop(0) if dswiglu and weighted else None
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
         if swiglu:
             b_blocks = (b_gmem.at[0, :, pl.ds(0, tn)],) * 2
@@ -351,12 +359,16 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
         epi = (dict(out_smem=plgpu.SMEM((2, 2, 2, em, en), dtype),
                     h_bar=plgpu.Barrier(num_arrivals=2, num_barriers=4)) if dswiglu
                else dict(out_smem=plgpu.SMEM((2, nbuf, em, en), dtype)))
+        if weighted:  # each warpgroup's rows' weights, loaded by TMA; dswiglu: its rows' sums of d(act_w) * act
+            epi.update(w_smem=plgpu.SMEM((2, wm), jnp.float32), w_bar=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+            if dswiglu:
+                epi.update(sums_smem=plgpu.SMEM((2, wm), jnp.float32))
 
         @functools.partial(pl.run_scoped,
                            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem.at[pl.ds(0, tm), :],
                                                                                           *b_blocks),
                            collective_axes="wg", **epi)
-        def scope(pipeline_allocs, out_smem, h_bar=None):
+        def scope(pipeline_allocs, out_smem, h_bar=None, w_smem=None, w_bar=None, sums_smem=None):
             wg = lax.axis_index("wg")
             # chained: a loop over the used tiles only, so that every visited tile runs a pipeline
             rows = used_gmem[0] if chain else n_tiles
@@ -375,14 +387,21 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                     col0 = ni * tn if swiglu else ni * cta_n + (0 if split_m else wg * tn)
                     mine = (skip + count > 0) & (skip < wm)  # this warpgroup's rows hold some of the group's
 
+                    def load_weights():  # this warpgroup's rows' routing weights, while the product runs
+                        if weighted:
+                            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(start + wm0, wm)], w_smem.at[wg], w_bar.at[wg])
+
                     def compute_context(eval_pipeline):
                         if swiglu:
                             @functools.partial(pl.run_scoped, acc_g=plgpu.ACC((wm, wn), jnp.float32),
                                                acc_u=plgpu.ACC((wm, wn), jnp.float32))
                             def _(acc_g, acc_u):
+                                load_weights()
                                 eval_pipeline((acc_g, acc_u))
                                 if delay:
                                     plgpu.wgmma_wait(0)
+                                if weighted:  # (every warpgroup waits for its load, with rows of the group or not)
+                                    plgpu.barrier_wait(w_bar.at[wg])
                                 pl.when(mine)(lambda: store_swiglu(acc_g, acc_u))
                             return
 
@@ -390,6 +409,7 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                         def _(acc_ref):
                             if dswiglu:  # h's first two slabs load while the tile's product runs
                                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last tile's stores read)
+                                load_weights()
                                 for sl in range(min(2, n_slabs)):
                                     load_h(sl)
                             eval_pipeline(acc_ref)
@@ -412,7 +432,10 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                         # parallelism.permute.swiglu computes it from h)
                         gate, up = acc_g[...].astype(dtype), acc_u[...].astype(dtype)
                         g32 = gate.astype(jnp.float32)
-                        act = (g32 / (1.0 + jnp.exp(-g32)) * up.astype(jnp.float32)).astype(dtype)
+                        act = g32 / (1.0 + jnp.exp(-g32)) * up.astype(jnp.float32)
+                        if weighted:  # act_w = act * the row's routing weight, rounded once
+                            act = act * lax.broadcast_in_dim(w_smem[wg], (wm, wn), (0,))
+                        act = act.astype(dtype)
                         prev = store(gate, out_gmem, col0)
                         prev = store(up, out_gmem, inter + col0, prev)
                         store(act, act_gmem, col0, prev)
@@ -435,8 +458,13 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                         """d(h) = SwiGLU's backward of d(act) = this warpgroup's product, slab by slab: h's gate and
                         up slabs (loaded ahead, two in flight) read, overwritten with d(gate), d(up) (float32 from
                         the product rounded to the output dtype and h, as JAX's gradient of permute.swiglu), those
-                        stored (only the group's rows), the buffer refilled with the slab after next."""
+                        stored (only the group's rows), the buffer refilled with the slab after next. Weighted: the
+                        product is d(act_w), d(act) = it times the row's weight, and each row's sum of d(act_w) *
+                        act (its weight's gradient, over this warpgroup's columns) is stored for the whole window."""
                         acc = acc_ref[...].astype(dtype)
+                        if weighted:
+                            plgpu.barrier_wait(w_bar.at[wg])
+                        sums = [None] * (wm // em)
                         for sl in range(n_slabs):
                             b = sl % 2
                             r, c = slab_at(sl)
@@ -446,6 +474,10 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                             up = out_smem[wg, b, 1].astype(jnp.float32)
                             da = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en].astype(jnp.float32)
                             sig = 1.0 / (1.0 + jnp.exp(-gate))
+                            if weighted:
+                                part = jnp.sum(da * (gate * sig * up), axis=1)
+                                sums[mi] = part if sums[mi] is None else sums[mi] + part
+                                da = da * lax.broadcast_in_dim(w_smem[wg, pl.ds(mi * em, em)], (em, en), (0,))
                             out_smem[wg, b, 1] = (da * (gate * sig)).astype(dtype)
                             out_smem[wg, b, 0] = (da * up * (sig + gate * sig * (1.0 - sig))).astype(dtype)
                             plgpu.commit_smem()
@@ -456,6 +488,11 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                             if sl + 2 < n_slabs:  # the buffer's stores read before it is refilled
                                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                                 load_h(sl + 2)
+                        if weighted:  # the window's row sums: XLA keeps the group's rows (_row_sums)
+                            for mi, part in enumerate(sums):
+                                sums_smem[wg, pl.ds(mi * em, em)] = part
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(sums_smem.at[wg], sums_gmem.at[ni * 2 + wg, t])
 
                     def store_rows(slab, o_gmem, row, c0, s, c):
                         """Rows ``[s, s + c)`` of ``slab`` (shared memory) to ``o_gmem`` from row ``row + s``, column
@@ -547,24 +584,42 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
     out_type = jax.ShapeDtypeStruct((m, 2 * n if dswiglu else n), dtype)
     if swiglu:
         out_type = (out_type, jax.ShapeDtypeStruct((m, inter), dtype))
+    if dswiglu and weighted:  # per (warpgroup's column block, tile): the window's row sums
+        out_type = (out_type, jax.ShapeDtypeStruct((n // tn, n_tiles, tm), jnp.float32))
     call = _ws_kernel(plgpu, kernel, out_type, num_sms, interpret)
-    return call(n_used, group, row0, lo_rows, hi_rows, x, w, *(() if h is None else (h,)))
+    out = call(n_used, group, row0, lo_rows, hi_rows, x, w, *(a for a in (h, row_w) if a is not None))
+    if dswiglu and weighted:
+        return out[0], _row_sums(out[1], row0, lo_rows, hi_rows, m)
+    return out
 
 
-def gmm_swiglu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config: Config | None = None, interpret=None,
-               num_sms: int | None = None) -> tuple[jax.Array, jax.Array]:
+def _row_sums(sums: jax.Array, row0: jax.Array, lo: jax.Array, hi: jax.Array, m: int) -> jax.Array:
+    """``[M]`` float32: each row's sum over the column blocks of ``sums [blocks, tiles, tile_m]`` (a tile's window
+    rows, :func:`block_table`), from the one tile whose ``[lo, hi)`` holds the row; rows past the groups 0. A
+    window's rows outside its group (another tile's, or never written: unused tiles) are dropped unread."""
+    total = jnp.sum(sums, axis=0)
+    rows = row0[:, None] + jnp.arange(sums.shape[2], dtype=jnp.int32)[None]
+    mine = (rows >= lo[:, None]) & (rows < hi[:, None])
+    return jnp.zeros((m,), jnp.float32).at[jnp.where(mine, rows, m)].add(jnp.where(mine, total, 0.0), mode="drop")
+
+
+def gmm_swiglu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, row_w: jax.Array | None = None, *,
+               config: Config | None = None, interpret=None, num_sms: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The experts' first matmul with SwiGLU in its epilogue: ``x [M, K]``, ``w [G, K, 2I]`` (gate columns first) ->
     ``h = x @ w[g]`` ``[M, 2I]`` and ``act = silu(gate) * up`` ``[M, I]`` (float32 from h's rounded values), rows past
     ``sum(group_sizes)`` unwritten in both. Each CTA owns ``tile_n`` gate columns and the matching up columns (two
     weight blocks a step, two accumulators a warpgroup), its compute warpgroups on the tile's row halves (as
     ``Config.wg_m``), so that a warpgroup holds both halves of its rows' SwiGLU. Saves the elementwise pass that reads
     h and writes act (bench/moe_layer.md: 0.15 / 0.36 ms a layer at the 30B-A3B / 235B-A22B shapes); not yet timed on
-    a GPU (tested in the interpreter)."""
-    return gmm(x, w, group_sizes, config=config, interpret=interpret, num_sms=num_sms, swiglu=True)
+    a GPU (tested in the interpreter). ``row_w [M]`` float32: act weighted by each row's routing weight,
+    ``act_w = silu(gate) * up * row_w`` (Megatron's weighted SwiGLU; each warpgroup loads its rows' weights by TMA
+    while its product runs), so that the combine after the experts is an unweighted sum."""
+    return gmm(x, w, group_sizes, None, row_w, config=config, interpret=interpret, num_sms=num_sms, swiglu=True)
 
 
-def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array, *, trans_w: bool = True,
-                config: Config | None = None, interpret=None, num_sms: int | None = None) -> jax.Array:
+def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array, row_w: jax.Array | None = None, *,
+                trans_w: bool = True, config: Config | None = None, interpret=None,
+                num_sms: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The experts' down projection's d(x) with SwiGLU's backward in its epilogue: ``dy [M, H]``, ``w [G, I, H]`` (the
     down weights as stored, read transposed; ``trans_w=False``: ``[G, H, I]``), ``h [M, 2I]`` the gate_up forward's
     output -> ``d(h) [M, 2I]``, JAX's gradient of ``permute.swiglu`` at ``h`` for ``d(act) = dy @ w[g]^T`` rounded to
@@ -573,8 +628,12 @@ def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Arra
     two in flight), computes d(gate) and d(up) into those buffers and stores them from there. Saves SwiGLU's backward
     pass, which reads h and d(act) and writes d(h) (bench/moe_layer.md: 0.23 / 0.48 ms a layer at the 30B-A3B /
     235B-A22B shapes), less the loads the epilogue waits for; not yet timed on a GPU (tested in the interpreter,
-    ``trans_w=False``)."""
-    return gmm(dy, w, group_sizes, h, trans_w=trans_w, config=config, interpret=interpret, num_sms=num_sms)
+    ``trans_w=False``). ``row_w [M]`` float32 (the backward of ``gmm_swiglu(..., row_w)``; ``dy`` then the
+    cotangent of ``act_w @ w``): the product is d(act_w), SwiGLU's backward takes ``d(act) = d(act_w) * row_w``,
+    and the routing weights' gradient ``sum_j d(act_w)[m, j] * act[m, j]`` comes back too: ``(d(h), d(row_w) [M])``
+    (each warpgroup stores its window's row sums over its columns, float32, and XLA adds the blocks' and keeps each
+    row's from its own tile: :func:`_row_sums`)."""
+    return gmm(dy, w, group_sizes, h, row_w, trans_w=trans_w, config=config, interpret=interpret, num_sms=num_sms)
 
 
 @dataclasses.dataclass(frozen=True)

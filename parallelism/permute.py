@@ -261,12 +261,12 @@ def expert_ffn(
     q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
     if _fused(backend, q, "swiglu"):
         return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down, zero_tail_rows)
-    if (backend == "triton" and q is None and not zero_tail_rows and FUSE & {"mgpu_swiglu", "mgpu_swiglu_bwd"}
+    if (backend == "triton" and q is None and not zero_tail_rows and FUSE & MGPU_SWIGLU
             and mgpu_swiglu_takes(rows.shape[0], rows.shape[1], w_gate_up.shape[2], rows.dtype)):
         wgu, sizes = w_gate_up.astype(rows.dtype), group_sizes.astype(jnp.int32)
         with jax.named_scope(FFN_SCOPE):
-            if "mgpu_swiglu_bwd" in FUSE and mgpu_takes("dx", rows.shape[0], w_down.shape[2], w_down.shape[1],
-                                                          rows.dtype):
+            if FUSE & {"mgpu_swiglu_bwd", "mgpu_weighted"} and mgpu_takes(
+                    "dx", rows.shape[0], w_down.shape[2], w_down.shape[1], rows.dtype):
                 y = _mgpu_swiglu_experts(rows, wgu, w_down.astype(rows.dtype), sizes)
                 return checkpoint_name(y, MOE_EXPERT_OUT)
             _, act = _mgpu_gate_up_swiglu(rows, wgu, sizes)
@@ -307,6 +307,14 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
     q = fp8.experts_scope()
     # the row kernels leave rows past sum(counts) unwritten: the Triton / Mosaic expert kernels read none of them
     kernels = backend == "triton" and q is None
+    if kernels and "mgpu_weighted" in FUSE and _weighted_takes(slot.shape[0], w_gate_up, w_down, x.dtype):
+        rows = (dispatch_rows_kernel if "dispatch" in KERNELS else dispatch_rows)(x, src, slot, k)
+        valid = src >= 0
+        row_w = jnp.where(valid, jnp.take(w.reshape(-1), jnp.where(valid, src, 0)), 0).astype(jnp.float32)
+        with jax.named_scope(FFN_SCOPE):
+            y = _mgpu_weighted_experts(checkpoint_name(rows, MOE_PERMUTED), w_gate_up.astype(x.dtype),
+                                       w_down.astype(x.dtype), plan.counts.astype(jnp.int32), row_w)
+        return sum_rows(checkpoint_name(y, MOE_EXPERT_OUT), src, slot, k, "dispatch" in KERNELS)
     if _fused(backend, q, "gather") and (
             FUSE_SET or not mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype)):
         y = _fused_ffn(x, jnp.where(src >= 0, src // k, 0), slot, k, plan.counts, w_gate_up, w_down, False)
@@ -367,6 +375,67 @@ def _mgpu_swiglu_experts_bwd(res, g):
 _mgpu_swiglu_experts.defvjp(_mgpu_swiglu_experts_fwd, _mgpu_swiglu_experts_bwd)
 
 
+MGPU_SWIGLU = frozenset({"mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted"})  # SwiGLU in the Mosaic gate_up forward
+
+
+def _weighted_takes(m: int, w_gate_up: jax.Array, w_down: jax.Array, dtype: Any) -> bool:
+    """Whether the experts of ``m`` sorted rows run weighted on the Mosaic kernels (FUSE "mgpu_weighted"): the gate_up
+    forward with SwiGLU in its epilogue and the down projection's d(x) on the Mosaic-GPU kernel."""
+    return (mgpu_swiglu_takes(m, w_gate_up.shape[1], w_gate_up.shape[2], dtype)
+            and mgpu_takes("dx", m, w_down.shape[2], w_down.shape[1], dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def sum_rows(y: jax.Array, src: jax.Array, slot: jax.Array, top_k: int, kernel: bool) -> jax.Array:
+    """The unweighted combine: ``out[t] = sum_k y[slot[t*K + k]]`` (float32 sum), y ``[S, H]`` -> ``[T, H]``, for
+    experts whose output already carries the routing weights (FUSE "mgpu_weighted"). It is :func:`dispatch_rows`'
+    transpose, and its backward that dispatch of g (``kernel``: the Triton row kernel, the buffer's rows no
+    assignment maps to unwritten)."""
+    return _sum_of_choices(y, slot, top_k).astype(y.dtype)
+
+
+def _sum_rows_fwd(y, src, slot, top_k, kernel):
+    return sum_rows(y, src, slot, top_k, kernel), (src, slot)
+
+
+def _sum_rows_bwd(top_k, kernel, res, g):
+    src, slot = res
+    dy = permute_triton.dispatch(g, slot, top_k, src.shape[0]) if kernel else _take_rows(g, src // top_k, src >= 0)
+    return dy, None, None
+
+
+sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
+
+
+@jax.custom_vjp
+def _mgpu_weighted_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
+                           row_w: jax.Array) -> jax.Array:
+    """:func:`_mgpu_swiglu_experts` with each row's routing weight ``row_w [M]`` (float32) applied to act in the
+    gate_up forward's epilogue (FUSE "mgpu_weighted"): ``y = (silu(gate) * up * row_w) @ w_down[g]``. The backward's
+    down d(x) kernel (``gmm_mgpu.gmm_dswiglu`` with the row weights) gives d(h) and d(row_w); the down d(w) reads the
+    weighted act it saved. Rows past ``sum(group_sizes)`` unwritten (the caller reads none)."""
+    return _mgpu_weighted_experts_fwd(x, w_gate_up, w_down, group_sizes, row_w)[0]
+
+
+def _mgpu_weighted_experts_fwd(x, w_gate_up, w_down, group_sizes, row_w):
+    h, act_w = gmm_mgpu.gmm_swiglu(x, w_gate_up, group_sizes, row_w)
+    y = plain_gmm(act_w, w_down, group_sizes)
+    return y, (x, w_gate_up, w_down, group_sizes, checkpoint_name(h, MOE_GATE_UP), checkpoint_name(act_w, MOE_ACT),
+               row_w)
+
+
+def _mgpu_weighted_experts_bwd(res, g):
+    x, w_gate_up, w_down, group_sizes, h, act_w, row_w = res
+    g = g.astype(x.dtype)
+    dh, d_row_w = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h, row_w)
+    dw_down = plain_tgmm(act_w, g, group_sizes, out_dtype=w_down.dtype)
+    dx = plain_gmm(dh, w_gate_up, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten (never read)
+    return dx, plain_tgmm(x, dh, group_sizes, out_dtype=w_gate_up.dtype), dw_down, None, d_row_w
+
+
+_mgpu_weighted_experts.defvjp(_mgpu_weighted_experts_fwd, _mgpu_weighted_experts_bwd)
+
+
 # ----------------------------------------------------------------------------- fused Triton experts
 
 # Which fusions the Triton experts use (outside FP8), from $MOEVLM_MOE_FUSE at import (a comma list, "" for
@@ -397,7 +466,13 @@ FUSE_ENV = "MOEVLM_MOE_FUSE"
 # - "mgpu_swiglu_bwd": "mgpu_swiglu" and, where the down projection's d(x) runs on the Mosaic-GPU kernel too,
 #   SwiGLU's backward in that kernel's epilogue (gmm_mgpu.gmm_dswiglu: it writes d(h) from h and its d(act); the
 #   elementwise pass that reads both and writes d(h) goes). Not yet timed on a GPU (tested in the interpreter).
-FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu", "mgpu_swiglu_bwd")
+# - "mgpu_weighted": "mgpu_swiglu_bwd" and, in the local dropless experts (sorted_experts), the routing weights
+#   applied to act in the gate_up forward's epilogue (Megatron's weighted SwiGLU: act_w = silu(gate) * up * weight),
+#   so that the combine is an unweighted sum of each token's rows whose backward is the dispatch of g: the combine
+#   backward's read of the experts' output y ([A, H], ~0.5 GB a layer at the 30B-A3B shapes) goes; the weights'
+#   gradient (sum of d(act_w) * act per row) comes from the down projection's d(x) epilogue
+#   (gmm_mgpu.gmm_dswiglu with row weights). Not yet timed on a GPU (tested in the interpreter).
+FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted")
 FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
 FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather").split(",") if f)
 if FUSE - set(FUSIONS):

@@ -136,6 +136,67 @@ def test_swiglu_backward_kernel_in_the_gpu_interpreter_matches_jax_gradient_of_s
         gmm_mgpu.gmm_dswiglu(dy, w, jnp.asarray(sizes), h[:, :384], trans_w=False, config=cfg)
 
 
+def test_weighted_swiglu_kernels_in_the_gpu_interpreter_match_jax_gradient_of_weighted_swiglu(sms=3):
+    """gmm_swiglu / gmm_dswiglu with row weights (Megatron's weighted SwiGLU): act_w = silu(gate) * up * weight from
+    h's rounded values, rounded once; its backward's d(h) and the weights' gradient (row sums of d(act_w) * act) as JAX
+    differentiates that function at h for d(act_w) = dy @ w[g] as gmm gives it. Rows of five groups, h's rows past
+    them NaN (the weights' gradient there 0: _row_sums keeps each row from its own tile); both kernels lowered for a
+    GPU (the row vectors in wgmma's layout) too."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    def weighted_swiglu(h, row_w):
+        gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+        return (jax.nn.silu(gate) * up * row_w[:, None]).astype(h.dtype)
+
+    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
+    run = dict(config=cfg, interpret=InterpretGPUParams(), num_sms=sms)
+    m, k, n = 256, 128, 256
+    sizes = np.array([70, 0, 100, 10, 60], np.int32)  # 240 of 256 rows
+    used = int(sizes.sum())
+    ks = jax.random.split(jax.random.key(8), 5)
+    x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    wgu = (jax.random.normal(ks[1], (len(sizes), k, 2 * n), jnp.float32) / 8).astype(jnp.bfloat16)
+    row_w = jax.random.uniform(ks[2], (m,), jnp.float32, 0.05, 1.0)
+    h, act_w = gmm_mgpu.gmm_swiglu(x, wgu, jnp.asarray(sizes), row_w, **run)
+    want = np.asarray(weighted_swiglu(h[:used], row_w[:used]), np.float32)
+    got = np.asarray(act_w[:used], np.float32)
+    np.testing.assert_allclose(got, want, rtol=8e-3, atol=1e-6)  # the same bf16 h: equal but for the sigmoid's bits
+    assert np.mean(got == want) > 0.99
+    plain_h, plain_act = gmm_mgpu.gmm_swiglu(x, wgu, jnp.asarray(sizes), **run)
+    np.testing.assert_array_equal(np.asarray(h[:used]), np.asarray(plain_h[:used]))
+    assert not np.allclose(got, np.asarray(plain_act[:used], np.float32), rtol=0.05)  # the weights did apply
+
+    dy = jax.random.normal(ks[3], (m, k), jnp.float32).astype(jnp.bfloat16)
+    wd = (jax.random.normal(ks[4], (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)  # [G, H, I] untransposed
+    h_nan = jax.random.normal(ks[2], (m, 2 * n), jnp.float32).at[used:].set(jnp.nan).astype(jnp.bfloat16)
+    dh, d_row_w = gmm_mgpu.gmm_dswiglu(dy, wd, jnp.asarray(sizes), h_nan, row_w, trans_w=False, **run)
+    assert dh.shape == (m, 2 * n) and d_row_w.shape == (m,) and d_row_w.dtype == jnp.float32
+    d_act_w = gmm_mgpu.gmm(dy, wd, jnp.asarray(sizes), **run)
+    want_dh, want_dw = jax.vjp(weighted_swiglu, h_nan[:used], row_w[:used])[1](d_act_w[:used])
+    got_dh = np.asarray(dh[:used], np.float32)
+    want_dh = np.asarray(want_dh, np.float32)
+    assert np.isfinite(got_dh).all()
+    np.testing.assert_allclose(got_dh, want_dh, rtol=1e-2, atol=1e-3 * np.abs(want_dh).max())
+    assert np.mean(got_dh == want_dh) > 0.95
+    # float32 sums of the same float32 products over 256 columns, in another order
+    np.testing.assert_allclose(np.asarray(d_row_w[:used]), np.asarray(want_dw), rtol=1e-4,
+                               atol=1e-5 * np.abs(np.asarray(want_dw)).max())
+    np.testing.assert_array_equal(np.asarray(d_row_w[used:]), 0.0)
+    with pytest.raises(ValueError, match="row weights"):
+        gmm_mgpu.gmm_swiglu(x, wgu, jnp.asarray(sizes), row_w.astype(jnp.bfloat16), config=cfg)
+    with pytest.raises(ValueError, match="row weights"):
+        gmm_mgpu.gmm(x, wgu, jnp.asarray(sizes), None, row_w, config=cfg)  # a plain matmul takes no row weights
+
+    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    spec = jax.ShapeDtypeStruct
+    for fn, args in [(gmm_mgpu.gmm_swiglu, (spec((1024, 256), bf), spec((4, 256, 512), bf), spec((4,), i32),
+                                            spec((1024,), f32))),
+                     (gmm_mgpu.gmm_dswiglu, (spec((1024, 256), bf), spec((4, 256, 256), bf), spec((4,), i32),
+                                             spec((1024, 512), bf), spec((1024,), f32)))]:
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert lowered.count("mosaic_gpu_v2") >= 1
+
+
 def test_shape_checks_name_the_problem():
     x = jnp.zeros((256, 100), jnp.bfloat16)
     w = jnp.zeros((2, 100, 256), jnp.bfloat16)
@@ -307,13 +368,14 @@ def _kernel_hashes(lowered) -> list[str]:
     return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', lowered.as_text())
 
 
-@pytest.mark.parametrize("fuse", ["", "mgpu_swiglu", "mgpu_swiglu_bwd"])
+@pytest.mark.parametrize("fuse", ["", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted"])
 def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypatch, fuse):
     """Trainer.compile_ahead compiles the Mosaic kernels a step records (gmm_mgpu.recording) alone, beside the step's
     compile, so that XLA finds them compiled (jaxlib keys a compiled kernel by its module's hash). Lowered for a GPU on
-    this CPU: the experts' forward and backward (the real expert_ffn, the Mosaic kernels taken where the shapes fit)
-    record each distinct kernel once, and each recorded kernel lowered alone is one of the step's modules, bit for bit
-    (the backward's kernels too, which JAX traces under the forward call's source locations: gmm_mgpu._traced_alone)."""
+    this CPU: the experts' forward and backward (the real expert_ffn, the Mosaic kernels taken where the shapes fit;
+    "mgpu_weighted": the real sorted_experts, its kernels with the row weights) record each distinct kernel once, and
+    each recorded kernel lowered alone is one of the step's modules, bit for bit (the backward's kernels too, which JAX
+    traces under the forward call's source locations: gmm_mgpu._traced_alone)."""
     from parallelism import grouped_matmul as gmmod
     from parallelism import permute
 
@@ -329,11 +391,17 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
     rows, s = jax.ShapeDtypeStruct((512, 256), bf), jax.ShapeDtypeStruct((4,), jnp.int32)
     wgu, wd = jax.ShapeDtypeStruct((4, 256, 512), bf), jax.ShapeDtypeStruct((4, 256, 256), bf)
 
+    plan = permute.route_plan(jnp.arange(512, dtype=jnp.int32).reshape(256, 2) % 4, jnp.full((256, 2), 0.5), 4)
+
+    def layer(rows, s, wgu, wd):
+        if fuse == "mgpu_weighted":  # 256 tokens' top-2 rows: 512 sorted rows
+            return permute.sorted_experts(rows[:256], plan, jnp.full((256, 2), 0.5), wgu, wd, "triton")
+        return permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
+
     def step(rows, s, wgu, wd):
         def loss(rows, wgu, wd):  # two layers of the same shapes: every kernel called twice
-            y = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
-            y = permute.expert_ffn(y, s, wgu, wd, "triton", zero_tail_rows=False)
-            return jnp.sum(y.astype(jnp.float32)[:300] ** 2)
+            y = layer(layer(rows, s, wgu, wd), s, wgu, wd)
+            return jnp.sum(y.astype(jnp.float32)[:200] ** 2)
 
         return jax.grad(loss, argnums=(0, 1, 2))(rows, wgu, wd)
 
@@ -341,6 +409,8 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
         in_step = set(_kernel_hashes(jax.jit(step).trace(rows, s, wgu, wd).lower(lowering_platforms=("cuda",))))
     # forward gate_up (with SwiGLU or not), down; d(x) of both (the down one with SwiGLU's backward or not); d(w)
     assert len(rec) == len(in_step) == 6
+    with_row_weights = [args[4].shape for _, args, _ in rec.kernels.values() if len(args) == 5 and args[4] is not None]
+    assert with_row_weights == ([(512,)] * 2 if fuse == "mgpu_weighted" else [])  # gmm_swiglu, gmm_dswiglu
     alone = [h for fn, args, kw in rec.kernels.values()
              for h in _kernel_hashes(fn.trace(*args, **dict(kw)).lower(lowering_platforms=("cuda",)))]
     assert len(alone) == 6 and set(alone) == in_step
@@ -446,6 +516,69 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
     for a, b in zip(got[1], want[1]):
         a, b = np.asarray(a, np.float32), np.asarray(b)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2  # bf16 h, act, d(h) and gradients against float32
+
+
+def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_expert_output(monkeypatch):
+    """permute.sorted_experts with FUSE "mgpu_weighted" (the routing weights applied to act in the gate_up kernel's
+    epilogue, an unweighted combine): the layer's output and its gradients for x, the routing weights and both expert
+    weights against the dense per-expert reference in float32 on the same bf16 values; the Mosaic kernels in Pallas'
+    GPU interpreter (as the test above), the other matmuls and the dispatch on the Triton kernels (interpreted). The
+    combine's backward is the dispatch of g: the experts' output is not among the backward's residuals."""
+    import functools
+
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    from parallelism import permute
+    from tests.parallelism.moe_reference import dense_reference
+
+    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
+    run = dict(config=cfg, interpret=InterpretGPUParams(), num_sms=4)
+    swiglu, dswiglu, calls = gmm_mgpu.gmm_swiglu, gmm_mgpu.gmm_dswiglu, []
+
+    def swiglu_weighted(x, w, s, row_w=None):
+        calls.append(("fwd", row_w is not None))
+        return swiglu(x, w, s, row_w, **run)
+
+    def dswiglu_untransposed(dy, w, s, h, row_w=None):
+        calls.append(("bwd", row_w is not None))
+        return dswiglu(dy, jnp.swapaxes(w, 1, 2), s, h, row_w, trans_w=False, **run)
+
+    monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", swiglu_weighted)
+    monkeypatch.setattr(gmm_mgpu, "gmm_dswiglu", dswiglu_untransposed)
+    monkeypatch.setattr(permute, "_weighted_takes", lambda m, wgu, wd, dtype: m % 128 == 0)
+    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_weighted"}))
+    t, hdim, inter, e, k = 128, 128, 256, 5, 2
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((t, e)) + np.array([2.0, 1.0, 0.0, -100.0, 0.5])  # expert 3 gets no token
+    idx = np.argsort(-logits, axis=-1)[:, :k].astype(np.int32)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    topw = jnp.asarray(np.take_along_axis(probs, idx, -1), jnp.float32)
+    ks = jax.random.split(jax.random.key(6), 4)
+    x = jax.random.normal(ks[0], (t, hdim), jnp.float32).astype(jnp.bfloat16)
+    wgu = (jax.random.normal(ks[1], (e, hdim, 2 * inter), jnp.float32) / 8).astype(jnp.bfloat16)
+    wd = (jax.random.normal(ks[2], (e, inter, hdim), jnp.float32) / 8).astype(jnp.bfloat16)
+    py = jax.random.normal(ks[3], (t, hdim), jnp.float32)
+    plan = permute.route_plan(jnp.asarray(idx), topw, e)
+
+    def fused(x, topw, wgu, wd):
+        return jnp.sum(permute.sorted_experts(x, plan, topw, wgu, wd, "triton").astype(jnp.float32) * py)
+
+    def reference(x, topw, wgu, wd):
+        return jnp.sum(dense_reference(x, jnp.asarray(idx), topw, wgu, wd) * py)
+
+    got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2, 3)))(x, topw, wgu, wd)
+    assert calls == [("fwd", True), ("bwd", True)]
+    want = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2, 3)))(
+        x.astype(jnp.float32), topw, wgu.astype(jnp.float32), wd.astype(jnp.float32))
+    assert abs(float(got[0]) - float(want[0])) < 1e-2 * abs(float(want[0]))
+    for name, a, b in zip(("x", "routing weights", "w_gate_up", "w_down"), got[1], want[1]):
+        a, b = np.asarray(a, np.float32), np.asarray(b)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, name  # bf16 h, act_w, d(h) against float32
+    # the backward keeps no [A, H] expert output (the weighted combine's backward would read it)
+    _, vjp = jax.vjp(lambda x, w: permute.sorted_experts(x, plan, w, wgu, wd, "triton"), x, topw)
+    kept = [leaf.shape for leaf in jax.tree.leaves(vjp) if hasattr(leaf, "shape")]
+    assert (t * k, 2 * inter) in kept and (t * k, hdim) in kept  # h, and the dispatched rows for d(w_gate_up)
+    assert kept.count((t * k, hdim)) == 1
 
 
 def test_expert_ffn_takes_the_swiglu_kernel_only_with_the_fusion_asked_for_and_a_shape_it_takes(monkeypatch):
