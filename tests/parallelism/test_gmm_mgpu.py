@@ -161,10 +161,7 @@ def test_weighted_swiglu_kernels_in_the_gpu_interpreter_match_jax_gradient_of_we
     want = np.asarray(weighted_swiglu(h[:used], row_w[:used]), np.float32)
     got = np.asarray(act_w[:used], np.float32)
     np.testing.assert_allclose(got, want, rtol=8e-3, atol=1e-6)  # the same bf16 h: equal but for the sigmoid's bits
-    assert np.mean(got == want) > 0.99
-    plain_h, plain_act = gmm_mgpu.gmm_swiglu(x, wgu, jnp.asarray(sizes), **run)
-    np.testing.assert_array_equal(np.asarray(h[:used]), np.asarray(plain_h[:used]))
-    assert not np.allclose(got, np.asarray(plain_act[:used], np.float32), rtol=0.05)  # the weights did apply
+    assert np.mean(got == want) > 0.99  # (the weights, 0.05-1, change every row: their omission fails this)
 
     dy = jax.random.normal(ks[3], (m, k), jnp.float32).astype(jnp.bfloat16)
     wd = (jax.random.normal(ks[4], (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)  # [G, H, I] untransposed
