@@ -145,10 +145,17 @@ def main() -> int:
                        lambda a, b, s: (lambda h: (h, swiglu(h)))(gm.gmm(a, b, s)), (x, w, gs), fl, None, None)
                 fused = record(dict(base, kernel=kind, variant="gmm_mgpu.gmm_swiglu (SwiGLU in the epilogue)"),
                                lambda a, b, s: gm.gmm_swiglu(a, b, s), (x, w, gs), fl, None, None)
+                rw = jax.random.uniform(jax.random.key(10), (m,), jnp.float32, 0.05, 1.0)
+                weighted = record(dict(base, kernel=kind, variant="gmm_mgpu.gmm_swiglu with row weights (act_w)"),
+                                  lambda a, b, s, r: gm.gmm_swiglu(a, b, s, r), (x, w, gs, rw), fl, None, None)
                 if fused is not None:  # against the unfused pair, over the groups' rows
                     h = jax.jit(gm.gmm)(x, w, gs)
                     row = dict(base, kernel=kind, variant="gmm_swiglu vs gmm + swiglu",
                                h_rel_err=rel(fused[0], h, valid), act_rel_err=rel(fused[1], swiglu(h), valid))
+                    if weighted is not None:
+                        act_w = (swiglu(h).astype(jnp.float32) * rw[:, None]).astype(h.dtype)
+                        row.update(weighted_h_rel_err=rel(weighted[0], h, valid),
+                                   act_w_rel_err=rel(weighted[1], act_w, valid))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             if kind == "dx" and shape.startswith("down") and gm.supported(m, n, k, gm.CONFIGS["dx"]):
@@ -160,9 +167,21 @@ def main() -> int:
                                  (dy, w, gs, hh), fl, None, None)
                 fused = record(dict(base, kernel=kind, variant="gmm_mgpu.gmm_dswiglu (SwiGLU's backward in the epilogue)"),
                                lambda a, b, s, h: gm.gmm_dswiglu(a, b, s, h), (dy, w, gs, hh), fl, None, None)
+                rw = jax.random.uniform(jax.random.key(10), (m,), jnp.float32, 0.05, 1.0)
+                weighted = record(dict(base, kernel=kind, variant="gmm_mgpu.gmm_dswiglu with row weights (+ their grad)"),
+                                  lambda a, b, s, h, r: gm.gmm_dswiglu(a, b, s, h, r), (dy, w, gs, hh, rw), fl, None,
+                                  None)
                 if fused is not None and unfused is not None:
                     row = dict(base, kernel=kind, variant="gmm_dswiglu vs gmm + SwiGLU's backward",
                                dh_rel_err=rel(fused, unfused, valid))
+                    if weighted is not None:  # d(h), d(row_w) of act_w = silu(gate) * up * row_w, JAX's gradient
+                        def act_w(h, r):
+                            gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+                            return (jax.nn.silu(gate) * up * r[:, None]).astype(h.dtype)
+                        dh_w, drw = jax.vjp(act_w, hh, rw)[1](jax.jit(gm.gmm, static_argnames="trans_w")(
+                            dy, w, gs, trans_w=True))
+                        row.update(weighted_dh_rel_err=rel(weighted[0], dh_w, valid),
+                                   d_row_w_rel_err=rel(weighted[1][:, None], drw[:, None], valid))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             if kind == "dw":  # rows past sum(group_sizes) hold NaN (the experts may leave them unwritten): no NaN out
