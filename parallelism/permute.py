@@ -82,8 +82,10 @@ def route_plan(
     if capacity is not None and drop_policy == "probs":
         neg_w = -topk_weights.reshape(-1).astype(jnp.float32)
         sorted_e, _, order = jax.lax.sort((expert, neg_w, iota), num_keys=3)
-    else:
-        sorted_e, order = jax.lax.sort((expert, iota), num_keys=2)
+    else:  # stable by expert: the order a second key (iota) would give. One int32 key and a value: XLA:GPU's
+        # SortRewriter makes it one CUB radix sort of pairs, where the two-key comparator was XLA's own sort (21
+        # kernels, 0.10 ms a layer at the 30B-A3B shapes, bench/moe_layer.md run 19's profile)
+        sorted_e, order = jax.lax.sort((expert, iota), num_keys=1, is_stable=True)
     # counts from the sorted ids by search: no scatter-add (atomics into E bins on GPU). compare_all: one fused
     # [E + 1, A] comparison; the default binary search is a while loop whose predicate goes back to the host
     # every step (18 at A = 131,072: ~0.7 ms of idle device a layer on the H200, bench/moe_layer.md run 9)

@@ -53,6 +53,27 @@ def test_route_plan_ranks_without_capacity():
     assert int(plan.dropped) == 0
 
 
+def test_dropless_route_plan_sorts_on_one_key_in_token_order():
+    """The dropless plan's sort has one int32 key (expert) and a value, stable: the form XLA:GPU hands to CUB's radix
+    sort. Each expert's assignments keep token order: ranks equal numpy's stable argsort's, on many ties."""
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 6, (300, 2)).astype(np.int32)  # ~100 assignments an expert
+    idx[:, 1] = (idx[:, 0] + 1 + rng.integers(0, 5, 300)) % 6  # two distinct experts a token
+    w = jnp.asarray(rng.random((300, 2)), jnp.float32)
+    sorts = [e for e in jax.make_jaxpr(lambda i, w: route_plan(i, w, 6).rank)(jnp.asarray(idx), w).eqns
+             if e.primitive.name == "sort"]
+    assert len(sorts) == 1 and sorts[0].params["num_keys"] == 1 and sorts[0].params["is_stable"]
+    plan = route_plan(jnp.asarray(idx), w, 6)
+    flat = idx.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    want = np.empty_like(flat)
+    for e in range(6):
+        members = order[flat[order] == e]
+        want[members] = np.arange(len(members))
+    np.testing.assert_array_equal(np.asarray(plan.rank), want)
+    np.testing.assert_array_equal(np.asarray(plan.counts), np.bincount(flat, minlength=6))
+
+
 def test_expert_capacity_is_megatrons_formula():
     assert expert_capacity(16384, 8, 128, 1.0) == 1024
     assert expert_capacity(6, 2, 3, 0.5) == 2
