@@ -162,7 +162,7 @@ class StepTracker:
     throughput over the window since the last :meth:`window` call.
     """
 
-    def __init__(self, *, num_devices: int = 1, peak_flops: float | None = None, skip_first: int = 1,
+    def __init__(self, *, num_devices: int = 1, peak_flops: float | None = None, skip_first: int = 2,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.num_devices = num_devices
         self.peak_flops = peak_flops
@@ -171,12 +171,12 @@ class StepTracker:
         self._pending: tuple[int, Any, dict[str, float]] | None = None
         self._last_done: float | None = None
         self._done = 0
-        self._discard = False
+        self._skip = 0  # intervals still to leave out of throughput (after a checkpoint, evaluation or flush)
         self._win = dict.fromkeys(("time", "steps", "tokens", "useful_tokens", "flops"), 0.0)
 
     def discard_next_interval(self) -> None:
         """Leave the next step interval out of throughput (call after a checkpoint or evaluation)."""
-        self._discard = True
+        self._skip = max(self._skip, 1)
 
     def push(self, step: int, device_metrics: Any, host: Mapping[str, float] | None = None) -> dict[str, Any] | None:
         """Queue step ``step``'s (still running) metrics; return the finished previous step's record."""
@@ -186,13 +186,16 @@ class StepTracker:
 
     def flush(self) -> dict[str, Any] | None:
         """Wait for and return the last pushed step's record (at the end of training, before an eval).
-        Its interval is left out of throughput, as is the next one: a step's time is read when the
+        Its interval is left out of throughput, as are the next two: a step's time is read when the
         host asks for it, which :meth:`push` does after dispatching the next step, and dispatch can
         block for part of a step (on the H200, a step of 16 accumulated microbatches: 4.6 of 5.1 s), so
         push-to-push intervals are right while one ending at a flush is short by that part (the
-        summary once read 67.3k useful tokens/s for 47k)."""
+        summary once read 67.3k useful tokens/s for 47k), and so is the second interval after a pause,
+        whose start was read late (the step after an evaluation 0.63 s against 0.69; likewise the
+        second step of a run, which is why ``skip_first`` is 2: 0.06 s against 0.69 on the H200, the
+        train CLI's summary 63.0k useful tokens/s for 59.4k, bench/first_step_h200.md 2026-12-05)."""
         record = self._finish(counted=False)
-        self._discard = True
+        self._skip = 2
         return record
 
     def _finish(self, counted: bool = True) -> dict[str, Any] | None:
@@ -205,7 +208,8 @@ class StepTracker:
         self._done += 1
         record: dict[str, Any] = {"step": step}
         record.update({k: _scalar(v) for k, v in (values or {}).items()})
-        counted = counted and self._done > self.skip_first and self._last_done is not None and not self._discard
+        counted = counted and self._done > self.skip_first and self._last_done is not None and not self._skip
+        self._skip = max(self._skip - 1, 0)
         if counted:
             dt = now - self._last_done
             record["step_time_s"] = dt
@@ -213,7 +217,7 @@ class StepTracker:
             self._win["steps"] += 1
             for k in ("tokens", "useful_tokens", "flops"):
                 self._win[k] += float(host.get(k, 0.0))
-        self._last_done, self._discard = now, False
+        self._last_done = now
         record.update({k: _scalar(v) for k, v in host.items()})
         return record
 

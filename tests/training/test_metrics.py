@@ -71,35 +71,37 @@ def test_resume_drops_records_after_the_checkpoint(tmp_path):
 
 def test_step_tracker_async_pattern_and_throughput():
     # times the tracker reads: completions, except at a flush (see below)
-    times = iter([100.0, 101.0, 101.5, 102.5, 110.0, 110.5, 114.0, 115.0])
+    times = iter([100.0, 101.0, 101.5, 102.5, 110.0, 110.5, 114.0, 115.0, 116.0])
     tracker = StepTracker(num_devices=2, peak_flops=1e3, clock=lambda: next(times))
     host = {"tokens": 100.0, "useful_tokens": 80.0, "flops": 600.0}
     assert tracker.push(0, {"loss": jnp.asarray(3.0)}, host) is None  # step 0 still running
     r0 = tracker.push(1, {"loss": jnp.asarray(2.0)}, host)  # reads step 0 while step 1 runs
     assert r0["step"] == 0 and r0["loss"] == 3.0 and "step_time_s" not in r0  # compile step left out
     r1 = tracker.push(2, {"loss": jnp.asarray(1.5)}, host)
-    assert r1["step"] == 1 and r1["step_time_s"] == 1.0 and r1["useful_tokens"] == 80.0
+    # the run's second interval is left out too: its start (step 0's end) was read late
+    assert r1["step"] == 1 and "step_time_s" not in r1 and r1["useful_tokens"] == 80.0
     r2 = tracker.push(3, {"loss": jnp.asarray(1.0)}, host)
     assert r2["step_time_s"] == 0.5
-    w = tracker.window()  # steps 1 and 2: 160 useful tokens in 1.5 s
+    r3 = tracker.push(4, {"loss": jnp.asarray(0.5)}, host)
+    assert r3["step_time_s"] == 1.0
+    w = tracker.window()  # steps 2 and 3: 160 useful tokens in 1.5 s
     assert w["tokens_per_s"] == pytest.approx(160 / 1.5)
     assert w["tokens_per_s_per_device"] == pytest.approx(80 / 1.5)
     assert w["useful_fraction"] == pytest.approx(0.8) and w["step_time_s"] == pytest.approx(0.75)
     assert w["mfu"] == pytest.approx(1200 / 1.5 / 2 / 1e3)  # flops / time / devices / peak
-    r3 = tracker.push(4, {"loss": jnp.asarray(0.5)}, host)
-    assert r3["step_time_s"] == 1.0
     tracker.discard_next_interval()  # e.g. a checkpoint was written here
     tracker.push(5, {"loss": jnp.asarray(0.25)}, host)  # step 4 interval (7.5 s) is not counted
     # a flush reads its step's end, while pushes read the previous step's end late by however long
-    # dispatching the next step blocked: the flushed interval (0.5 s here) and the next are not counted
+    # dispatching the next step blocked: the flushed interval (0.5 s here) and the next two are not counted
     last = tracker.flush()
     assert last["step"] == 5 and "step_time_s" not in last and tracker.flush() is None
-    w = tracker.window()  # step 3 alone
-    assert w["step_time_s"] == pytest.approx(1.0) and w["tokens_per_s"] == pytest.approx(80 / 1.0)
-    assert tracker.window() == {}
+    assert tracker.window() == {}  # nothing counted since the last window
     tracker.push(6, {"loss": jnp.asarray(0.2)}, host)
     assert "step_time_s" not in tracker.push(7, {"loss": jnp.asarray(0.1)}, host)  # step 6: after the flush
-    assert tracker.push(8, {"loss": jnp.asarray(0.1)}, host)["step_time_s"] == pytest.approx(1.0)  # step 7
+    assert "step_time_s" not in tracker.push(8, {"loss": jnp.asarray(0.1)}, host)  # step 7: its start read late
+    assert tracker.push(9, {"loss": jnp.asarray(0.1)}, host)["step_time_s"] == pytest.approx(1.0)  # step 8
+    w = tracker.window()
+    assert w["step_time_s"] == pytest.approx(1.0) and w["tokens_per_s"] == pytest.approx(80 / 1.0)
     assert "mfu" not in StepTracker(peak_flops=None).window()
 
 
