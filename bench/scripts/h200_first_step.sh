@@ -12,10 +12,6 @@
 #   ahead        + train.compile_ahead=true (unrolled)
 #   largest      + train.reserve_bucket=null (every batch padded to the data's largest bucket)
 #   no_kernels_ahead  + train.kernels_ahead=false (the Mosaic-GPU kernels compiled inside XLA's compile only)
-#   llvm_parallel  + XLA_FLAGS=--xla_gpu_enable_llvm_module_compilation_parallelism=true (XLA splits the step's LLVM
-#                module and compiles the parts to PTX / cubin in its compile thread pool, then links them; off by
-#                default in XLA)
-#   llvm_parallel16  the same + --xla_gpu_force_compilation_parallelism=16 (the parts: 16, the host's cores)
 #   eval_ahead     + an evaluation every 10 steps (8 held-out batches; train.eval_ahead, default on: its step compiled
 #                in the background after the training step's): the log's "eval at step 10 ... (N s)" is the stall
 #   eval_jit       the same with train.eval_ahead=false (the eval step compiled at the first evaluation)
@@ -48,9 +44,6 @@ for name in ${RUNS:-ahead_vscan vscan as_written ahead}; do
     no_kernels_ahead) run no_kernels_ahead train.kernels_ahead=false ;;
     eval_ahead) run eval_ahead train.eval_every=10 train.eval_batches=8 ;;
     eval_jit) run eval_jit train.eval_every=10 train.eval_batches=8 train.eval_ahead=false ;;
-    llvm_parallel) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_llvm_module_compilation_parallelism=true" run llvm_parallel ;;
-    llvm_parallel16) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_llvm_module_compilation_parallelism=true"\
-" --xla_gpu_force_compilation_parallelism=16" run llvm_parallel16 ;;
     *) echo "unknown run '$name'" | tee -a "$OUT/log.txt" ;;
   esac
 done
