@@ -29,10 +29,11 @@ warpgroup, another 3-7% per d(w) matmul.
 
 Options that did not pay on the H200 (run 19; ``Config``): the tiles' pipelines chained (Pallas'
 ``PipelinePipeline``: the next tile's first blocks load during this tile's epilogue) and one wgmma kept in flight.
-Not yet timed on a GPU (tested in the interpreter): ``Config.wg_m``, the compute warpgroups on the tile's row halves,
-so that a group's last window, half used or less (about a quarter of the ~G/2 partly used windows' work), leaves one
-warpgroup idle instead of computing rows nobody stores; SwiGLU in the gate_up forward's epilogue (:func:`gmm_swiglu`)
-and its backward in the down projection's d(x) epilogue (:func:`gmm_dswiglu`).
+Options correct on the H200 that did not pay in the layer (run 20, opt-in): ``Config.wg_m``, the compute warpgroups on
+the tile's row halves, so that a group's last window, half used or less, leaves one warpgroup idle instead of
+computing rows nobody stores (+5% at the 235B-A22B shapes); SwiGLU in the gate_up forward's epilogue
+(:func:`gmm_swiglu`) and its backward in the down projection's d(x) epilogue (:func:`gmm_dswiglu`), with or without
+the routing weights (+2-3% at 235B-A22B, within the spread at 30B-A3B).
 
 A step's kernels can be compiled ahead, beside the step's own compile (:func:`recording`, :class:`Recording`).
 """
@@ -610,8 +611,8 @@ def gmm_swiglu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, row_w: jax.Ar
     ``sum(group_sizes)`` unwritten in both. Each CTA owns ``tile_n`` gate columns and the matching up columns (two
     weight blocks a step, two accumulators a warpgroup), its compute warpgroups on the tile's row halves (as
     ``Config.wg_m``), so that a warpgroup holds both halves of its rows' SwiGLU. Saves the elementwise pass that reads
-    h and writes act (bench/moe_layer.md: 0.15 / 0.36 ms a layer at the 30B-A3B / 235B-A22B shapes); not yet timed on
-    a GPU (tested in the interpreter). ``row_w [M]`` float32: act weighted by each row's routing weight,
+    h and writes act (bench/moe_layer.md: 0.15 / 0.36 ms a layer at the 30B-A3B / 235B-A22B shapes); in the layer on
+    the H200 no faster (run 20). ``row_w [M]`` float32: act weighted by each row's routing weight,
     ``act_w = silu(gate) * up * row_w`` (Megatron's weighted SwiGLU; each warpgroup loads its rows' weights by TMA
     while its product runs), so that the combine after the experts is an unweighted sum."""
     return gmm(x, w, group_sizes, None, row_w, config=config, interpret=interpret, num_sms=num_sms, swiglu=True)
@@ -627,8 +628,8 @@ def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Arra
     warpgroup loads h's gate and up slabs of its output block by TMA (the first two while the block's product runs,
     two in flight), computes d(gate) and d(up) into those buffers and stores them from there. Saves SwiGLU's backward
     pass, which reads h and d(act) and writes d(h) (bench/moe_layer.md: 0.23 / 0.48 ms a layer at the 30B-A3B /
-    235B-A22B shapes), less the loads the epilogue waits for; not yet timed on a GPU (tested in the interpreter,
-    ``trans_w=False``). ``row_w [M]`` float32 (the backward of ``gmm_swiglu(..., row_w)``; ``dy`` then the
+    235B-A22B shapes), less the loads the epilogue waits for; in the layer on the H200 no faster (run 20; tested in the
+    interpreter with ``trans_w=False``). ``row_w [M]`` float32 (the backward of ``gmm_swiglu(..., row_w)``; ``dy`` then the
     cotangent of ``act_w @ w``): the product is d(act_w), SwiGLU's backward takes ``d(act) = d(act_w) * row_w``,
     and the routing weights' gradient ``sum_j d(act_w)[m, j] * act[m, j]`` comes back too: ``(d(h), d(row_w) [M])``
     (each warpgroup stores its window's row sums over its columns, float32, and XLA adds the blocks' and keeps each

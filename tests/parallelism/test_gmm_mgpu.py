@@ -521,8 +521,6 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
     weights against the dense per-expert reference in float32 on the same bf16 values; the Mosaic kernels in Pallas'
     GPU interpreter (as the test above), the other matmuls and the dispatch on the Triton kernels (interpreted). The
     combine's backward is the dispatch of g: the experts' output is not among the backward's residuals."""
-    import functools
-
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     from parallelism import permute
