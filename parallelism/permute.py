@@ -263,18 +263,20 @@ def expert_ffn(
     q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
     if _fused(backend, q, "swiglu"):
         return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down, zero_tail_rows)
-    if (backend == "triton" and q is None and not zero_tail_rows and FUSE & MGPU_SWIGLU
+    fused_fwd, fused_bwd = bool(FUSE & MGPU_SWIGLU), bool(FUSE & MGPU_DSWIGLU)
+    if (backend == "triton" and q is None and not zero_tail_rows and (fused_fwd or fused_bwd)
             and mgpu_swiglu_takes(rows.shape[0], rows.shape[1], w_gate_up.shape[2], rows.dtype)):
         wgu, sizes = w_gate_up.astype(rows.dtype), group_sizes.astype(jnp.int32)
-        with jax.named_scope(FFN_SCOPE):
-            if FUSE & {"mgpu_swiglu_bwd", "mgpu_weighted"} and mgpu_takes(
-                    "dx", rows.shape[0], w_down.shape[2], w_down.shape[1], rows.dtype):
-                y = _mgpu_swiglu_experts(rows, wgu, w_down.astype(rows.dtype), sizes)
-                return checkpoint_name(y, MOE_EXPERT_OUT)
-            _, act = _mgpu_gate_up_swiglu(rows, wgu, sizes)
-            act = checkpoint_name(act, MOE_ACT)  # (h, named inside the forward rule, only the backward reads)
-            y = grouped_matmul(act, w_down, group_sizes, backend=backend, zero_tail_rows=False)
-        return checkpoint_name(y, MOE_EXPERT_OUT)
+        if fused_bwd and mgpu_takes("dx", rows.shape[0], w_down.shape[2], w_down.shape[1], rows.dtype):
+            with jax.named_scope(FFN_SCOPE):
+                y = _mgpu_swiglu_experts(rows, wgu, w_down.astype(rows.dtype), sizes, fused_fwd)
+            return checkpoint_name(y, MOE_EXPERT_OUT)
+        if fused_fwd:
+            with jax.named_scope(FFN_SCOPE):
+                _, act = _mgpu_gate_up_swiglu(rows, wgu, sizes)
+                act = checkpoint_name(act, MOE_ACT)  # (h, named inside the forward rule, only the backward reads)
+                y = grouped_matmul(act, w_down, group_sizes, backend=backend, zero_tail_rows=False)
+            return checkpoint_name(y, MOE_EXPERT_OUT)
     # FP8 scales each operand by its amax over every row: unwritten rows (any values, NaN included) would set it
     gmm = functools.partial(grouped_matmul, backend=backend, zero_tail_rows=zero_tail_rows or q is not None)
     with jax.named_scope(FFN_SCOPE):
@@ -349,23 +351,29 @@ def _mgpu_gate_up_swiglu_bwd(res, g):
 _mgpu_gate_up_swiglu.defvjp(_mgpu_gate_up_swiglu_fwd, _mgpu_gate_up_swiglu_bwd)
 
 
-@jax.custom_vjp
-def _mgpu_swiglu_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The SwiGLU experts on the Mosaic-GPU kernels with SwiGLU in both directions' epilogues (FUSE
-    "mgpu_swiglu_bwd"): forward ``gmm_swiglu`` then the down projection; backward the down projection's d(x) with
-    SwiGLU's backward in its epilogue (``gmm_mgpu.gmm_dswiglu``: d(h) written, d(act) never), then d(x), d(w) of
-    both matmuls. Rows past ``sum(group_sizes)`` unwritten (the caller reads none)."""
-    return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _mgpu_swiglu_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
+                         fused_fwd: bool = True) -> jax.Array:
+    """The SwiGLU experts on the Mosaic-GPU kernels with SwiGLU's backward in the down projection's d(x) epilogue
+    (``gmm_mgpu.gmm_dswiglu``: d(h) written, d(act) never), then d(x), d(w) of both matmuls; the forward with
+    SwiGLU in the gate_up epilogue (``fused_fwd``, FUSE "mgpu_swiglu_bwd": ``gmm_swiglu``) or after it (FUSE
+    "mgpu_dswiglu": the gate_up matmul, then XLA's SwiGLU), then the down projection. Rows past
+    ``sum(group_sizes)`` unwritten (the caller reads none)."""
+    return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd)[0]
 
 
-def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes):
-    h, act = gmm_mgpu.gmm_swiglu(x, w_gate_up, group_sizes)
+def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd=True):
+    if fused_fwd:
+        h, act = gmm_mgpu.gmm_swiglu(x, w_gate_up, group_sizes)
+    else:
+        h = plain_gmm(x, w_gate_up, group_sizes)
+        act = swiglu(h)
     y = plain_gmm(act, w_down, group_sizes)
     return y, (checkpoint_name(x, MOE_PERMUTED), w_gate_up, w_down, group_sizes, checkpoint_name(h, MOE_GATE_UP),
                checkpoint_name(act, MOE_ACT))
 
 
-def _mgpu_swiglu_experts_bwd(res, g):
+def _mgpu_swiglu_experts_bwd(fused_fwd, res, g):
     x, w_gate_up, w_down, group_sizes, h, act = res
     g = g.astype(x.dtype)
     dh = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h)
@@ -378,6 +386,7 @@ _mgpu_swiglu_experts.defvjp(_mgpu_swiglu_experts_fwd, _mgpu_swiglu_experts_bwd)
 
 
 MGPU_SWIGLU = frozenset({"mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted"})  # SwiGLU in the Mosaic gate_up forward
+MGPU_DSWIGLU = frozenset({"mgpu_swiglu_bwd", "mgpu_weighted", "mgpu_dswiglu"})  # its backward in the down d(x)
 
 
 def _weighted_takes(m: int, w_gate_up: jax.Array, w_down: jax.Array, dtype: Any) -> bool:
@@ -476,7 +485,12 @@ FUSE_ENV = "MOEVLM_MOE_FUSE"
 #   gradient (sum of d(act_w) * act per row) comes from the down projection's d(x) epilogue
 #   (gmm_mgpu.gmm_dswiglu with row weights). Run 20: as "mgpu_swiglu_bwd" (+2-3% at 235B-A22B, the same at
 #   30B-A3B), correct.
-FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted")
+# - "mgpu_dswiglu": SwiGLU's backward in the down projection's d(x) epilogue as "mgpu_swiglu_bwd", the forward
+#   unfused (the gate_up matmul, then XLA's SwiGLU): run 20b per matmul (bench/mgpu_probe_h200_run20b.txt), the fused
+#   backward 0.07 ms under gmm + XLA's pass at both shape sets while the fused forward costs 0.05 (30B-A3B) to 0.86 ms
+#   (235B-A22B) more than its unfused pair. Not yet timed in the layer.
+FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted",
+           "mgpu_dswiglu")
 FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
 FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather").split(",") if f)
 if FUSE - set(FUSIONS):

@@ -466,14 +466,14 @@ def test_swiglu_fused_gate_up_gradients_match_the_unfused_layer(monkeypatch):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2  # bf16 h, act and gradients against float32
 
 
-def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
-    """permute._mgpu_swiglu_experts (FUSE "mgpu_swiglu_bwd"): the experts' output and gradients (SwiGLU's backward in
+@pytest.mark.parametrize("fused_fwd", [True, False])
+def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch, fused_fwd):
+    """permute._mgpu_swiglu_experts (FUSE "mgpu_swiglu_bwd"; ``fused_fwd=False``: "mgpu_dswiglu", the forward's SwiGLU
+    after the gate_up matmul): the experts' output and gradients (SwiGLU's backward in
     the down projection's d(x) kernel) against the per-group einsums and SwiGLU differentiated by JAX, in float32 on
     the same bf16 values; the Mosaic kernels in Pallas' GPU interpreter (gmm_dswiglu on the down weights transposed
     beforehand: the interpreter has no transposed wgmma operand), the other matmuls on the Triton kernels
     (interpreted on CPU)."""
-    import functools
-
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     from parallelism import permute
@@ -487,7 +487,13 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
         calls.append(dy.shape)
         return dswiglu(dy, jnp.swapaxes(w, 1, 2), s, h, trans_w=False, **run)
 
-    monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", functools.partial(gmm_mgpu.gmm_swiglu, **run))
+    swiglu, swiglu_calls = gmm_mgpu.gmm_swiglu, []
+
+    def swiglu_fwd(*a):
+        swiglu_calls.append(a[0].shape)
+        return swiglu(*a, **run)
+
+    monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", swiglu_fwd)
     monkeypatch.setattr(gmm_mgpu, "gmm_dswiglu", dswiglu_untransposed)
     m, hdim, inter = 256, 128, 256
     sizes = np.array([70, 0, 100, 10, 76], np.int32)  # every row used: the reference has no tail rows to ignore
@@ -499,7 +505,8 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
     gid = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes))
 
     def fused(x, wgu, wd):
-        return jnp.sum(permute._mgpu_swiglu_experts(x, wgu, wd, jnp.asarray(sizes)).astype(jnp.float32) * py)
+        y = permute._mgpu_swiglu_experts(x, wgu, wd, jnp.asarray(sizes), fused_fwd)
+        return jnp.sum(y.astype(jnp.float32) * py)
 
     def reference(x, wgu, wd):
         h = jnp.einsum("mk,mkn->mn", x, wgu[gid], precision="highest")
@@ -508,7 +515,7 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
 
     got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(x, wgu, wd)
     want = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2)))(*(a.astype(jnp.float32) for a in (x, wgu, wd)))
-    assert calls == [(m, hdim)]
+    assert calls == [(m, hdim)] and swiglu_calls == ([(m, hdim)] if fused_fwd else [])
     assert abs(float(got[0]) - float(want[0])) < 1e-2 * abs(float(want[0]))
     for a, b in zip(got[1], want[1]):
         a, b = np.asarray(a, np.float32), np.asarray(b)
@@ -612,17 +619,27 @@ def test_expert_ffn_takes_the_swiglu_kernel_only_with_the_fusion_asked_for_and_a
     # kernel too, else the forward fusion alone
     both = []
 
-    def both_in(x, wgu, wd, s):
-        both.append(x.shape)
-        return gmmod.grouped_matmul(stand_in(x, wgu, s)[1], wd, s, backend="triton", zero_tail_rows=False)
+    def both_in(x, wgu, wd, s, fused_fwd):
+        both.append((x.shape, fused_fwd))
+        h = stand_in(x, wgu, s)[1] if fused_fwd else permute.swiglu(
+            gmmod.grouped_matmul(x, wgu, s, backend="triton", zero_tail_rows=False))
+        return gmmod.grouped_matmul(h, wd, s, backend="triton", zero_tail_rows=False)
 
     monkeypatch.setattr(permute, "_mgpu_swiglu_experts", both_in)
     monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_swiglu_bwd"}))
     monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: kind == "dx" and n == inter)
     fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
-    assert both == [(m, hdim)] and len(calls) == 2
+    assert both == [((m, hdim), True)] and len(calls) == 2
+    np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
+    # "mgpu_dswiglu": the backward fusion alone (the forward's SwiGLU after the matmul)
+    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_dswiglu"}))
+    fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
+    assert both[1:] == [((m, hdim), False)] and len(calls) == 2
     np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
     monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: False)
+    permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)  # no Mosaic d(x): the unfused experts
+    assert len(both) == 2 and len(calls) == 2
+    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_swiglu_bwd"}))
     fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)  # the forward fusion only
-    assert both == [(m, hdim)] and len(calls) == 3
+    assert len(both) == 2 and len(calls) == 3
     np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
