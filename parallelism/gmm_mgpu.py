@@ -33,7 +33,9 @@ Options correct on the H200 that did not pay in the layer (run 20, opt-in): ``Co
 the tile's row halves, so that a group's last window, half used or less, leaves one warpgroup idle instead of
 computing rows nobody stores (+5% at the 235B-A22B shapes); SwiGLU in the gate_up forward's epilogue
 (:func:`gmm_swiglu`) and its backward in the down projection's d(x) epilogue (:func:`gmm_dswiglu`), with or without
-the routing weights (+2-3% at 235B-A22B, within the spread at 30B-A3B).
+the routing weights (+2-3% at 235B-A22B, within the spread at 30B-A3B). Per matmul (run 20b) the fused forward is
+what costs (+0.05 / +0.86 ms at 30B-A3B / 235B-A22B against the kernel and XLA's pass) and the fused backward pays
+(-0.07 ms): ``permute``'s FUSE "mgpu_dswiglu" takes the backward alone.
 
 A step's kernels can be compiled ahead, beside the step's own compile (:func:`recording`, :class:`Recording`).
 """
@@ -628,9 +630,9 @@ def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Arra
     warpgroup loads h's gate and up slabs of its output block by TMA (the first two while the block's product runs,
     two in flight), computes d(gate) and d(up) into those buffers and stores them from there. Saves SwiGLU's backward
     pass, which reads h and d(act) and writes d(h) (bench/moe_layer.md: 0.23 / 0.48 ms a layer at the 30B-A3B /
-    235B-A22B shapes), less the loads the epilogue waits for; in the layer on the H200 no faster (run 20; tested in the
-    interpreter with ``trans_w=False``). ``row_w [M]`` float32 (the backward of ``gmm_swiglu(..., row_w)``; ``dy`` then the
-    cotangent of ``act_w @ w``): the product is d(act_w), SwiGLU's backward takes ``d(act) = d(act_w) * row_w``,
+    235B-A22B shapes), less the loads the epilogue waits for: per matmul on the H200 0.07 ms under the kernel followed
+    by XLA's pass at both shape sets (run 20b; tested in the interpreter with ``trans_w=False``). ``row_w [M]``
+    float32 (the backward of ``gmm_swiglu(..., row_w)``; ``dy`` then the cotangent of ``act_w @ w``): the product is d(act_w), SwiGLU's backward takes ``d(act) = d(act_w) * row_w``,
     and the routing weights' gradient ``sum_j d(act_w)[m, j] * act[m, j]`` comes back too: ``(d(h), d(row_w) [M])``
     (each warpgroup stores its window's row sums over its columns, float32, and XLA adds the blocks' and keeps each
     row's from its own tile: :func:`_row_sums`)."""
