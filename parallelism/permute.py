@@ -316,8 +316,8 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
         valid = src >= 0
         row_w = jnp.where(valid, jnp.take(w.reshape(-1), jnp.where(valid, src, 0)), 0).astype(jnp.float32)
         with jax.named_scope(FFN_SCOPE):
-            y = _mgpu_weighted_experts(checkpoint_name(rows, MOE_PERMUTED), w_gate_up.astype(x.dtype),
-                                       w_down.astype(x.dtype), plan.counts.astype(jnp.int32), row_w)
+            y = _mgpu_swiglu_experts(rows, w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
+                                     plan.counts.astype(jnp.int32), True, row_w)
         return sum_rows(checkpoint_name(y, MOE_EXPERT_OUT), src, slot, k, "dispatch" in KERNELS)
     if _fused(backend, q, "gather") and (
             FUSE_SET or not mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype)):
@@ -353,33 +353,40 @@ _mgpu_gate_up_swiglu.defvjp(_mgpu_gate_up_swiglu_fwd, _mgpu_gate_up_swiglu_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _mgpu_swiglu_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
-                         fused_fwd: bool = True) -> jax.Array:
+                         fused_fwd: bool = True, row_w: jax.Array | None = None) -> jax.Array:
     """The SwiGLU experts on the Mosaic-GPU kernels with SwiGLU's backward in the down projection's d(x) epilogue
     (``gmm_mgpu.gmm_dswiglu``: d(h) written, d(act) never), then d(x), d(w) of both matmuls; the forward with
     SwiGLU in the gate_up epilogue (``fused_fwd``, FUSE "mgpu_swiglu_bwd": ``gmm_swiglu``) or after it (FUSE
-    "mgpu_dswiglu": the gate_up matmul, then XLA's SwiGLU), then the down projection. Rows past
-    ``sum(group_sizes)`` unwritten (the caller reads none)."""
-    return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd)[0]
+    "mgpu_dswiglu": the gate_up matmul, then XLA's SwiGLU), then the down projection. ``row_w [M]`` (float32, FUSE
+    "mgpu_weighted", with ``fused_fwd``): each row's routing weight applied to act in the forward's epilogue,
+    ``y = (silu(gate) * up * row_w) @ w_down[g]``; the backward's d(x) kernel gives d(row_w) too and the down d(w)
+    reads the weighted act saved. Rows past ``sum(group_sizes)`` unwritten (the caller reads none)."""
+    return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd, row_w)[0]
 
 
-def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd=True):
+def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd=True, row_w=None):
     if fused_fwd:
-        h, act = gmm_mgpu.gmm_swiglu(x, w_gate_up, group_sizes)
+        h, act = gmm_mgpu.gmm_swiglu(x, w_gate_up, group_sizes, row_w)
+    elif row_w is not None:
+        raise ValueError("_mgpu_swiglu_experts: row weights need the fused forward")
     else:
         h = plain_gmm(x, w_gate_up, group_sizes)
         act = swiglu(h)
     y = plain_gmm(act, w_down, group_sizes)
     return y, (checkpoint_name(x, MOE_PERMUTED), w_gate_up, w_down, group_sizes, checkpoint_name(h, MOE_GATE_UP),
-               checkpoint_name(act, MOE_ACT))
+               checkpoint_name(act, MOE_ACT), row_w)
 
 
 def _mgpu_swiglu_experts_bwd(fused_fwd, res, g):
-    x, w_gate_up, w_down, group_sizes, h, act = res
+    x, w_gate_up, w_down, group_sizes, h, act, row_w = res
     g = g.astype(x.dtype)
-    dh = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h)
+    if row_w is None:
+        dh, d_row_w = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h), None
+    else:
+        dh, d_row_w = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h, row_w)
     dw_down = plain_tgmm(act, g, group_sizes, out_dtype=w_down.dtype)
     dx = plain_gmm(dh, w_gate_up, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten (never read)
-    return dx, plain_tgmm(x, dh, group_sizes, out_dtype=w_gate_up.dtype), dw_down, None
+    return dx, plain_tgmm(x, dh, group_sizes, out_dtype=w_gate_up.dtype), dw_down, None, d_row_w
 
 
 _mgpu_swiglu_experts.defvjp(_mgpu_swiglu_experts_fwd, _mgpu_swiglu_experts_bwd)
@@ -416,35 +423,6 @@ def _sum_rows_bwd(top_k, kernel, res, g):
 
 
 sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
-
-
-@jax.custom_vjp
-def _mgpu_weighted_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
-                           row_w: jax.Array) -> jax.Array:
-    """:func:`_mgpu_swiglu_experts` with each row's routing weight ``row_w [M]`` (float32) applied to act in the
-    gate_up forward's epilogue (FUSE "mgpu_weighted"): ``y = (silu(gate) * up * row_w) @ w_down[g]``. The backward's
-    down d(x) kernel (``gmm_mgpu.gmm_dswiglu`` with the row weights) gives d(h) and d(row_w); the down d(w) reads the
-    weighted act it saved. Rows past ``sum(group_sizes)`` unwritten (the caller reads none)."""
-    return _mgpu_weighted_experts_fwd(x, w_gate_up, w_down, group_sizes, row_w)[0]
-
-
-def _mgpu_weighted_experts_fwd(x, w_gate_up, w_down, group_sizes, row_w):
-    h, act_w = gmm_mgpu.gmm_swiglu(x, w_gate_up, group_sizes, row_w)
-    y = plain_gmm(act_w, w_down, group_sizes)
-    return y, (x, w_gate_up, w_down, group_sizes, checkpoint_name(h, MOE_GATE_UP), checkpoint_name(act_w, MOE_ACT),
-               row_w)
-
-
-def _mgpu_weighted_experts_bwd(res, g):
-    x, w_gate_up, w_down, group_sizes, h, act_w, row_w = res
-    g = g.astype(x.dtype)
-    dh, d_row_w = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h, row_w)
-    dw_down = plain_tgmm(act_w, g, group_sizes, out_dtype=w_down.dtype)
-    dx = plain_gmm(dh, w_gate_up, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten (never read)
-    return dx, plain_tgmm(x, dh, group_sizes, out_dtype=w_gate_up.dtype), dw_down, None, d_row_w
-
-
-_mgpu_weighted_experts.defvjp(_mgpu_weighted_experts_fwd, _mgpu_weighted_experts_bwd)
 
 
 # ----------------------------------------------------------------------------- fused Triton experts
