@@ -242,6 +242,13 @@ def swiglu(h: jax.Array) -> jax.Array:
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
 
 
+def weighted_swiglu(h: jax.Array, row_w: jax.Array) -> jax.Array:
+    """Megatron's weighted SwiGLU, ``[M, 2I]``, ``row_w [M]`` -> ``silu(gate) * up * row_w`` ``[M, I]`` in float32,
+    rounded once (as ``gmm_mgpu.gmm_swiglu``'s epilogue with row weights)."""
+    gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up * row_w.astype(jnp.float32)[:, None]).astype(h.dtype)
+
+
 def _fp8_gemm(matmul: Callable, lhs: jax.Array, rhs: jax.Array, q: fp8.ExpertsScope | None, *args: Any,
               **kwargs: Any) -> jax.Array:
     """``matmul(lhs, rhs [G, K, N], ...)``, in FP8 when ``q`` holds a recipe (per expert: ``rhs``'s first axis)."""
@@ -311,13 +318,15 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
     q = fp8.experts_scope()
     # the row kernels leave rows past sum(counts) unwritten: the Triton / Mosaic expert kernels read none of them
     kernels = backend == "triton" and q is None
-    if kernels and "mgpu_weighted" in FUSE and _weighted_takes(slot.shape[0], w_gate_up, w_down, x.dtype):
+    weighted = FUSE & WEIGHTED  # the routing weights applied to act, an unweighted combine
+    fused_fwd = bool(weighted & MGPU_SWIGLU)
+    if kernels and weighted and _weighted_takes(slot.shape[0], w_gate_up, w_down, x.dtype, fused_fwd):
         rows = (dispatch_rows_kernel if "dispatch" in KERNELS else dispatch_rows)(x, src, slot, k)
         valid = src >= 0
         row_w = jnp.where(valid, jnp.take(w.reshape(-1), jnp.where(valid, src, 0)), 0).astype(jnp.float32)
         with jax.named_scope(FFN_SCOPE):
             y = _mgpu_swiglu_experts(rows, w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
-                                     plan.counts.astype(jnp.int32), True, row_w)
+                                     plan.counts.astype(jnp.int32), fused_fwd, row_w)
         return sum_rows(checkpoint_name(y, MOE_EXPERT_OUT), src, slot, k, "dispatch" in KERNELS)
     if _fused(backend, q, "gather") and (
             FUSE_SET or not mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype)):
@@ -358,20 +367,19 @@ def _mgpu_swiglu_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, 
     (``gmm_mgpu.gmm_dswiglu``: d(h) written, d(act) never), then d(x), d(w) of both matmuls; the forward with
     SwiGLU in the gate_up epilogue (``fused_fwd``, FUSE "mgpu_swiglu_bwd": ``gmm_swiglu``) or after it (FUSE
     "mgpu_dswiglu": the gate_up matmul, then XLA's SwiGLU), then the down projection. ``row_w [M]`` (float32, FUSE
-    "mgpu_weighted", with ``fused_fwd``): each row's routing weight applied to act in the forward's epilogue,
-    ``y = (silu(gate) * up * row_w) @ w_down[g]``; the backward's d(x) kernel gives d(row_w) too and the down d(w)
-    reads the weighted act saved. Rows past ``sum(group_sizes)`` unwritten (the caller reads none)."""
+    "mgpu_weighted" / "mgpu_dweighted"): each row's routing weight applied to act in the forward's epilogue or in
+    XLA's SwiGLU pass (:func:`weighted_swiglu`), ``y = (silu(gate) * up * row_w) @ w_down[g]``; the backward's d(x)
+    kernel gives d(row_w) too and the down d(w) reads the weighted act saved. Rows past ``sum(group_sizes)``
+    unwritten (the caller reads none)."""
     return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd, row_w)[0]
 
 
 def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd=True, row_w=None):
     if fused_fwd:
         h, act = gmm_mgpu.gmm_swiglu(x, w_gate_up, group_sizes, row_w)
-    elif row_w is not None:
-        raise ValueError("_mgpu_swiglu_experts: row weights need the fused forward")
     else:
         h = plain_gmm(x, w_gate_up, group_sizes)
-        act = swiglu(h)
+        act = swiglu(h) if row_w is None else weighted_swiglu(h, row_w)
     y = plain_gmm(act, w_down, group_sizes)
     return y, (checkpoint_name(x, MOE_PERMUTED), w_gate_up, w_down, group_sizes, checkpoint_name(h, MOE_GATE_UP),
                checkpoint_name(act, MOE_ACT), row_w)
@@ -393,13 +401,15 @@ _mgpu_swiglu_experts.defvjp(_mgpu_swiglu_experts_fwd, _mgpu_swiglu_experts_bwd)
 
 
 MGPU_SWIGLU = frozenset({"mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted"})  # SwiGLU in the Mosaic gate_up forward
-MGPU_DSWIGLU = frozenset({"mgpu_swiglu_bwd", "mgpu_weighted", "mgpu_dswiglu"})  # its backward in the down d(x)
+MGPU_DSWIGLU = frozenset({"mgpu_swiglu_bwd", "mgpu_weighted", "mgpu_dswiglu", "mgpu_dweighted"})  # its backward
+WEIGHTED = frozenset({"mgpu_weighted", "mgpu_dweighted"})  # the routing weights on act (sorted_experts)
 
 
-def _weighted_takes(m: int, w_gate_up: jax.Array, w_down: jax.Array, dtype: Any) -> bool:
-    """Whether the experts of ``m`` sorted rows run weighted on the Mosaic kernels (FUSE "mgpu_weighted"): the gate_up
-    forward with SwiGLU in its epilogue and the down projection's d(x) on the Mosaic-GPU kernel."""
-    return (mgpu_swiglu_takes(m, w_gate_up.shape[1], w_gate_up.shape[2], dtype)
+def _weighted_takes(m: int, w_gate_up: jax.Array, w_down: jax.Array, dtype: Any, fused_fwd: bool = True) -> bool:
+    """Whether the experts of ``m`` sorted rows run weighted on the Mosaic kernels (FUSE "mgpu_weighted" /
+    "mgpu_dweighted"): the down projection's d(x) on the Mosaic-GPU kernel and, with ``fused_fwd``, the gate_up
+    forward with SwiGLU in its epilogue."""
+    return ((not fused_fwd or mgpu_swiglu_takes(m, w_gate_up.shape[1], w_gate_up.shape[2], dtype))
             and mgpu_takes("dx", m, w_down.shape[2], w_down.shape[1], dtype))
 
 
@@ -467,8 +477,11 @@ FUSE_ENV = "MOEVLM_MOE_FUSE"
 #   unfused (the gate_up matmul, then XLA's SwiGLU): run 20b per matmul (bench/mgpu_probe_h200_run20b.txt), the fused
 #   backward 0.07 ms under gmm + XLA's pass at both shape sets while the fused forward costs 0.05 (30B-A3B) to 0.86 ms
 #   (235B-A22B) more than its unfused pair. Not yet timed in the layer.
+# - "mgpu_dweighted": "mgpu_weighted" with the forward unfused: the gate_up matmul, then XLA's weighted SwiGLU pass
+#   (weighted_swiglu: the row weights are one more [A] read in the pass "mgpu_dswiglu" has anyway); the unweighted
+#   combine and the weighted d(x) epilogue as "mgpu_weighted". Not yet timed in the layer.
 FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted",
-           "mgpu_dswiglu")
+           "mgpu_dswiglu", "mgpu_dweighted")
 FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
 FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather").split(",") if f)
 if FUSE - set(FUSIONS):

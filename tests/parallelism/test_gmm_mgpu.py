@@ -365,12 +365,12 @@ def _kernel_hashes(lowered) -> list[str]:
     return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', lowered.as_text())
 
 
-@pytest.mark.parametrize("fuse", ["", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted"])
+@pytest.mark.parametrize("fuse", ["", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted", "mgpu_dweighted"])
 def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypatch, fuse):
     """Trainer.compile_ahead compiles the Mosaic kernels a step records (gmm_mgpu.recording) alone, beside the step's
     compile, so that XLA finds them compiled (jaxlib keys a compiled kernel by its module's hash). Lowered for a GPU on
     this CPU: the experts' forward and backward (the real expert_ffn, the Mosaic kernels taken where the shapes fit;
-    "mgpu_weighted": the real sorted_experts, its kernels with the row weights) record each distinct kernel once, and
+    "mgpu_weighted" / "mgpu_dweighted": the real sorted_experts, its kernels with the row weights) record each distinct kernel once, and
     each recorded kernel lowered alone is one of the step's modules, bit for bit (the backward's kernels too, which JAX
     traces under the forward call's source locations: gmm_mgpu._traced_alone)."""
     from parallelism import grouped_matmul as gmmod
@@ -391,7 +391,7 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
     plan = permute.route_plan(jnp.arange(512, dtype=jnp.int32).reshape(256, 2) % 4, jnp.full((256, 2), 0.5), 4)
 
     def layer(rows, s, wgu, wd):
-        if fuse == "mgpu_weighted":  # 256 tokens' top-2 rows: 512 sorted rows
+        if fuse in ("mgpu_weighted", "mgpu_dweighted"):  # 256 tokens' top-2 rows: 512 sorted rows
             return permute.sorted_experts(rows[:256], plan, jnp.full((256, 2), 0.5), wgu, wd, "triton")
         return permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
 
@@ -407,7 +407,8 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
     # forward gate_up (with SwiGLU or not), down; d(x) of both (the down one with SwiGLU's backward or not); d(w)
     assert len(rec) == len(in_step) == 6
     with_row_weights = [args[4].shape for _, args, _ in rec.kernels.values() if len(args) == 5 and args[4] is not None]
-    assert with_row_weights == ([(512,)] * 2 if fuse == "mgpu_weighted" else [])  # gmm_swiglu, gmm_dswiglu
+    # gmm_swiglu (mgpu_weighted only), gmm_dswiglu
+    assert with_row_weights == {"mgpu_weighted": [(512,)] * 2, "mgpu_dweighted": [(512,)]}.get(fuse, [])
     alone = [h for fn, args, kw in rec.kernels.values()
              for h in _kernel_hashes(fn.trace(*args, **dict(kw)).lower(lowering_platforms=("cuda",)))]
     assert len(alone) == 6 and set(alone) == in_step
@@ -522,9 +523,11 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch, fus
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2  # bf16 h, act, d(h) and gradients against float32
 
 
-def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_expert_output(monkeypatch):
+@pytest.mark.parametrize("fuse", ["mgpu_weighted", "mgpu_dweighted"])
+def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_expert_output(monkeypatch, fuse):
     """permute.sorted_experts with FUSE "mgpu_weighted" (the routing weights applied to act in the gate_up kernel's
-    epilogue, an unweighted combine): the layer's output and its gradients for x, the routing weights and both expert
+    epilogue, an unweighted combine) or "mgpu_dweighted" (the same weights applied in XLA's SwiGLU pass after the
+    unfused gate_up matmul; the backward as "mgpu_weighted"): the layer's output and its gradients for x, the routing weights and both expert
     weights against the dense per-expert reference in float32 on the same bf16 values; the Mosaic kernels in Pallas'
     GPU interpreter (as the test above), the other matmuls and the dispatch on the Triton kernels (interpreted). The
     combine's backward is the dispatch of g: the experts' output is not among the backward's residuals."""
@@ -547,8 +550,8 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
 
     monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", swiglu_weighted)
     monkeypatch.setattr(gmm_mgpu, "gmm_dswiglu", dswiglu_untransposed)
-    monkeypatch.setattr(permute, "_weighted_takes", lambda m, wgu, wd, dtype: m % 128 == 0)
-    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_weighted"}))
+    monkeypatch.setattr(permute, "_weighted_takes", lambda m, wgu, wd, dtype, fused_fwd: m % 128 == 0)
+    monkeypatch.setattr(permute, "FUSE", frozenset({fuse}))
     t, hdim, inter, e, k = 128, 128, 256, 5, 2
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((t, e)) + np.array([2.0, 1.0, 0.0, -100.0, 0.5])  # expert 3 gets no token
@@ -569,7 +572,7 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
         return jnp.sum(dense_reference(x, jnp.asarray(idx), topw, wgu, wd) * py)
 
     got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2, 3)))(x, topw, wgu, wd)
-    assert calls == [("fwd", True), ("bwd", True)]
+    assert calls == ([("fwd", True)] if fuse == "mgpu_weighted" else []) + [("bwd", True)]
     want = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2, 3)))(
         x.astype(jnp.float32), topw, wgu.astype(jnp.float32), wd.astype(jnp.float32))
     assert abs(float(got[0]) - float(want[0])) < 1e-2 * abs(float(want[0]))
