@@ -1,5 +1,6 @@
-"""The Mosaic-GPU grouped matmul (parallelism.gmm_mgpu): its tile table by hand, its forward kernel in Pallas' GPU
-interpreter against a per-group einsum, and the shape checks. The d(x) form (w read transposed in shared memory) is
+"""The Mosaic-GPU grouped matmul (parallelism.gmm_mgpu): its tile table by hand, its forward kernel and the SwiGLU
+epilogue kernels in Pallas' GPU interpreter against per-group einsums and JAX's gradients (and against the XLA
+contracts that stand in for them in the layer tests), the layers' custom VJPs around them, and the shape checks. The d(x) form (w read transposed in shared memory) is
 not run here: the interpreter has no transposed wgmma operand (jax 0.10.2); on an H200 it was bitwise equal to the
 Triton kernel's (bench/moe_layer.md run 13)."""
 
@@ -12,6 +13,42 @@ import jax
 import jax.numpy as jnp
 
 from parallelism import gmm_mgpu
+
+
+def _by_group(x, w, group_sizes, spec):
+    """Each row's product with its group's weights (``einsum(spec)`` in float32, bf16 operands) and which rows the
+    groups hold; rows past ``sum(group_sizes)`` take group 0's."""
+    m = x.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    gid = jnp.minimum(jnp.searchsorted(ends, jnp.arange(m), side="right"), len(group_sizes) - 1)
+    each = jnp.einsum(spec, x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")  # [G, M, N]
+    return jnp.take_along_axis(each, gid[None, :, None], axis=0)[0], jnp.arange(m) < ends[-1]
+
+
+def swiglu_contract(x, w, group_sizes, row_w=None):
+    """``gmm_mgpu.gmm_swiglu``'s contract in XLA, the kernel's stand-in in the layer tests below (the kernel tests
+    above hold the kernel to it): h = x @ w[g] accumulated in float32 and rounded, act = SwiGLU (weighted with
+    ``row_w``) of h's rounded values, rows past ``sum(group_sizes)`` NaN (the kernel leaves them unwritten)."""
+    from parallelism.permute import swiglu, weighted_swiglu
+
+    h, used = _by_group(x, w, group_sizes, "mk,gkn->gmn")
+    h = h.astype(x.dtype)
+    act = swiglu(h) if row_w is None else weighted_swiglu(h, row_w)
+    return jnp.where(used[:, None], h, jnp.nan), jnp.where(used[:, None], act, jnp.nan)
+
+
+def dswiglu_contract(dy, w, group_sizes, h, row_w=None):
+    """``gmm_mgpu.gmm_dswiglu``'s contract in XLA (the layer's call: ``w [G, I, H]`` read transposed), its stand-in
+    in the layer tests: d(h) = JAX's gradient of (weighted) SwiGLU at h for d(act) = dy @ w[g]^T rounded to dy's
+    dtype, rows past ``sum(group_sizes)`` NaN; with ``row_w`` also the weights' gradient, 0 there."""
+    from parallelism.permute import swiglu, weighted_swiglu
+
+    d_act, used = _by_group(dy, w, group_sizes, "mh,gih->gmi")
+    d_act = d_act.astype(dy.dtype)
+    if row_w is None:
+        return jnp.where(used[:, None], jax.vjp(swiglu, h)[1](d_act)[0], jnp.nan)
+    dh, d_row_w = jax.vjp(weighted_swiglu, h, row_w)[1](d_act)
+    return jnp.where(used[:, None], dh, jnp.nan), jnp.where(used, d_row_w, 0.0)
 
 
 def test_block_table_hand_computed():
@@ -76,7 +113,7 @@ def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, e
     np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
-def test_swiglu_kernel_in_the_gpu_interpreter_matches_per_group_einsum_and_swiglu(sms=3):
+def test_swiglu_kernel_in_the_gpu_interpreter_matches_per_group_einsum_and_swiglu(sms=2):
     """gmm_swiglu: h = x @ w[g] as gmm gives it, act = SwiGLU of h's rounded values (permute.swiglu); two gate / up
     column blocks; rows of the same five groups as the forward kernel's test (idle row halves included)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -101,11 +138,12 @@ def test_swiglu_kernel_in_the_gpu_interpreter_matches_per_group_einsum_and_swigl
     # SwiGLU of the same bf16 values: equal but for the float32 sigmoid's last bits before rounding to bf16
     np.testing.assert_allclose(got, want, rtol=8e-3, atol=1e-6)
     assert np.mean(got == want) > 0.99
+    _assert_near(zip((h, act), swiglu_contract(x, w, jnp.asarray(sizes))), used)  # the layer tests' stand-in
     with pytest.raises(ValueError, match="swiglu"):
         gmm_mgpu.gmm_swiglu(x, w[:, :, :384], jnp.asarray(sizes), config=cfg)  # I = 192: not whole 128-column blocks
 
 
-def test_swiglu_backward_kernel_in_the_gpu_interpreter_matches_jax_gradient_of_swiglu(sms=3):
+def test_swiglu_backward_kernel_in_the_gpu_interpreter_matches_jax_gradient_of_swiglu(sms=2):
     """gmm_dswiglu: d(h) = JAX's gradient of permute.swiglu at h for d(act) = dy @ w[g] as gmm gives it (bf16); each
     warpgroup's four 64 x 64 slabs go through two h buffers (refilled twice); h's rows past the groups' are NaN (read
     into the epilogue, never stored). trans_w=False here (the interpreter has no transposed wgmma operand); the
@@ -132,11 +170,22 @@ def test_swiglu_backward_kernel_in_the_gpu_interpreter_matches_jax_gradient_of_s
     # the same bf16 values, float32 sigmoid and products (JAX's grad orders them its own way) rounded to bf16
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3 * np.abs(want).max())
     assert np.mean(got == want) > 0.95
+    _assert_near([(dh, dswiglu_contract(dy, jnp.swapaxes(w, 1, 2), jnp.asarray(sizes), h))], used)
     with pytest.raises(ValueError, match="SwiGLU's backward"):
         gmm_mgpu.gmm_dswiglu(dy, w, jnp.asarray(sizes), h[:, :384], trans_w=False, config=cfg)
 
 
-def test_weighted_swiglu_kernels_in_the_gpu_interpreter_match_jax_gradient_of_weighted_swiglu(sms=3):
+def _assert_near(pairs, used):
+    """Each kernel output within bf16 rounding of its stand-in (``*_contract``, whose d(act) is rounded from a float32
+    einsum rather than the kernel's accumulation) over the groups' rows, and the stand-in's rows past them NaN / 0."""
+    for got, want in pairs:
+        a, b = np.asarray(got[:used], np.float32), np.asarray(want[:used], np.float32)
+        assert np.isfinite(b).all() and np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+        tail = np.asarray(want[used:], np.float32)
+        assert np.isnan(tail).all() if tail.ndim > 1 else (tail == 0).all()
+
+
+def test_weighted_swiglu_kernels_in_the_gpu_interpreter_match_jax_gradient_of_weighted_swiglu(sms=2):
     """gmm_swiglu / gmm_dswiglu with row weights (Megatron's weighted SwiGLU): act_w = silu(gate) * up * weight from
     h's rounded values, rounded once; its backward's d(h) and the weights' gradient (row sums of d(act_w) * act) as JAX
     differentiates that function at h for d(act_w) = dy @ w[g] as gmm gives it. Rows of five groups, h's rows past
@@ -179,6 +228,9 @@ def test_weighted_swiglu_kernels_in_the_gpu_interpreter_match_jax_gradient_of_we
     np.testing.assert_allclose(np.asarray(d_row_w[:used]), np.asarray(want_dw), rtol=1e-4,
                                atol=1e-5 * np.abs(np.asarray(want_dw)).max())
     np.testing.assert_array_equal(np.asarray(d_row_w[used:]), 0.0)
+    _assert_near(zip((h, act_w), swiglu_contract(x, wgu, jnp.asarray(sizes), row_w)), used)  # the stand-ins
+    _assert_near(zip((dh, d_row_w), dswiglu_contract(dy, jnp.swapaxes(wd, 1, 2), jnp.asarray(sizes), h_nan, row_w)),
+                 used)
     with pytest.raises(ValueError, match="row weights"):
         gmm_mgpu.gmm_swiglu(x, wgu, jnp.asarray(sizes), row_w.astype(jnp.bfloat16), config=cfg)
     with pytest.raises(ValueError, match="row weights"):
@@ -432,17 +484,11 @@ def test_compile_ahead_compiles_each_recorded_function_in_threads():
 def test_swiglu_fused_gate_up_gradients_match_the_unfused_layer(monkeypatch):
     """permute._mgpu_gate_up_swiglu (FUSE "mgpu_swiglu"): its outputs and its custom VJP (d(h) = h's cotangent +
     SwiGLU's backward of act's, then d(x), d(w)) against the per-group einsum and SwiGLU differentiated by JAX, in
-    float32 on the same bf16 values; the kernel in Pallas' GPU interpreter, the backward's matmuls on the Triton
-    kernels (interpreted on CPU)."""
-    import functools
-
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
+    float32 on the same bf16 values; the kernel stood in for by its contract (:func:`swiglu_contract`, held to the
+    kernel in the GPU interpreter above), the backward's matmuls on the Triton kernels (interpreted on CPU)."""
     from parallelism import permute
 
-    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
-    monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", functools.partial(gmm_mgpu.gmm_swiglu, config=cfg,
-                                                                  interpret=InterpretGPUParams(), num_sms=4))
+    monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", swiglu_contract)
     m, k, n = 512, 128, 512
     sizes = np.array([130, 0, 200, 10, 172], np.int32)  # every row used: the reference has no tail rows to ignore
     ks = jax.random.split(jax.random.key(3), 4)
@@ -467,32 +513,34 @@ def test_swiglu_fused_gate_up_gradients_match_the_unfused_layer(monkeypatch):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2  # bf16 h, act and gradients against float32
 
 
-@pytest.mark.parametrize("fused_fwd", [True, False])
-def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch, fused_fwd):
+@pytest.mark.parametrize("fused_fwd,kernels", [(True, "interpreted"), (False, "contract")])
+def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch, fused_fwd, kernels):
     """permute._mgpu_swiglu_experts (FUSE "mgpu_swiglu_bwd"; ``fused_fwd=False``: "mgpu_dswiglu", the forward's SwiGLU
     after the gate_up matmul): the experts' output and gradients (SwiGLU's backward in
     the down projection's d(x) kernel) against the per-group einsums and SwiGLU differentiated by JAX, in float32 on
     the same bf16 values; the Mosaic kernels in Pallas' GPU interpreter (gmm_dswiglu on the down weights transposed
-    beforehand: the interpreter has no transposed wgmma operand), the other matmuls on the Triton kernels
-    (interpreted on CPU)."""
+    beforehand: the interpreter has no transposed wgmma operand) or their contracts (:func:`swiglu_contract`,
+    :func:`dswiglu_contract`), the other matmuls on the Triton kernels (interpreted on CPU)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     from parallelism import permute
 
     cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
-    run = dict(config=cfg, interpret=InterpretGPUParams(), num_sms=4)
+    run = dict(config=cfg, interpret=InterpretGPUParams(), num_sms=2)
     dswiglu = gmm_mgpu.gmm_dswiglu
     calls = []
 
     def dswiglu_untransposed(dy, w, s, h):
         calls.append(dy.shape)
+        if kernels == "contract":
+            return dswiglu_contract(dy, w, s, h)
         return dswiglu(dy, jnp.swapaxes(w, 1, 2), s, h, trans_w=False, **run)
 
     swiglu, swiglu_calls = gmm_mgpu.gmm_swiglu, []
 
     def swiglu_fwd(*a):
         swiglu_calls.append(a[0].shape)
-        return swiglu(*a, **run)
+        return swiglu_contract(*a) if kernels == "contract" else swiglu(*a, **run)
 
     monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", swiglu_fwd)
     monkeypatch.setattr(gmm_mgpu, "gmm_dswiglu", dswiglu_untransposed)
@@ -528,25 +576,23 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
     """permute.sorted_experts with FUSE "mgpu_weighted" (the routing weights applied to act in the gate_up kernel's
     epilogue, an unweighted combine) or "mgpu_dweighted" (the same weights applied in XLA's SwiGLU pass after the
     unfused gate_up matmul; the backward as "mgpu_weighted"): the layer's output and its gradients for x, the routing weights and both expert
-    weights against the dense per-expert reference in float32 on the same bf16 values; the Mosaic kernels in Pallas'
-    GPU interpreter (as the test above), the other matmuls and the dispatch on the Triton kernels (interpreted). The
-    combine's backward is the dispatch of g: the experts' output is not among the backward's residuals."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
+    weights against the dense per-expert reference in float32 on the same bf16 values; the Mosaic kernels stood in
+    for by their contracts (:func:`swiglu_contract`, :func:`dswiglu_contract`: held to the weighted kernels in the
+    GPU interpreter above; the recorded-kernel test lowers the real ones at the layer's arguments), the other matmuls
+    and the dispatch on the Triton kernels (interpreted). The combine's backward is the dispatch of g: the experts'
+    output is not among the backward's residuals."""
     from parallelism import permute
     from tests.parallelism.moe_reference import dense_reference
 
-    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
-    run = dict(config=cfg, interpret=InterpretGPUParams(), num_sms=4)
-    swiglu, dswiglu, calls = gmm_mgpu.gmm_swiglu, gmm_mgpu.gmm_dswiglu, []
+    calls = []
 
     def swiglu_weighted(x, w, s, row_w=None):
         calls.append(("fwd", row_w is not None))
-        return swiglu(x, w, s, row_w, **run)
+        return swiglu_contract(x, w, s, row_w)
 
     def dswiglu_untransposed(dy, w, s, h, row_w=None):
         calls.append(("bwd", row_w is not None))
-        return dswiglu(dy, jnp.swapaxes(w, 1, 2), s, h, row_w, trans_w=False, **run)
+        return dswiglu_contract(dy, w, s, h, row_w)
 
     monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", swiglu_weighted)
     monkeypatch.setattr(gmm_mgpu, "gmm_dswiglu", dswiglu_untransposed)
