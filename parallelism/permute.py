@@ -477,9 +477,10 @@ FUSE_ENV = "MOEVLM_MOE_FUSE"
 #   unfused (the gate_up matmul, then XLA's SwiGLU): run 20b per matmul (bench/mgpu_probe_h200_run20b.txt), the fused
 #   backward 0.07 ms under gmm + XLA's pass at both shape sets while the fused forward costs 0.05 (30B-A3B) to 0.86 ms
 #   (235B-A22B) more than its unfused pair. Not yet timed in the layer.
-# - "mgpu_dweighted": "mgpu_weighted" with the forward unfused: the gate_up matmul, then XLA's weighted SwiGLU pass
-#   (weighted_swiglu: the row weights are one more [A] read in the pass "mgpu_dswiglu" has anyway); the unweighted
-#   combine and the weighted d(x) epilogue as "mgpu_weighted". Not yet timed in the layer.
+# - "mgpu_dweighted": "mgpu_dswiglu" and, in the local dropless experts (sorted_experts), the routing weights as
+#   "mgpu_weighted" but applied in XLA's SwiGLU pass after the unfused gate_up matmul (weighted_swiglu: the row
+#   weights are one more [A] read in the pass "mgpu_dswiglu" has anyway): the unweighted combine and the weighted
+#   d(x) epilogue without the forward epilogue that cost in run 20. Not yet timed on a GPU.
 FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted",
            "mgpu_dswiglu", "mgpu_dweighted")
 FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
