@@ -6,6 +6,8 @@
 # A side's dir (e.g. .ab_base: an earlier commit's library, made as h200_step_ab.sh's header says, in carry) runs the
 # bench from there, i.e. on that library.
 # JAX at 80% of the card (HF's block needs the rest). Results under $OUT: layer.txt, moe_layer_<name>.json.
+# PROFILE="name|env" (optional): then, in the time left (at least 90 s), that side's layer traced per pass
+# (bench/scripts/profile_moe_layer.py --pipelined at PROFILE_SHAPES, default 30b-a3b): $OUT/moe_profile_<name>.json.
 #   run(command="SIDES='...' bash bench/scripts/h200_layer_sides.sh", carry=[".gpudeps"], timeout_s=600)
 set -uo pipefail
 T0=${T0:-$(date +%s)}
@@ -21,4 +23,15 @@ for s in "${SS[@]}"; do
       --iters 10 $extra --out "$OUT/moe_layer_$name.json") 2>&1 | grep -v "Autotuning cache miss" | tail -14 \
       | tee -a "$OUT/layer.txt"
 done
+if [ -n "${PROFILE:-}" ]; then
+  IFS='|' read -r name env <<< "$PROFILE"
+  if [ "$(left "${END:-590}")" -ge 90 ]; then
+    echo "=== profile $name: env '$env' (at $(( $(date +%s) - T0 )) s)" | tee -a "$OUT/layer.txt"
+    env $env timeout "$(left "${END:-590}")" python3 bench/scripts/profile_moe_layer.py --pipelined --steps 10 \
+        --shapes "${PROFILE_SHAPES:-30b-a3b}" --out "$OUT/moe_profile_$name.json" 2>&1 \
+        | grep -v "Autotuning cache miss" | tail -40 | tee -a "$OUT/layer.txt"
+  else
+    echo "no time for profile $name" | tee -a "$OUT/layer.txt"
+  fi
+fi
 echo "wall $(( $(date +%s) - T0 )) s" | tee -a "$OUT/layer.txt"
