@@ -1,8 +1,8 @@
 """The Mosaic-GPU grouped matmul (parallelism.gmm_mgpu): its tile table by hand, its forward kernel and the SwiGLU
 epilogue kernels in Pallas' GPU interpreter against per-group einsums and JAX's gradients (and against the XLA
-contracts that stand in for them in the layer tests), the layers' custom VJPs around them, and the shape checks. The d(x) form (w read transposed in shared memory) is
-not run here: the interpreter has no transposed wgmma operand (jax 0.10.2); on an H200 it was bitwise equal to the
-Triton kernel's (bench/moe_layer.md run 13)."""
+contracts that stand in for them in the layer tests), the layers' custom VJPs around them, and the shape checks.
+The d(x) form (w read transposed in shared memory) is not run here: the interpreter has no transposed wgmma operand
+(jax 0.10.2); on an H200 it was bitwise equal to the Triton kernel's (bench/moe_layer.md run 13)."""
 
 import dataclasses
 
