@@ -424,9 +424,9 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
     """Trainer.compile_ahead compiles the Mosaic kernels a step records (gmm_mgpu.recording) alone, beside the step's
     compile, so that XLA finds them compiled (jaxlib keys a compiled kernel by its module's hash). Lowered for a GPU on
     this CPU: the experts' forward and backward (the real expert_ffn, the Mosaic kernels taken where the shapes fit;
-    "mgpu_weighted" / "mgpu_dweighted": the real sorted_experts, its kernels with the row weights) record each
-    distinct kernel once, and each recorded kernel lowered alone is one of the step's modules, bit for bit (the backward's kernels too, which JAX
-    traces under the forward call's source locations: gmm_mgpu._traced_alone)."""
+    "mgpu_weighted" / "mgpu_dweighted": the real sorted_experts, its kernels with the row weights) record each distinct
+    kernel once, and each recorded kernel lowered alone is one of the step's modules, bit for bit (the backward's
+    kernels too, which JAX traces under the forward call's source locations: gmm_mgpu._traced_alone)."""
     from parallelism import grouped_matmul as gmmod
     from parallelism import permute
 
@@ -578,11 +578,11 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
     """permute.sorted_experts with FUSE "mgpu_weighted" (the routing weights applied to act in the gate_up kernel's
     epilogue, an unweighted combine) or "mgpu_dweighted" (the same weights applied in XLA's SwiGLU pass after the
     unfused gate_up matmul; the backward as "mgpu_weighted"): the layer's output and its gradients for x, the routing
-    weights and both expert weights against the dense per-expert reference in float32 on the same bf16 values; the Mosaic kernels stood in
-    for by their contracts (:func:`swiglu_contract`, :func:`dswiglu_contract`: held to the weighted kernels in the
-    GPU interpreter above; the recorded-kernel test lowers the real ones at the layer's arguments), the other matmuls
-    and the dispatch on the Triton kernels (interpreted). The combine's backward is the dispatch of g: the experts'
-    output is not among the backward's residuals."""
+    weights and both expert weights against the dense per-expert reference in float32 on the same bf16 values; the
+    Mosaic kernels stood in for by their contracts (:func:`swiglu_contract`, :func:`dswiglu_contract`: held to the
+    weighted kernels in the GPU interpreter above; the recorded-kernel test lowers the real ones at the layer's
+    arguments), the other matmuls and the dispatch on the Triton kernels (interpreted). The combine's backward is the
+    dispatch of g: the experts' output is not among the backward's residuals."""
     from parallelism import permute
     from tests.parallelism.moe_reference import dense_reference
 
