@@ -632,10 +632,11 @@ def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Arra
     pass, which reads h and d(act) and writes d(h) (bench/moe_layer.md: 0.23 / 0.48 ms a layer at the 30B-A3B /
     235B-A22B shapes), less the loads the epilogue waits for: per matmul on the H200 0.07 ms under the kernel followed
     by XLA's pass at both shape sets (run 20b; tested in the interpreter with ``trans_w=False``). ``row_w [M]``
-    float32 (the backward of ``gmm_swiglu(..., row_w)``; ``dy`` then the cotangent of ``act_w @ w``): the product is d(act_w), SwiGLU's backward takes ``d(act) = d(act_w) * row_w``,
-    and the routing weights' gradient ``sum_j d(act_w)[m, j] * act[m, j]`` comes back too: ``(d(h), d(row_w) [M])``
-    (each warpgroup stores its window's row sums over its columns, float32, and XLA adds the blocks' and keeps each
-    row's from its own tile: :func:`_row_sums`)."""
+    float32 (the backward of ``gmm_swiglu(..., row_w)``; ``dy`` then the cotangent of ``act_w @ w``): the product is
+    d(act_w), SwiGLU's backward takes ``d(act) = d(act_w) * row_w``, and the routing weights' gradient
+    ``sum_j d(act_w)[m, j] * act[m, j]`` comes back too: ``(d(h), d(row_w) [M])`` (each warpgroup stores its
+    window's row sums over its columns, float32, and XLA adds the blocks' and keeps each row's from its own tile:
+    :func:`_row_sums`)."""
     return gmm(dy, w, group_sizes, h, row_w, trans_w=trans_w, config=config, interpret=interpret, num_sms=num_sms)
 
 

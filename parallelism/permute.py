@@ -236,17 +236,15 @@ combine_rows_kernel.defvjp(_combine_fwd, _combine_kernel_bwd)
 FFN_SCOPE = "expert_ffn"  # the expert matmuls + SwiGLU in profiler traces (the rest of "experts": dispatch)
 
 
-def swiglu(h: jax.Array) -> jax.Array:
-    """``[..., 2I]`` (gate half first) -> ``[..., I]`` = silu(gate) * up, computed in float32."""
+def swiglu(h: jax.Array, row_w: jax.Array | None = None) -> jax.Array:
+    """``[..., 2I]`` (gate half first) -> ``[..., I]`` = silu(gate) * up, computed in float32 and rounded once.
+    ``row_w [M]`` (``h [M, 2I]``): Megatron's weighted SwiGLU, each row times its routing weight before the rounding
+    (as ``gmm_mgpu.gmm_swiglu``'s epilogue with row weights)."""
     gate, up = jnp.split(h, 2, axis=-1)
-    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
-
-
-def weighted_swiglu(h: jax.Array, row_w: jax.Array) -> jax.Array:
-    """Megatron's weighted SwiGLU, ``[M, 2I]``, ``row_w [M]`` -> ``silu(gate) * up * row_w`` ``[M, I]`` in float32,
-    rounded once (as ``gmm_mgpu.gmm_swiglu``'s epilogue with row weights)."""
-    gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
-    return (jax.nn.silu(gate) * up * row_w.astype(jnp.float32)[:, None]).astype(h.dtype)
+    act = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+    if row_w is not None:
+        act = act * row_w.astype(jnp.float32)[:, None]
+    return act.astype(h.dtype)
 
 
 def _fp8_gemm(matmul: Callable, lhs: jax.Array, rhs: jax.Array, q: fp8.ExpertsScope | None, *args: Any,
@@ -368,9 +366,9 @@ def _mgpu_swiglu_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, 
     SwiGLU in the gate_up epilogue (``fused_fwd``, FUSE "mgpu_swiglu_bwd": ``gmm_swiglu``) or after it (FUSE
     "mgpu_dswiglu": the gate_up matmul, then XLA's SwiGLU), then the down projection. ``row_w [M]`` (float32, FUSE
     "mgpu_weighted" / "mgpu_dweighted"): each row's routing weight applied to act in the forward's epilogue or in
-    XLA's SwiGLU pass (:func:`weighted_swiglu`), ``y = (silu(gate) * up * row_w) @ w_down[g]``; the backward's d(x)
-    kernel gives d(row_w) too and the down d(w) reads the weighted act saved. Rows past ``sum(group_sizes)``
-    unwritten (the caller reads none)."""
+    XLA's SwiGLU pass (:func:`swiglu` with ``row_w``), ``y = (silu(gate) * up * row_w) @ w_down[g]``; the
+    backward's d(x) kernel gives d(row_w) too and the down d(w) reads the weighted act saved. Rows past
+    ``sum(group_sizes)`` unwritten (the caller reads none)."""
     return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd, row_w)[0]
 
 
@@ -379,7 +377,7 @@ def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd=True, 
         h, act = gmm_mgpu.gmm_swiglu(x, w_gate_up, group_sizes, row_w)
     else:
         h = plain_gmm(x, w_gate_up, group_sizes)
-        act = swiglu(h) if row_w is None else weighted_swiglu(h, row_w)
+        act = swiglu(h, row_w)
     y = plain_gmm(act, w_down, group_sizes)
     return y, (checkpoint_name(x, MOE_PERMUTED), w_gate_up, w_down, group_sizes, checkpoint_name(h, MOE_GATE_UP),
                checkpoint_name(act, MOE_ACT), row_w)
@@ -478,7 +476,7 @@ FUSE_ENV = "MOEVLM_MOE_FUSE"
 #   backward 0.07 ms under gmm + XLA's pass at both shape sets while the fused forward costs 0.05 (30B-A3B) to 0.86 ms
 #   (235B-A22B) more than its unfused pair. Not yet timed in the layer.
 # - "mgpu_dweighted": "mgpu_dswiglu" and, in the local dropless experts (sorted_experts), the routing weights as
-#   "mgpu_weighted" but applied in XLA's SwiGLU pass after the unfused gate_up matmul (weighted_swiglu: the row
+#   "mgpu_weighted" but applied in XLA's SwiGLU pass after the unfused gate_up matmul (swiglu with row_w: the row
 #   weights are one more [A] read in the pass "mgpu_dswiglu" has anyway): the unweighted combine and the weighted
 #   d(x) epilogue without the forward epilogue that cost in run 20. Not yet timed on a GPU.
 FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted",

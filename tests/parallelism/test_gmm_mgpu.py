@@ -29,11 +29,11 @@ def swiglu_contract(x, w, group_sizes, row_w=None):
     """``gmm_mgpu.gmm_swiglu``'s contract in XLA, the kernel's stand-in in the layer tests below (the kernel tests
     above hold the kernel to it): h = x @ w[g] accumulated in float32 and rounded, act = SwiGLU (weighted with
     ``row_w``) of h's rounded values, rows past ``sum(group_sizes)`` NaN (the kernel leaves them unwritten)."""
-    from parallelism.permute import swiglu, weighted_swiglu
+    from parallelism.permute import swiglu
 
     h, used = _by_group(x, w, group_sizes, "mk,gkn->gmn")
     h = h.astype(x.dtype)
-    act = swiglu(h) if row_w is None else weighted_swiglu(h, row_w)
+    act = swiglu(h, row_w)
     return jnp.where(used[:, None], h, jnp.nan), jnp.where(used[:, None], act, jnp.nan)
 
 
@@ -41,13 +41,13 @@ def dswiglu_contract(dy, w, group_sizes, h, row_w=None):
     """``gmm_mgpu.gmm_dswiglu``'s contract in XLA (the layer's call: ``w [G, I, H]`` read transposed), its stand-in
     in the layer tests: d(h) = JAX's gradient of (weighted) SwiGLU at h for d(act) = dy @ w[g]^T rounded to dy's
     dtype, rows past ``sum(group_sizes)`` NaN; with ``row_w`` also the weights' gradient, 0 there."""
-    from parallelism.permute import swiglu, weighted_swiglu
+    from parallelism.permute import swiglu
 
     d_act, used = _by_group(dy, w, group_sizes, "mh,gih->gmi")
     d_act = d_act.astype(dy.dtype)
     if row_w is None:
         return jnp.where(used[:, None], jax.vjp(swiglu, h)[1](d_act)[0], jnp.nan)
-    dh, d_row_w = jax.vjp(weighted_swiglu, h, row_w)[1](d_act)
+    dh, d_row_w = jax.vjp(swiglu, h, row_w)[1](d_act)
     return jnp.where(used[:, None], dh, jnp.nan), jnp.where(used, d_row_w, 0.0)
 
 
