@@ -4,11 +4,16 @@ GSPMD partitions ``jnp.take(table, ids)`` poorly when the table is sharded (meas
 with the table split over vocab x embed it all-gathers the token ids over the batch axes, looks up
 every row of the global batch and all-reduces ``[B, S, H]``). :func:`embed_lookup` does what
 Megatron's ``VocabParallelEmbedding`` does, inside ``shard_map``: the table keeps its vocabulary
-shard (the embed dimension is gathered, as FSDP gathers any weight), each device looks up the
-token ids that fall in its vocabulary range (zeros elsewhere), and the partial rows are summed
-over the vocabulary axes: a reduce-scatter along the sequence when the output is sequence-parallel
-over those axes (SP), else an all-reduce. Backward: the table's gradient is a local scatter-add
-into its own shard, accumulated in float32 (:func:`take_rows`).
+shard, each device looks up the token ids that fall in its vocabulary range (zeros elsewhere), and
+the partial rows are summed over the vocabulary axes: a reduce-scatter along the sequence when the
+output is sequence-parallel over those axes (SP), else an all-reduce. Its FSDP-split embed
+dimension is not gathered either where the ids are split over the same axes (every preset): the
+ids are gathered over them instead, each device looks up its embed columns of all their rows, and an
+all-to-all gives every device its own tokens' whole rows. For a [V, H] table and T tokens a device,
+that moves ~2 T H elements (forward and backward) where gathering the table moved V H and its
+gradient's all-reduce 2 V H in float32 (Qwen3-VL-30B-A3B: 311M elements against 4096-token rows).
+Backward: the table's gradient is a local scatter-add into its own shard, accumulated in float32
+(:func:`take_rows`).
 
 The LM head and cross-entropy need no such help: GSPMD splits the logits over the vocabulary and
 reduces the logsumexp and the target logit across shards (``moevlm_jax.model.loss``;
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +32,8 @@ from jax.sharding import PartitionSpec
 
 from parallelism import logical
 from parallelism.dispatch import shard_map_unchecked
+
+OUT_AXES = ("act_batch", "act_norm_seq", "act_embed")  # the decoder's residual stream
 
 
 def _entry(axes: Sequence[str]) -> object:
@@ -60,20 +68,28 @@ def _take_rows_bwd(vocab, ids, g):
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def embed_lookup(table: jax.Array, ids: jax.Array, table_axes: Sequence[str | None] = ("vocab", "embed"),
-                 out_axes: Sequence[str | None] = ("act_batch", "act_norm_seq", "act_embed")) -> jax.Array:
-    """table ``[V, H]``, ids ``[B, S]`` int -> rows ``[B, S, H]`` (table dtype), sharded as ``out_axes``
-    under the active layout; a plain :func:`take_rows` without one (or inside ``shard_map``)."""
-    ctx = logical.current()
-    if ctx is None or logical.in_manual_region():
-        return take_rows(table, ids)
-    out = tuple(logical.logical_to_spec(out_axes, ctx.rules, ctx.mesh))
+class LookupAxes(NamedTuple):
+    """How :func:`embed_lookup` splits its work over the mesh (axis-name tuples)."""
+
+    batch: tuple[str, ...]  # the ids' (and rows') batch axes
+    ids_seq: tuple[str, ...]  # the ids' sequence axes
+    scatter: tuple[str, ...]  # sequence axes the rows are reduce-scattered over (SP)
+    parallel: tuple[str, ...]  # vocabulary axes each device looks up its own range on
+    reduce: tuple[str, ...]  # vocabulary axes the partial rows are summed over
+    spread: tuple[str, ...]  # the table's embed axes: ids gathered, rows returned by all-to-all (FSDP)
+
+
+def lookup_axes(rules, mesh, table_axes: Sequence[str | None] = ("vocab", "embed"),
+                out_axes: Sequence[str | None] = OUT_AXES) -> LookupAxes | None:
+    """The lookup's axes under ``rules`` over ``mesh`` (a Mesh, or anything with its ``shape``: the
+    planner's), or None for an embed-sharded output (no layout of ours: left to GSPMD)."""
+    out = tuple(logical.logical_to_spec(out_axes, rules, mesh))
     out = out + (None,) * (3 - len(out))
     batch, seq, embed = (logical.flat_axes(e) for e in out)
-    table_spec = tuple(logical.logical_to_spec(table_axes, ctx.rules, ctx.mesh))
-    vocab = logical.flat_axes(table_spec[0] if table_spec else None)
-    if embed:  # an embed-sharded output is no layout of ours: leave it to GSPMD
-        return logical.constrain(take_rows(table, ids), out_axes)
+    if embed:
+        return None
+    table_spec = tuple(logical.logical_to_spec(table_axes, rules, mesh)) + (None, None)
+    vocab, table_embed = logical.flat_axes(table_spec[0]), logical.flat_axes(table_spec[1])
     # sequence axes the rows are reduce-scattered over: a trailing run of the sequence entry that the
     # table's vocabulary is split over (SP: sequence over the tensor axis, vocabulary too)
     scatter: tuple[str, ...] = ()
@@ -83,22 +99,48 @@ def embed_lookup(table: jax.Array, ids: jax.Array, table_axes: Sequence[str | No
     # vocabulary axes the ids are split over cannot hold vocabulary shards here: gather those
     parallel = tuple(a for a in vocab if a not in batch + ids_seq)
     reduce = tuple(a for a in parallel if a not in scatter)
-    v_local = table.shape[0] // logical.axis_size(ctx.mesh, parallel or None)
+    # FSDP: the table's embed dimension split over axes the token ids are split over too. Rather than
+    # gather the table (and, backward, all-reduce a whole float32 [V, H] gradient), the ids are gathered
+    # over those axes, each device looks up its embed columns for all of them and an all-to-all returns
+    # every device its own tokens' whole rows; the gradient is a local scatter-add into the table's shard
+    spread = table_embed if table_embed and set(table_embed) <= set(batch + ids_seq) else ()
+    return LookupAxes(batch, ids_seq, scatter, parallel, reduce, spread)
+
+
+def embed_lookup(table: jax.Array, ids: jax.Array, table_axes: Sequence[str | None] = ("vocab", "embed"),
+                 out_axes: Sequence[str | None] = OUT_AXES) -> jax.Array:
+    """table ``[V, H]``, ids ``[B, S]`` int -> rows ``[B, S, H]`` (table dtype), sharded as ``out_axes``
+    under the active layout; a plain :func:`take_rows` without one (or inside ``shard_map``)."""
+    ctx = logical.current()
+    if ctx is None or logical.in_manual_region():
+        return take_rows(table, ids)
+    ax = lookup_axes(ctx.rules, ctx.mesh, table_axes, out_axes)
+    if ax is None:
+        return logical.constrain(take_rows(table, ids), out_axes)
+    v_local = table.shape[0] // logical.axis_size(ctx.mesh, ax.parallel or None)
+
+    def lookup(tbl, idx):
+        if not ax.parallel:
+            return take_rows(tbl, idx)
+        local = idx - jax.lax.axis_index(ax.parallel) * v_local
+        inside = (local >= 0) & (local < v_local)
+        rows = take_rows(tbl, jnp.clip(local, 0, v_local - 1))
+        rows = jnp.where(inside[..., None], rows, jnp.zeros((), rows.dtype))
+        if ax.reduce:
+            rows = jax.lax.psum(rows, ax.reduce)
+        if ax.scatter:
+            rows = jax.lax.psum_scatter(rows, ax.scatter, scatter_dimension=rows.ndim - 2, tiled=True)
+        return rows
 
     def body(tbl, idx):
         with logical.manual_region():
-            if not parallel:
-                return take_rows(tbl, idx)
-            local = idx - jax.lax.axis_index(parallel) * v_local
-            inside = (local >= 0) & (local < v_local)
-            rows = take_rows(tbl, jnp.clip(local, 0, v_local - 1))
-            rows = jnp.where(inside[..., None], rows, jnp.zeros((), rows.dtype))
-            if reduce:
-                rows = jax.lax.psum(rows, reduce)
-            if scatter:
-                rows = jax.lax.psum_scatter(rows, scatter, scatter_dimension=1, tiled=True)
-            return rows
+            if not ax.spread:
+                return lookup(tbl, idx)
+            every = jax.lax.all_gather(idx, ax.spread)  # [D, b, s]: the ids of the D devices of the group
+            rows = jax.lax.all_to_all(lookup(tbl, every), ax.spread, 0, 0)  # [D, b, s', H / D] from each device
+            return jnp.moveaxis(rows, 0, -2).reshape(*rows.shape[1:-1], -1)  # [b, s', H], columns in order
 
-    in_specs = (PartitionSpec(_entry(parallel), None), PartitionSpec(_entry(batch), _entry(ids_seq)))
-    out_spec = PartitionSpec(_entry(batch), _entry(ids_seq + scatter), None)
+    in_specs = (PartitionSpec(_entry(ax.parallel), _entry(ax.spread)),
+                PartitionSpec(_entry(ax.batch), _entry(ax.ids_seq)))
+    out_spec = PartitionSpec(_entry(ax.batch), _entry(ax.ids_seq + ax.scatter), None)
     return shard_map_unchecked(body, ctx.mesh, in_specs, out_spec)(table, ids)

@@ -10,10 +10,14 @@ all-gather and reduce-scatter ``X (n - 1) / n``, all-reduce ``2 X (n - 1) / n``,
   over axes that also split the batch: ``plan_geometry.FSDP_AXES``) is all-gathered over them in
   the compute dtype (the embedding table in its parameter dtype) each microbatch: a scanned layer's
   weights once in the forward and once more in the backward (under recompute ``none`` the forward's
-  copy is kept: no second gather), the embedding table for the lookup and again for a tied LM head,
-  the LM head and the mergers once (the fused CE's gradients come with its forward); ``grad_reduce``: its gradient is reduce-scattered over the same axes (parameter dtype)
-  each microbatch, and the gradient of a weight replicated over token axes it is used on is
-  all-reduced over them (frozen weights: gathers only).
+  copy is kept: no second gather), the embedding table for a tied LM head (and for the lookup where
+  its FSDP axes do not split the ids; where they do, every preset, the lookup gathers the int32 ids
+  and exchanges the rows by all-to-all instead, forward and backward: ``parallelism.vocab``), the LM
+  head and the mergers once (the fused CE's gradients come with its forward); ``grad_reduce``: its
+  gradient is reduce-scattered over the same axes (parameter dtype) each microbatch (the table's
+  only for a tied LM head where the lookup spreads it: the lookup's is a local scatter-add), and
+  the gradient of a weight replicated over token axes it is used on is all-reduced over them
+  (frozen weights: gathers only).
 - ``tp``: sequence parallelism's all-gather of the sequence before attention / the dense MLP and
   reduce-scatter after, forward and backward (4 per layer of ``T x H``, ``T`` the gathered
   tokens); expert tensor parallelism's token all-gather + output reduce-scatter likewise; the
@@ -41,7 +45,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from moevlm_jax.tools.plan_geometry import DTYPE_BYTES, Geometry, axes_of, shard_table, size_of
+from moevlm_jax.tools.plan_geometry import DTYPE_BYTES, Geometry, axes_of, lookup_spread, shard_table, size_of
 
 KINDS = ("fsdp_gather", "grad_reduce", "tp", "ep", "cp", "pp")
 
@@ -151,6 +155,7 @@ def step_communication(model: Any, g: Geometry, knobs: Any, devices_per_host: in
     weight_passes = g.iterations / g.repeats
     gathers = 1 if knobs.recompute == "none" else 2
     token_axes_of: dict[str, tuple[str, ...]] = {}
+    spread = lookup_spread(rules, shape)  # the embedding lookup's all-to-all axes (parallelism.vocab)
     for sh in shards:
         p = sh.param
         # decoder layers inside a pipeline run once per pipeline iteration, the rest once per microbatch
@@ -162,14 +167,22 @@ def step_communication(model: Any, g: Geometry, knobs: Any, devices_per_host: in
         trained = p.trainable and p.group not in knobs.frozen
         if fsdp:
             wbytes = DTYPE_BYTES[p.dtype] if p.path == "language_model/embed_tokens" else c
+            reduced = trained
             if p.path == "language_model/embed_tokens":  # the lookup, and the tied LM head (fused CE: forward only)
-                n_gather = 2 if model.tie_word_embeddings else 1
+                tied = 1 if model.tie_word_embeddings else 0
+                if spread:  # the lookup gathers the ids and returns the rows by all-to-all, forward and backward
+                    n_gather, reduced = tied, trained and tied > 0  # its own gradient: a local scatter-add
+                    tokens = g.rows * g.seq / g.sp
+                    acc.add("fsdp_gather", spread, tokens * size_of(shape, spread) * 4 * micro, "all_gather")
+                    acc.add("fsdp_gather", spread, 2 * tokens * t.hidden_size * wbytes * micro, "all_to_all")
+                else:
+                    n_gather = 1 + tied
             elif p.path == "lm_head/kernel" or not p.path.startswith(("language_model/stacks/", "visual/blocks/")):
                 n_gather = 1  # outside the remat'ed stacks: the forward's copy serves the backward
             else:
                 n_gather = gathers if trained else 1
             acc.add("fsdp_gather", fsdp, full * wbytes * n_gather * micro, "all_gather")
-            if trained:
+            if reduced:
                 acc.add("grad_reduce", fsdp, full * pb * micro, "reduce_scatter")
         if trained:
             kind = "vision" if p.path.startswith("visual/") else ("experts" if p.path.endswith(

@@ -46,6 +46,15 @@ def size_of(shape: Mapping[str, int], axes: Sequence[str]) -> int:
     return math.prod(int(shape[a]) for a in axes)
 
 
+def lookup_spread(rules: Rules, shape: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes the embedding lookup spreads the table's embed dimension over (ids gathered, rows
+    returned by all-to-all: ``parallelism.vocab.lookup_axes``); () where it gathers the table instead."""
+    from parallelism.vocab import lookup_axes
+
+    ax = lookup_axes(tuple(rules), types.SimpleNamespace(shape=dict(shape)))
+    return ax.spread if ax is not None else ()
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
     """One parameter: '/'-joined path, global shape, logical axes, dtype, trainable group."""

@@ -29,10 +29,12 @@ Parts (bytes per device):
   ``loss_capacity``): float32 logits and softmax (d(logits) reuses them), or after them the chunk's
   whole float32 d(kernel) before its reduce-scatter (on XLA:CPU an all-reduce: two copies), the
   gathered kernel in the compute dtype, the float32 d(kernel) carry (the kernel's shard).
-- ``embedding``: the float32 scatter-add target of the table's gradient, a whole gathered table
-  (XLA allocates it before the forward), less the table's own gradient shard where that is float32
-  (for a bf16 table the shard is the target's cast); with grad_accum > 1
-  also the gathered table itself (loop-invariant: XLA hoists it out of the microbatch loop).
+- ``embedding``: the float32 scatter-add target of the table's gradient (XLA allocates it before the
+  forward): the table's own shard where the lookup spreads the table over the axes that split the
+  ids (``parallelism.vocab``: every preset), else a whole gathered table; less the table's own
+  gradient shard where that is float32 (for a bf16 table the shard is the target's cast); with
+  grad_accum > 1 also the gathered table itself where the lookup or a tied LM head gathers it
+  (loop-invariant: XLA hoists it out of the microbatch loop).
 - ``gathered_weights``: one layer's weights gathered over the FSDP axes in the compute dtype, with
   their parameter-dtype gradients before the reduce-scatter (inside a layer's backward).
 - ``moe_dispatch``: one MoE layer's transient expert buffers (SwiGLU's float32 halves, the
@@ -61,7 +63,7 @@ import dataclasses
 import math
 from typing import Any
 
-from moevlm_jax.tools.plan_geometry import DTYPE_BYTES, Geometry, ParamInfo, ShardInfo, shard_table
+from moevlm_jax.tools.plan_geometry import DTYPE_BYTES, Geometry, ParamInfo, ShardInfo, lookup_spread, shard_table
 
 GIB = 2**30
 XLA_HEADROOM = 0.06  # of the live temporaries: XLA:CPU's heap packing (0-17% over the live peak; bench/plans.md)
@@ -392,14 +394,18 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
     lm_head = max(logits * 2 * 4, contribution) + head_gathered * DTYPE_BYTES[knobs.dtype] * copies \
         + (dk if chunks > 1 else 0)
     embed = next(p for p in params if p.path == "language_model/embed_tokens")
-    table = gathered[embed.path]
-    # the float32 scatter-add target of the table's gradient (parallelism.vocab.take_rows): a whole gathered
-    # table (XLA allocates it early), less the table's own gradient shard when that is float32 too (counted in
-    # ``gradients``; not FSDP-sharded, the two are one buffer; a bf16 shard is a cast of the target)
+    # the lookup gathers the table where its FSDP axes do not split the ids too (else: the ids gathered, the
+    # rows returned by all-to-all, parallelism.vocab.embed_lookup), a tied LM head always
+    spread = bool(lookup_spread(g.rules, g.shape))
+    table = local[embed.path] if spread else gathered[embed.path]
+    # the float32 scatter-add target of the table's gradient (parallelism.vocab.take_rows): the table as the
+    # lookup has it (XLA allocates it early), less the table's own gradient shard when that is float32 too
+    # (counted in ``gradients``; where it is that shard, the two are one buffer; a bf16 shard is its cast)
     own = local[embed.path] * 4 if DTYPE_BYTES[embed.dtype] == 4 else 0.0
     embedding = table * 4 - own if language_trained else 0.0
-    if ga > 1 and table > local[embed.path]:  # the gathered table is loop-invariant: XLA hoists it out of the
-        embedding += table * DTYPE_BYTES[embed.dtype]  # microbatch loop, so it lives through the step
+    if ga > 1 and gathered[embed.path] > local[embed.path] and (not spread or model.tie_word_embeddings):
+        # the gathered table is loop-invariant: XLA hoists it out of the microbatch loop (lives through the step)
+        embedding += gathered[embed.path] * DTYPE_BYTES[embed.dtype]
     layer_gathered = _layer_weights(shards, "language_model/stacks/")
     gathered_weights = layer_gathered * (c + pb)
     moe_dispatch = 0.0

@@ -1,8 +1,12 @@
 """Vocabulary-parallel embedding lookup on 8 CPU devices equals ``jnp.take`` (rows and the table's
 gradient) under the preset layouts, and its program is Megatron's: a local masked lookup and a
-reduce-scatter along the sequence (SP), with no gather of token ids or of the table's vocabulary."""
+reduce-scatter along the sequence (SP), with no gather of token ids or of the table's vocabulary; the
+table's FSDP-split embed dimension is not gathered either (the ids are, and the rows come back by
+all-to-all), nor its gradient all-reduced."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +36,26 @@ def _loss(table, ids, probe):
 
 # a layout whose batch uses the axis the vocabulary is split over: the table is gathered there
 BATCH_ON_VOCAB = {"mesh": {"fsdp": 4, "tensor": 2}, "rules": [["act_batch", ["fsdp", "tensor"]], ["vocab", "tensor"]]}
+# DP x FSDP (HSDP): the table split over 'fsdp' only, its gradient summed over 'data'
+DATA_FSDP = {"mesh": {"data": 2, "fsdp": 4}, "rules": [["act_batch", ["data", "fsdp"]], ["embed", "fsdp"]]}
+CUSTOM = {"batch_on_vocab_axis": BATCH_ON_VOCAB, "data_fsdp": DATA_FSDP}
 
 
-@pytest.mark.parametrize("name", ["fsdp", "tp", "folded", "batch_on_vocab_axis"])
+def table_collectives(hlo: str) -> list[tuple[str, int, int]]:
+    """2-D float32 all-gathers and all-reduces over more than one device: the table or its gradient (the
+    ids are integers, the rows 3-D or more)."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= f32\[(\d+),(\d+)\]\{[^}]*\} (all-gather|all-reduce)(?:-start)?\(", line)
+        if m and not re.search(r"replica_groups=\{\{\d+\}(,\{\d+\})*\}", line):  # not one device a group
+            out.append((m.group(3), int(m.group(1)), int(m.group(2))))
+    return out
+
+
+@pytest.mark.parametrize("name", ["fsdp", "tp", "folded", "cp", "data_fsdp", "batch_on_vocab_axis"])
 def test_embed_lookup_matches_take(problem, name):
     table, ids, probe = problem
-    layout = (load_layout({"name": name, **BATCH_ON_VOCAB}) if name == "batch_on_vocab_axis"
-              else load_layout(name))
+    layout = load_layout({"name": name, **CUSTOM[name]}) if name in CUSTOM else load_layout(name)
     mesh = layout.make_mesh()
     fn = jax.value_and_grad(_loss, has_aux=True)
     (ref_loss, ref_rows), ref_grad = jax.jit(fn)(table, ids, probe)
@@ -63,6 +80,12 @@ def test_embed_lookup_matches_take(problem, name):
         assert not [s for s in gathered if V in s], gathered
         assert collectives(hlo, "reduce-scatter"), "SP: partial rows reduce-scattered along the sequence"
         assert not [s for s in collectives(hlo, "all-reduce") if len(s) == 3], "rows reduce-scattered, not all-reduced"
+    if name != "batch_on_vocab_axis":  # the table's embed dim split over axes that split the ids too
+        assert " all-to-all(" in hlo or " all-to-all-start(" in hlo, "rows returned by all-to-all"
+        if name == "data_fsdp":  # the gradient's one all-reduce: over 'data', of the [V, H / 4] shard
+            assert table_collectives(hlo) == [("all-reduce", V, H // 4)], table_collectives(hlo)
+        else:
+            assert not table_collectives(hlo), table_collectives(hlo)
 
 
 def test_take_rows_gradient_accumulates_in_float32():

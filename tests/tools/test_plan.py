@@ -146,8 +146,9 @@ def test_a_bfloat16_gradient_sum_saves_what_the_estimate_says():
 
 def test_fsdp_gather_and_reduce_scatter_bytes_by_hand():
     """tiny (text only) under FSDP over 8: every weight with an ``embed`` dimension is gathered twice a
-    microbatch (forward, recomputed backward) in bf16, the embedding table once a pass in float32; the
-    gradients reduce-scattered in float32; a device receives 7/8 of each."""
+    microbatch (forward, recomputed backward) in bf16, the embedding table once, for the tied LM head, in
+    float32 (the lookup gathers the int32 ids of the 8 devices and exchanges float32 rows by all-to-all,
+    forward and backward); the gradients reduce-scattered in float32; a device receives 7/8 of each."""
     model = load_model_config("tiny")
     t = model.text_config
     h, l, nq, nkv, d, e, i = 64, 4, 4, 2, 16, 8, 24
@@ -160,13 +161,15 @@ def test_fsdp_gather_and_reduce_scatter_bytes_by_hand():
     g = geometry(model, lay.rules, {"fsdp": 8}, mbs=2, seq=SEQ, patches=0)
     knobs = plan_memory.MemoryKnobs(recompute="selective")
     comm = plan_comm.step_communication(model, g, knobs, devices_per_host=8)
-    assert comm.by_kind["fsdp_gather"]["fsdp"] == pytest.approx(7 / 8 * (2 * 2 * stacks + 2 * 4 * table))
+    tokens = 2 * SEQ  # a device's rows
+    lookup = 8 * tokens * 4 + 2 * tokens * h * 4  # ids gathered, rows all-to-all
+    assert comm.by_kind["fsdp_gather"]["fsdp"] == pytest.approx(7 / 8 * (2 * 2 * stacks + 4 * table + lookup))
     norms = l * (2 * h + 2 * d) + h  # replicated: their gradients are all-reduced (2 x 7/8)
     assert comm.by_kind["grad_reduce"]["fsdp"] == pytest.approx(7 / 8 * 4 * (stacks + table) + 2 * 7 / 8 * 4 * norms)
     assert comm.total_cross() == 0  # one host
     # recompute none keeps the forward's gathered copies: one gather a microbatch
     none = plan_comm.step_communication(model, g, dataclasses.replace(knobs, recompute="none"), 8)
-    assert none.by_kind["fsdp_gather"]["fsdp"] == pytest.approx(7 / 8 * (2 * stacks + 2 * 4 * table))
+    assert none.by_kind["fsdp_gather"]["fsdp"] == pytest.approx(7 / 8 * (2 * stacks + 4 * table + lookup))
 
 
 def test_expert_all_to_all_rows_and_cross_host_groups():
