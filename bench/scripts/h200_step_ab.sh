@@ -13,6 +13,8 @@
 #   those (values without spaces; C_ENV=XLA_FLAGS=--flag=value merges with the recipe's capture flags);
 #   C_DIR=.ab_c runs side c from another extracted library instead (a variant of the tree, e.g. extracted as
 #   .ab_base is and edited; .ab_c in .git/info/exclude, and in carry)
+#   BENCH_ARGS="<bench args>" adds to every side (e.g. "--devices 8" on a machine of several GPUs: the recipe's
+#   fsdp layout over them, MBS per device)
 #   run(command="AB=fuse bash bench/scripts/h200_step_ab.sh", carry=[".gpudeps"], timeout_s=600)
 # Budget: the first side on a new machine takes ~230 s (the VQA set generated, and its compile 150-186 s against
 # ~100-110 s for the later sides, runs 17-23; bench/step_h200.md run 23 lost two sides at A_S=225-230),
@@ -22,7 +24,7 @@ set -uo pipefail
 T0=$(date +%s)
 source bench/scripts/gpu_env.sh > "$OUT/log.txt" 2>&1; cat "$OUT/log.txt"
 set -f
-ARGS="--recipe h200 --peer none --data real --mbs ${MBS:-10} --warmup 3 --steps ${STEPS:-8}"
+ARGS="--recipe h200 --peer none --data real --mbs ${MBS:-10} --warmup 3 --steps ${STEPS:-8} ${BENCH_ARGS:-}"
 case "${AB:?AB=searchsorted or AB=fuse}" in
   searchsorted) A_RUN="python3 bench/scripts/with_searchsorted.py scan -m"; A_ENV=""; NAMES=(scan compare_all) ;;
   fuse) A_RUN="python3 -m"; A_ENV="MOEVLM_MOE_FUSE="; NAMES=(fuse_none fuse_gather) ;;
