@@ -140,7 +140,10 @@ def embed_lookup(table: jax.Array, ids: jax.Array, table_axes: Sequence[str | No
             rows = jax.lax.all_to_all(lookup(tbl, every), ax.spread, 0, 0)  # [D, b, s', H / D] from each device
             return jnp.moveaxis(rows, 0, -2).reshape(*rows.shape[1:-1], -1)  # [b, s', H], columns in order
 
-    in_specs = (PartitionSpec(_entry(ax.parallel), _entry(ax.spread)),
+    # the mesh's size-1 axes named on the table too: its gradient needs no sum over them (shard_map's transpose
+    # would otherwise emit an all-reduce over groups of one device, a copy of the gradient shard on XLA:CPU)
+    ones = tuple(a for a in ctx.mesh.axis_names if ctx.mesh.shape[a] == 1)
+    in_specs = (PartitionSpec(_entry(ax.parallel + ones), _entry(ax.spread)),
                 PartitionSpec(_entry(ax.batch), _entry(ax.ids_seq)))
     out_spec = PartitionSpec(_entry(ax.batch), _entry(ax.ids_seq + ax.scatter), None)
     return shard_map_unchecked(body, ctx.mesh, in_specs, out_spec)(table, ids)

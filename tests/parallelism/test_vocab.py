@@ -42,12 +42,12 @@ CUSTOM = {"batch_on_vocab_axis": BATCH_ON_VOCAB, "data_fsdp": DATA_FSDP}
 
 
 def table_collectives(hlo: str) -> list[tuple[str, int, int]]:
-    """2-D float32 all-gathers and all-reduces over more than one device: the table or its gradient (the
-    ids are integers, the rows 3-D or more)."""
+    """2-D float32 all-gathers and all-reduces: the table or its gradient (the ids are integers, the rows
+    3-D or more)."""
     out = []
     for line in hlo.splitlines():
         m = re.search(r"= f32\[(\d+),(\d+)\]\{[^}]*\} (all-gather|all-reduce)(?:-start)?\(", line)
-        if m and not re.search(r"replica_groups=\{\{\d+\}(,\{\d+\})*\}", line):  # not one device a group
+        if m:
             out.append((m.group(3), int(m.group(1)), int(m.group(2))))
     return out
 
