@@ -93,13 +93,13 @@ def assert_same_training(got, want, initial, steps=STEPS):
         np.testing.assert_allclose(flat[path], ref, rtol=0, atol=1e-4 * moved + 1e-7, err_msg=jax.tree_util.keystr(path))
 
 
-def collectives(hlo: str, op: str, with_dims: bool = False) -> list:
-    """Output shapes of the ``op`` collectives in compiled HLO text; ``with_dims``: (shape, the
-    dimensions it gathers / scatters) pairs."""
+def collectives(hlo: str, op: str, with_dims: bool = False, dtype: str | None = None) -> list:
+    """Output shapes of the ``op`` collectives in compiled HLO text (of element type ``dtype``, e.g. 'f32',
+    if given); ``with_dims``: (shape, the dimensions it gathers / scatters) pairs."""
     out = []
     for line in hlo.splitlines():
         m = COLLECTIVE.search(line)
-        if m and m.group(3) == op:
+        if m and m.group(3) == op and dtype in (None, m.group(1)):
             shape = tuple(int(d) for d in m.group(2).split(",") if d)
             dims = re.search(r"dimensions=\{([0-9,]*)\}", line)
             out.append((shape, tuple(int(d) for d in dims.group(1).split(",") if d) if dims else ())

@@ -6,8 +6,6 @@ all-to-all), nor its gradient all-reduced."""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,12 +42,7 @@ CUSTOM = {"batch_on_vocab_axis": BATCH_ON_VOCAB, "data_fsdp": DATA_FSDP}
 def table_collectives(hlo: str) -> list[tuple[str, int, int]]:
     """2-D float32 all-gathers and all-reduces: the table or its gradient (the ids are integers, the rows
     3-D or more)."""
-    out = []
-    for line in hlo.splitlines():
-        m = re.search(r"= f32\[(\d+),(\d+)\]\{[^}]*\} (all-gather|all-reduce)(?:-start)?\(", line)
-        if m:
-            out.append((m.group(3), int(m.group(1)), int(m.group(2))))
-    return out
+    return [(op, *s) for op in ("all-gather", "all-reduce") for s in collectives(hlo, op, dtype="f32") if len(s) == 2]
 
 
 @pytest.mark.parametrize("name", ["fsdp", "tp", "folded", "cp", "data_fsdp", "batch_on_vocab_axis"])
