@@ -172,6 +172,16 @@ def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
 
 
+def split_counts(axes: LogicalAxes) -> tuple[int, ...]:
+    """How many devices each dimension of an activation with logical ``axes`` is split over under the active
+    context (all 1 without one, or inside a manual region, where :func:`constrain` is the identity)."""
+    ctx = _CONTEXT.get()
+    if ctx is None or _MANUAL.get():
+        return (1,) * len(axes)
+    spec = logical_to_spec(axes, ctx.rules, ctx.mesh)
+    return tuple(axis_size(ctx.mesh, spec[i] if i < len(spec) else None) for i in range(len(axes)))
+
+
 def check_divisible(name: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> None:
     """Raise a clear error when a dimension does not divide by the devices it is split over."""
     for dim, (size, axes) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):

@@ -19,18 +19,25 @@ import jax
 import jax.numpy as jnp
 
 from moevlm_jax.model.router import load_balancing_loss, router_z_loss
-from parallelism.logical import constrain
+from parallelism.logical import constrain, split_counts
 
 __all__ = ["lm_loss", "load_balancing_loss", "router_z_loss"]
 
 
 VOCAB_ACT = ("act_batch", "act_seq", "act_vocab")
+HEAD_ACT = ("act_embed", "act_vocab")  # the LM head kernel as the chunks' GEMMs read it
+HEAD_PARAM = ("embed", "vocab")  # the LM head kernel's parameter axes: its gradient's sum
+# d(kernel) summed over each device's own rows and positions: [batch shards, sequence shards, H, V], reduced once
+HEAD_PARTIAL = ("act_batch", "act_seq", None, "act_vocab")
 
 
-def _chunk_ce(h: jax.Array, kernel: jax.Array, t: jax.Array, m: jax.Array, grads: bool, fp32_logits: bool = True):
+def _chunk_ce(h: jax.Array, kernel: jax.Array, t: jax.Array, m: jax.Array, grads: bool, fp32_logits: bool = True,
+              shards: tuple[int, int] = (1, 1)):
     """One chunk: logits (bf16 GEMM, float32 accumulation) written in float32, or with ``fp32_logits`` False
     rounded to the inputs' dtype as HF's LM head writes them; the softmax and the masked CE sum in float32.
-    With ``grads`` also d(CE)/d(logits) = (softmax - onehot) * mask in the inputs' dtype, d(h) and d(kernel)."""
+    With ``grads`` also d(CE)/d(logits) = (softmax - onehot) * mask in the inputs' dtype, d(h) and d(kernel);
+    d(kernel) ``[x, y, H, V]`` with ``shards`` (x, y): the batch rows and chunk positions the layout splits
+    into x and y parts, each part's own sum (:data:`HEAD_PARTIAL`), else ``[H, V]``."""
     out = jnp.float32 if fp32_logits else h.dtype
     logits = jnp.einsum("bch,hv->bcv", h, kernel, preferred_element_type=out)
     logits = constrain(logits, VOCAB_ACT).astype(jnp.float32)
@@ -42,8 +49,11 @@ def _chunk_ce(h: jax.Array, kernel: jax.Array, t: jax.Array, m: jax.Array, grads
     p = jnp.exp(logits - lse[..., None])
     dlogits = constrain(((p - is_target.astype(jnp.float32)) * m[..., None]).astype(h.dtype), VOCAB_ACT)
     dh = jnp.einsum("bcv,hv->bch", dlogits, kernel, preferred_element_type=jnp.float32).astype(h.dtype)
-    dk = jnp.einsum("bch,bcv->hv", h, dlogits, preferred_element_type=jnp.float32)
-    return ce, dh, dk
+    if shards == (1, 1):
+        return ce, dh, jnp.einsum("bch,bcv->hv", h, dlogits, preferred_element_type=jnp.float32)
+    (x, y), (b, c) = shards, h.shape[:2]
+    hs, ds = (a.reshape(x, b // x, y, c // y, a.shape[-1]) for a in (h, dlogits))
+    return ce, dh, constrain(jnp.einsum("xbych,xbycv->xyhv", hs, ds, preferred_element_type=jnp.float32), HEAD_PARTIAL)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -58,6 +68,8 @@ def chunked_ce(hc: jax.Array, kernel: jax.Array, tc: jax.Array, mc: jax.Array, f
     the recomputed logits GEMM (3 vocabulary GEMMs instead of 4), and every GEMM runs in the inputs'
     dtype: autodiff multiplied the float32 logits' cotangent into bf16 operands, i.e. float32 (TF32 on
     the H200) GEMMs at about half the bf16 rate, on the step's largest matmuls."""
+    kernel = constrain(kernel, HEAD_ACT)
+
     def step(total, xs):
         h, t, m = xs
         return total + _chunk_ce(h, kernel, t, m, grads=False, fp32_logits=fp32_logits)[0], None
@@ -66,14 +78,26 @@ def chunked_ce(hc: jax.Array, kernel: jax.Array, tc: jax.Array, mc: jax.Array, f
 
 
 def _chunked_ce_fwd(hc, kernel, tc, mc, fp32_logits):
+    """The forward that also accumulates d(kernel). Where the layout splits the batch rows or the positions,
+    each device sums its own chunks' d(kernel) (a carry of its part, :data:`HEAD_PARTIAL`) and the sum over
+    devices is one reduce-scatter to the kernel's parameter axes after the scan: a carry summed over devices
+    would be all-reduced whole ([H, V] float32) for every chunk. The kernel is constrained here, in the rule
+    (not differentiated), so it is gathered once for all chunks and its cotangent keeps the parameter's axes."""
+    kernel = constrain(kernel, HEAD_ACT)
+    x, y = split_counts(("act_batch", "act_seq"))
+    shards = (x, y) if hc.shape[1] % x == 0 and hc.shape[2] % y == 0 else (1, 1)
+
     def step(carry, xs):
         total, dk = carry
         h, t, m = xs
-        ce, dh, dk_c = _chunk_ce(h, kernel, t, m, grads=True, fp32_logits=fp32_logits)
+        ce, dh, dk_c = _chunk_ce(h, kernel, t, m, grads=True, fp32_logits=fp32_logits, shards=shards)
         return (total + ce, dk + dk_c), dh
 
-    init = (jnp.zeros((), jnp.float32), jnp.zeros(kernel.shape, jnp.float32))
+    zeros = jnp.zeros(kernel.shape if shards == (1, 1) else (*shards, *kernel.shape), jnp.float32)
+    init = (jnp.zeros((), jnp.float32), zeros if shards == (1, 1) else constrain(zeros, HEAD_PARTIAL))
     (total, dk), dh = jax.lax.scan(step, init, (hc, tc, mc))
+    if shards != (1, 1):
+        dk = constrain(jnp.sum(dk, axis=(0, 1)), HEAD_PARAM)
     return total, (dh, dk, jnp.zeros((0,), kernel.dtype))  # the last: kernel's dtype, as an array
 
 

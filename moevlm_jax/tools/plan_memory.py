@@ -27,8 +27,11 @@ Parts (bytes per device):
 - ``lm_head``: the fused cross-entropy's working set for one chunk of ``compute.loss_chunk_size``
   positions (of each row, or of the trained positions gathered per data-parallel rank:
   ``loss_capacity``): float32 logits and softmax (d(logits) reuses them), or after them the chunk's
-  whole float32 d(kernel) before its reduce-scatter (on XLA:CPU an all-reduce: two copies), the
-  gathered kernel in the compute dtype, the float32 d(kernel) carry (the kernel's shard).
+  whole float32 d(kernel) before it is added to the carry, the gathered kernel in the compute dtype,
+  the float32 d(kernel) carry: where the layout splits the LM head's rows or positions, each device's
+  whole partial sum, reduced once after the chunks (and whole until XLA issues that reduction, with
+  the other gradients': in the layers' backward too); else the kernel's shard (on XLA:CPU each
+  chunk's contribution then all-reduced in the loop: two whole copies).
 - ``embedding``: the float32 scatter-add target of the table's gradient (XLA allocates it before the
   forward): the table's own shard where the lookup spreads the table over the axes that split the
   ids (``parallelism.vocab``: every preset), else a whole gathered table; less the table's own
@@ -381,13 +384,17 @@ def estimate_memory(model: Any, g: Geometry, knobs: MemoryKnobs) -> MemoryEstima
                 and (p.path == "lm_head/kernel" or model.tie_word_embeddings))
     head_gathered = gathered[head.path]
     chunks = math.ceil(positions / chunk)
-    # the fused CE's float32 d(kernel): a carry sharded like the kernel (each chunk's contribution is
-    # reduce-scattered into it), then a residual until the backward's end
-    dk = local[head.path] * 4 if language_trained else 0.0
+    # the fused CE's float32 d(kernel) (model.loss._chunked_ce_fwd): where the layout splits the LM head's rows or
+    # positions, each device's own sum over its chunks, whole ([H, V/tp]), reduced over the devices once after the
+    # scan (XLA issues that reduction with the other gradients' at the backward's end: whole until then); else a
+    # carry like the kernel (each chunk's contribution reduced into it); a residual until the backward's end
+    split = g.dp * g.cp > 1
+    dk = (head_gathered if split else local[head.path]) * 4 if language_trained else 0.0
     # float32 logits and softmax of one chunk (d(logits) reuses them), the gathered kernel in the compute
     # dtype (tied: the gathered table and its transpose), the d(kernel) carry; after the softmax a chunk's whole
-    # float32 d(kernel) contribution before its reduce-scatter (XLA:CPU: an all-reduce, a second whole copy)
-    contribution = head_gathered * 4 * (2 if knobs.all_reduce_scatter else 1) if language_trained else 0.0
+    # float32 d(kernel) contribution before it is added (unsplit, XLA:CPU reduces it in the loop by an
+    # all-reduce: a second whole copy)
+    contribution = head_gathered * 4 * (2 if knobs.all_reduce_scatter and not split else 1) if language_trained else 0.0
     # tied, over several chunks: the gathered table and a transposed copy for the chunk loop (XLA:CPU; float32
     # compute reads the gather's own output)
     copies = 2 if model.tie_word_embeddings and knobs.dtype != "float32" and chunks > 1 else 1

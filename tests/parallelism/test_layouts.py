@@ -37,7 +37,9 @@ COMPUTE = ComputeConfig(dtype="float32", param_dtype="float32", loss_chunk_size=
 # follow the gradients smoothly, and a layout that computes them differently shows in the parameters
 OPTIMIZER = OptimizerConfig(lr=0.5, schedule="constant", warmup_steps=0, eps=1.0, weight_decay=0.0, clip_grad_norm=0.0)
 METRICS = ("loss", "ce_loss", "grad_norm", "router_aux_loss", "trained_tokens")
-COLLECTIVE = re.compile(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(")
+# an HLO collective: its result type (one array, or a tuple of them for a combined collective) and op
+COLLECTIVE = re.compile(r"= (\(?[a-z0-9]+\[[^=]*?) (all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?\(")
+ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
 def random_params(config):
@@ -94,16 +96,19 @@ def assert_same_training(got, want, initial, steps=STEPS):
 
 
 def collectives(hlo: str, op: str, with_dims: bool = False, dtype: str | None = None) -> list:
-    """Output shapes of the ``op`` collectives in compiled HLO text (of element type ``dtype``, e.g. 'f32',
-    if given); ``with_dims``: (shape, the dimensions it gathers / scatters) pairs."""
+    """Output shapes of the ``op`` collectives in compiled HLO text, each array of a combined one (of element
+    type ``dtype``, e.g. 'f32', if given); ``with_dims``: (shape, the dimensions it gathers / scatters) pairs."""
     out = []
     for line in hlo.splitlines():
         m = COLLECTIVE.search(line)
-        if m and m.group(3) == op and dtype in (None, m.group(1)):
-            shape = tuple(int(d) for d in m.group(2).split(",") if d)
-            dims = re.search(r"dimensions=\{([0-9,]*)\}", line)
-            out.append((shape, tuple(int(d) for d in dims.group(1).split(",") if d) if dims else ())
-                       if with_dims else shape)
+        if not m or m.group(2) != op:
+            continue
+        dims = re.search(r"dimensions=\{([0-9,]*)\}", line)
+        dims = tuple(int(d) for d in dims.group(1).split(",") if d) if dims else ()
+        for element, shape in ARRAY.findall(m.group(1)):  # each array of a combined (tuple) collective
+            if dtype in (None, element):
+                shape = tuple(int(d) for d in shape.split(",") if d)
+                out.append((shape, dims) if with_dims else shape)
     return out
 
 
@@ -111,10 +116,24 @@ def _has(shape: tuple[int, ...], run: tuple[int, ...]) -> bool:
     return any(shape[i:i + len(run)] == run for i in range(len(shape) - len(run) + 1))
 
 
+def loop_bodies(hlo: str) -> str:
+    """The computations of compiled HLO text that run as while-loop bodies (a layer or chunk scan's step)."""
+    names = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    return "\n".join(c for c in re.split(r"\n(?=\S)", hlo) if (m := re.match(r"%?([\w.\-]+)", c)) and m.group(1) in names)
+
+
 def check_hlo(name: str, hlo: str, config) -> None:
     """What each preset promises, read off the partitioned program."""
     t = config.text_config
     gathered = collectives(hlo, "all-gather")
+    # the LM head's CE runs as a scan over sequence chunks: its kernel [H, V/tp] is gathered once for all of
+    # them, and its gradient is summed over devices once after the scan, not all-reduced whole every chunk
+    vocab = {t.vocab_size // k for k in (1, 2, 4)}  # whole or split over the tensor axis
+    head = [s for s in gathered if len(s) == 2 and s[0] == t.hidden_size and s[1] in vocab]
+    assert len(head) <= 1, f"LM head kernel gathered {len(head)} times: {head}"
+    looped = [s for op in ("all-gather", "all-reduce", "reduce-scatter") for s in collectives(loop_bodies(hlo), op)
+              if len(s) >= 2 and s[-2] == t.hidden_size and s[-1] in vocab]
+    assert not looped, f"vocabulary-sized collectives inside a loop: {looped}"
     tensor_parallel = name in ("tp", "tp_ep", "folded")
     if tensor_parallel:
         # vocabulary-parallel embedding, LM head and cross-entropy: nothing vocabulary-sized is gathered
