@@ -31,11 +31,11 @@ Options that did not pay on the H200 (run 19; ``Config``): the tiles' pipelines 
 ``PipelinePipeline``: the next tile's first blocks load during this tile's epilogue) and one wgmma kept in flight.
 Options correct on the H200 that did not pay in the layer (run 20, opt-in): ``Config.wg_m``, the compute warpgroups on
 the tile's row halves, so that a group's last window, half used or less, leaves one warpgroup idle instead of
-computing rows nobody stores (+5% at the 235B-A22B shapes); SwiGLU in the gate_up forward's epilogue
-(:func:`gmm_swiglu`) and its backward in the down projection's d(x) epilogue (:func:`gmm_dswiglu`), with or without
-the routing weights (+2-3% at 235B-A22B, within the spread at 30B-A3B). Per matmul (run 20b) the fused forward is
-what costs (+0.05 / +0.86 ms at 30B-A3B / 235B-A22B against the kernel and XLA's pass) and the fused backward pays
-(-0.07 ms): ``permute``'s FUSE "mgpu_dswiglu" takes the backward alone.
+computing rows nobody stores (+5% at the 235B-A22B shapes); SwiGLU in the gate_up forward's epilogue with its
+backward in the down projection's d(x) epilogue (:func:`gmm_dswiglu`), with or without the routing weights (+2-3% at
+235B-A22B, within the spread at 30B-A3B). Per matmul (run 20b) the fused forward was what cost (+0.05 / +0.86 ms at
+30B-A3B / 235B-A22B against the kernel and XLA's pass: removed on 2026-12-06) and the fused backward pays (-0.07 ms):
+``permute``'s FUSE "mgpu_dswiglu" / "mgpu_dweighted" take it.
 
 A step's kernels can be compiled ahead, beside the step's own compile (:func:`recording`, :class:`Recording`).
 """
@@ -246,12 +246,12 @@ def _record(fn, args: tuple, kw: dict) -> None:
 
 def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None = None,
         row_w: jax.Array | None = None, *, trans_w: bool = False, config: Config | None = None, interpret=None,
-        num_sms: int | None = None, swiglu: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+        num_sms: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``x [M, K]`` rows sorted by group; ``w [G, K, N]`` -> ``[M, N]`` (with ``trans_w``: ``w [G, N, K]`` read
     transposed, i.e. ``x @ w[g]^T``). Rows past ``sum(group_sizes)`` are left unwritten. ``interpret``: a
-    ``InterpretGPUParams`` to run the kernel in Pallas' GPU interpreter (tests on CPU). ``swiglu``: :func:`gmm_swiglu`;
-    ``h``: :func:`gmm_dswiglu`; ``row_w``: their routing-weighted forms."""
-    kw = dict(trans_w=trans_w, config=config, interpret=interpret, num_sms=num_sms, swiglu=swiglu)
+    ``InterpretGPUParams`` to run the kernel in Pallas' GPU interpreter (tests on CPU). ``h``: :func:`gmm_dswiglu`;
+    ``row_w``: its routing-weighted form."""
+    kw = dict(trans_w=trans_w, config=config, interpret=interpret, num_sms=num_sms)
     args = (x, w, group_sizes) if h is None and row_w is None else (x, w, group_sizes, h, row_w)
     _record(_gmm, args, kw)
     return _gmm(*args, **kw)
@@ -281,11 +281,11 @@ def _traced_alone(fn):
 # lowered function, where each pallas_call would otherwise lower again and embed its serialized Mosaic module
 # (~200 KB each) in the program (bench/first_step_h200.md: the Mosaic kernels added ~25 s to the proxy step's first
 # compile).
-@functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms", "swiglu"))
+@functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms"))
 @_traced_alone
 def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None = None,
-         row_w: jax.Array | None = None, *, trans_w: bool, config: Config | None, interpret, num_sms: int | None,
-         swiglu: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
+         row_w: jax.Array | None = None, *, trans_w: bool, config: Config | None, interpret,
+         num_sms: int | None) -> jax.Array | tuple[jax.Array, jax.Array]:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     cfg = config or CONFIGS["dx" if trans_w else "fwd"]
@@ -293,31 +293,30 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
     n = w.shape[1] if trans_w else w.shape[2]
     if (w.shape[2] if trans_w else w.shape[1]) != k:
         raise ValueError(f"gmm_mgpu: x {x.shape} and w {w.shape} (trans_w={trans_w}) do not contract")
-    if not supported(m, k, n, cfg) or (swiglu and (trans_w or n % (2 * cfg.tile_n))):
+    if not supported(m, k, n, cfg):
         raise ValueError(f"gmm_mgpu: x [{m}, {k}] -> [{m}, {n}] needs K % {cfg.tile_k} == 0, N % {2 * cfg.tile_n} == 0 "
-                         f"and M % {cfg.tile_m} == 0" + (f" (swiglu: N / 2 % {cfg.tile_n} == 0, no trans_w)" if swiglu else ""))
+                         f"and M % {cfg.tile_m} == 0")
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     em, en, nbuf = cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
     if nbuf not in (1, 2):
         raise ValueError(f"gmm_mgpu: epi_buffers {nbuf}: 1 or 2")
     dswiglu = h is not None  # the product is d(act): SwiGLU's backward in the epilogue, d(h) out
-    if dswiglu and (swiglu or cfg.wg_m or h.shape != (m, 2 * n) or h.dtype != x.dtype):
+    if dswiglu and (cfg.wg_m or h.shape != (m, 2 * n) or h.dtype != x.dtype):
         raise ValueError(f"gmm_mgpu: SwiGLU's backward needs h [{m}, {2 * n}] {x.dtype} (got {h.shape} {h.dtype}), "
-                         f"no swiglu, no wg_m")
-    weighted = row_w is not None  # act scaled by each row's routing weight (swiglu) / that scale's backward (dswiglu)
-    if weighted and (not (swiglu or dswiglu) or row_w.shape != (m,) or row_w.dtype != jnp.float32):
-        raise ValueError(f"gmm_mgpu: row weights are float32 [{m}] (got {row_w.shape} {row_w.dtype}), for SwiGLU in "
-                         f"the epilogue (swiglu or h) only")
+                         f"no wg_m")
+    weighted = row_w is not None  # the backward of act scaled by each row's routing weight (dswiglu)
+    if weighted and (not dswiglu or row_w.shape != (m,) or row_w.dtype != jnp.float32):
+        raise ValueError(f"gmm_mgpu: row weights are float32 [{m}] (got {row_w.shape} {row_w.dtype}), for SwiGLU's "
+                         f"backward in the epilogue (h) only")
     cta_n = 2 * tn
-    inter = n if dswiglu else n // 2  # swiglu / dswiglu: the gate half's columns, then the up half's
-    split_m = bool(cfg.wg_m or swiglu)
-    # a compute warpgroup's block of the tile: its rows (from row wm0 of the window) and its columns; with swiglu the
-    # CTA's columns are tile_n gate columns and the tile_n up columns that go with them, each warpgroup on its rows
-    wm, wn = (tm // 2, tn if swiglu else cta_n) if split_m else (tm, tn)
+    inter = n  # dswiglu: h's gate half's columns, then the up half's
+    split_m = bool(cfg.wg_m)
+    # a compute warpgroup's block of the tile: its rows (from row wm0 of the window) and its columns
+    wm, wn = (tm // 2, cta_n) if split_m else (tm, tn)
     if wm % em or wn % en:
         raise ValueError(f"gmm_mgpu: a warpgroup's {wm} x {wn} block is not whole {em} x {en} epilogue slabs: {cfg}")
     group, row0, lo_rows, hi_rows = block_table(group_sizes, m, tm, cfg.align)
-    n_tiles, n_iters, k_iters = group.shape[0], (inter // tn if swiglu else n // cta_n), k // tk
+    n_tiles, n_iters, k_iters = group.shape[0], n // cta_n, k // tk
     chain = chained(k, cfg)
     n_used = jnp.sum(hi_rows > lo_rows, dtype=jnp.int32).reshape(1)  # used tiles come first (block_table)
     dtype = x.dtype
@@ -332,11 +331,9 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
             in_specs=[
                 plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM,
                                 delay_release=delay),
-                *([plgpu.BlockSpec((tk, tn), lambda kk: (kk, 0), transforms=transforms, memory_space=plgpu.SMEM,
-                                   delay_release=delay)] * 2 if swiglu else
-                  [plgpu.BlockSpec((cta_n, tk) if trans_w else (tk, cta_n),
-                                   (lambda kk: (0, kk)) if trans_w else (lambda kk: (kk, 0)),
-                                   transforms=transforms, memory_space=plgpu.SMEM, delay_release=delay)]),
+                plgpu.BlockSpec((cta_n, tk) if trans_w else (tk, cta_n),
+                                (lambda kk: (0, kk)) if trans_w else (lambda kk: (kk, 0)),
+                                transforms=transforms, memory_space=plgpu.SMEM, delay_release=delay),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -346,17 +343,13 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
         )
 
     def kernel(used_gmem, group_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, *refs):
-        refs = list(refs)  # inputs h, row_w; outputs out, act (swiglu), the row sums (dswiglu, weighted)
+        refs = list(refs)  # inputs h, row_w; outputs out, the row sums (dswiglu, weighted)
         h_gmem = refs.pop(0) if dswiglu else None
         w_gmem = refs.pop(0) if weighted else None
         out_gmem = refs.pop(0)
-        act_gmem = refs.pop(0) if swiglu else None
         sums_gmem = refs.pop(0) if dswiglu and weighted else None
         ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
-        if swiglu:
-            b_blocks = (b_gmem.at[0, :, pl.ds(0, tn)],) * 2
-        else:
-            b_blocks = (b_gmem.at[0, pl.ds(0, cta_n), :] if trans_w else b_gmem.at[0, :, pl.ds(0, cta_n)],)
+        b_blocks = (b_gmem.at[0, pl.ds(0, cta_n), :] if trans_w else b_gmem.at[0, :, pl.ds(0, cta_n)],)
         # dswiglu: h's gate and up slabs [warpgroup, buffer, gate / up] (two slabs in flight a warpgroup), each
         # overwritten with its d(h) slab and stored from there (no other epilogue buffer)
         epi = (dict(out_smem=plgpu.SMEM((2, 2, 2, em, en), dtype),
@@ -387,7 +380,7 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                     start = pl.multiple_of(row0_gmem[t], cfg.align)
                     wm0 = wg * wm if split_m else 0  # this warpgroup's first row in the window
                     skip, count = r0 - start - wm0, r1 - r0  # the group's rows from this warpgroup's first
-                    col0 = ni * tn if swiglu else ni * cta_n + (0 if split_m else wg * tn)
+                    col0 = ni * cta_n + (0 if split_m else wg * tn)
                     mine = (skip + count > 0) & (skip < wm)  # this warpgroup's rows hold some of the group's
 
                     def load_weights():  # this warpgroup's rows' routing weights, while the product runs
@@ -395,19 +388,6 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                             plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(start + wm0, wm)], w_smem.at[wg], w_bar.at[wg])
 
                     def compute_context(eval_pipeline):
-                        if swiglu:
-                            @functools.partial(pl.run_scoped, acc_g=plgpu.ACC((wm, wn), jnp.float32),
-                                               acc_u=plgpu.ACC((wm, wn), jnp.float32))
-                            def _(acc_g, acc_u):
-                                load_weights()
-                                eval_pipeline((acc_g, acc_u))
-                                if delay:
-                                    plgpu.wgmma_wait(0)
-                                if weighted:  # (every warpgroup waits for its load, with rows of the group or not)
-                                    plgpu.barrier_wait(w_bar.at[wg])
-                                pl.when(mine)(lambda: store_swiglu(acc_g, acc_u))
-                            return
-
                         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
                         def _(acc_ref):
                             if dswiglu:  # h's first two slabs load while the tile's product runs
@@ -429,19 +409,6 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                                 pl.when(mine)(store_acc)
                             else:
                                 store_acc()
-
-                    def store_swiglu(acc_g, acc_u):
-                        # h rounded to the output dtype first, SwiGLU in float32 from those values (as
-                        # parallelism.permute.swiglu computes it from h)
-                        gate, up = acc_g[...].astype(dtype), acc_u[...].astype(dtype)
-                        g32 = gate.astype(jnp.float32)
-                        act = g32 / (1.0 + jnp.exp(-g32)) * up.astype(jnp.float32)
-                        if weighted:  # act_w = act * the row's routing weight, rounded once
-                            act = act * lax.broadcast_in_dim(w_smem[wg], (wm, wn), (0,))
-                        act = act.astype(dtype)
-                        prev = store(gate, out_gmem, col0)
-                        prev = store(up, out_gmem, inter + col0, prev)
-                        store(act, act_gmem, col0, prev)
 
                     n_slabs = (wm // em) * (wn // en)
 
@@ -529,17 +496,6 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                                 store_rows(out_smem.at[wg, b], o_gmem, start + wm0 + mi * em, c0 + nj * en, lo, prev)
                         return prev
 
-                    def mma_swiglu(_, a_smem, bg_smem, bu_smem, accs):
-                        a = a_smem.at[pl.ds(wg * wm, wm)]
-
-                        def mma():
-                            plgpu.wgmma(accs[0], a, bg_smem)
-                            plgpu.wgmma(accs[1], a, bu_smem)
-                            plgpu.wgmma_wait(delay)
-
-                        pl.when(mine)(mma)
-                        return accs
-
                     def mma_body(_, a_smem, b_smem, acc_ref):
                         if split_m:  # this warpgroup's rows, all the columns
                             a = a_smem.at[pl.ds(wg * wm, wm)]
@@ -560,14 +516,8 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                         return acc_ref
 
                     cols = pl.ds(ni * cta_n, cta_n)
-                    if swiglu:
-                        body = mma_swiglu
-                        operands = (a_gmem.at[pl.ds(start, tm), :], b_gmem.at[g, :, pl.ds(col0, tn)],
-                                    b_gmem.at[g, :, pl.ds(inter + col0, tn)])
-                    else:
-                        body = mma_body
-                        operands = (a_gmem.at[pl.ds(start, tm), :],
-                                    b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols])
+                    body = mma_body
+                    operands = (a_gmem.at[pl.ds(start, tm), :], b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols])
                     if not chain:
                         get_pipeline(body, compute_context)(*operands, allocations=pipeline_allocs)
                         return
@@ -585,8 +535,6 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     out_type = jax.ShapeDtypeStruct((m, 2 * n if dswiglu else n), dtype)
-    if swiglu:
-        out_type = (out_type, jax.ShapeDtypeStruct((m, inter), dtype))
     if dswiglu and weighted:  # per (warpgroup's column block, tile): the window's row sums
         out_type = (out_type, jax.ShapeDtypeStruct((n // tn, n_tiles, tm), jnp.float32))
     call = _ws_kernel(plgpu, kernel, out_type, num_sms, interpret)
@@ -606,20 +554,6 @@ def _row_sums(sums: jax.Array, row0: jax.Array, lo: jax.Array, hi: jax.Array, m:
     return jnp.zeros((m,), jnp.float32).at[jnp.where(mine, rows, m)].add(jnp.where(mine, total, 0.0), mode="drop")
 
 
-def gmm_swiglu(x: jax.Array, w: jax.Array, group_sizes: jax.Array, row_w: jax.Array | None = None, *,
-               config: Config | None = None, interpret=None, num_sms: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """The experts' first matmul with SwiGLU in its epilogue: ``x [M, K]``, ``w [G, K, 2I]`` (gate columns first) ->
-    ``h = x @ w[g]`` ``[M, 2I]`` and ``act = silu(gate) * up`` ``[M, I]`` (float32 from h's rounded values), rows past
-    ``sum(group_sizes)`` unwritten in both. Each CTA owns ``tile_n`` gate columns and the matching up columns (two
-    weight blocks a step, two accumulators a warpgroup), its compute warpgroups on the tile's row halves (as
-    ``Config.wg_m``), so that a warpgroup holds both halves of its rows' SwiGLU. Saves the elementwise pass that reads
-    h and writes act (bench/moe_layer.md: 0.15 / 0.36 ms a layer at the 30B-A3B / 235B-A22B shapes); in the layer on
-    the H200 no faster (run 20). ``row_w [M]`` float32: act weighted by each row's routing weight,
-    ``act_w = silu(gate) * up * row_w`` (Megatron's weighted SwiGLU; each warpgroup loads its rows' weights by TMA
-    while its product runs), so that the combine after the experts is an unweighted sum."""
-    return gmm(x, w, group_sizes, None, row_w, config=config, interpret=interpret, num_sms=num_sms, swiglu=True)
-
-
 def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array, row_w: jax.Array | None = None, *,
                 trans_w: bool = True, config: Config | None = None, interpret=None,
                 num_sms: int | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -632,7 +566,8 @@ def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Arra
     pass, which reads h and d(act) and writes d(h) (bench/moe_layer.md: 0.23 / 0.48 ms a layer at the 30B-A3B /
     235B-A22B shapes), less the loads the epilogue waits for: per matmul on the H200 0.07 ms under the kernel followed
     by XLA's pass at both shape sets (run 20b; tested in the interpreter with ``trans_w=False``). ``row_w [M]``
-    float32 (the backward of ``gmm_swiglu(..., row_w)``; ``dy`` then the cotangent of ``act_w @ w``): the product is
+    float32 (the backward of Megatron's weighted SwiGLU, ``act_w = silu(gate) * up * row_w`` as ``permute.swiglu``
+    with ``row_w`` computes it; ``dy`` then the cotangent of ``act_w @ w``): the product is
     d(act_w), SwiGLU's backward takes ``d(act) = d(act_w) * row_w``, and the routing weights' gradient
     ``sum_j d(act_w)[m, j] * act[m, j]`` comes back too: ``(d(h), d(row_w) [M])`` (each warpgroup stores its
     window's row sums over its columns, float32, and XLA adds the blocks' and keeps each row's from its own tile:

@@ -206,12 +206,6 @@ def mgpu_takes(kind: str, m: int, k: int, n: int, dtype: Any) -> bool:
     return gmm_mgpu.supported(m, k, n, gmm_mgpu.CONFIGS[kind])
 
 
-def mgpu_swiglu_takes(m: int, k: int, n: int, dtype: Any) -> bool:
-    """Whether the gate_up forward ``[m, k] -> [m, n]`` can run with SwiGLU in its epilogue (``gmm_mgpu.gmm_swiglu``):
-    where the forward runs on the Mosaic-GPU kernel and each half's ``n / 2`` columns are whole ``tile_n`` blocks."""
-    return mgpu_takes("fwd", m, k, n, dtype) and (n // 2) % gmm_mgpu.CONFIGS["fwd"].tile_n == 0
-
-
 def plain_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False) -> jax.Array:
     """``gmm_triton.gmm`` without fusions, or the same product on the Mosaic-GPU kernel (``gmm_mgpu.gmm``) where
     :func:`mgpu_takes`. Both leave the rows past ``sum(group_sizes)`` unwritten."""

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from parallelism import fp8, gmm_mgpu, gmm_triton, permute_triton
-from parallelism.grouped_matmul import (capacity_matmul, grouped_matmul, mgpu_swiglu_takes, mgpu_takes, plain_gmm,
+from parallelism.grouped_matmul import (capacity_matmul, grouped_matmul, mgpu_takes, plain_gmm,
                                         plain_tgmm, zero_tail)
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE
@@ -239,7 +239,7 @@ FFN_SCOPE = "expert_ffn"  # the expert matmuls + SwiGLU in profiler traces (the 
 def swiglu(h: jax.Array, row_w: jax.Array | None = None) -> jax.Array:
     """``[..., 2I]`` (gate half first) -> ``[..., I]`` = silu(gate) * up, computed in float32 and rounded once.
     ``row_w [M]`` (``h [M, 2I]``): Megatron's weighted SwiGLU, each row times its routing weight before the rounding
-    (as ``gmm_mgpu.gmm_swiglu``'s epilogue with row weights)."""
+    (FUSE "mgpu_dweighted", whose backward ``gmm_mgpu.gmm_dswiglu`` with row weights computes)."""
     gate, up = jnp.split(h, 2, axis=-1)
     act = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
     if row_w is not None:
@@ -268,20 +268,12 @@ def expert_ffn(
     q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
     if _fused(backend, q, "swiglu"):
         return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down, zero_tail_rows)
-    fused_fwd, fused_bwd = bool(FUSE & MGPU_SWIGLU), bool(FUSE & MGPU_DSWIGLU)
-    if (backend == "triton" and q is None and not zero_tail_rows and (fused_fwd or fused_bwd)
-            and mgpu_swiglu_takes(rows.shape[0], rows.shape[1], w_gate_up.shape[2], rows.dtype)):
-        wgu, sizes = w_gate_up.astype(rows.dtype), group_sizes.astype(jnp.int32)
-        if fused_bwd and mgpu_takes("dx", rows.shape[0], w_down.shape[2], w_down.shape[1], rows.dtype):
-            with jax.named_scope(FFN_SCOPE):
-                y = _mgpu_swiglu_experts(rows, wgu, w_down.astype(rows.dtype), sizes, fused_fwd)
-            return checkpoint_name(y, MOE_EXPERT_OUT)
-        if fused_fwd:
-            with jax.named_scope(FFN_SCOPE):
-                _, act = _mgpu_gate_up_swiglu(rows, wgu, sizes)
-                act = checkpoint_name(act, MOE_ACT)  # (h, named inside the forward rule, only the backward reads)
-                y = grouped_matmul(act, w_down, group_sizes, backend=backend, zero_tail_rows=False)
-            return checkpoint_name(y, MOE_EXPERT_OUT)
+    if (backend == "triton" and q is None and not zero_tail_rows and FUSE & MGPU_DSWIGLU
+            and mgpu_takes("dx", rows.shape[0], w_down.shape[2], w_down.shape[1], rows.dtype)):
+        with jax.named_scope(FFN_SCOPE):
+            y = _mgpu_swiglu_experts(rows, w_gate_up.astype(rows.dtype), w_down.astype(rows.dtype),
+                                     group_sizes.astype(jnp.int32))
+        return checkpoint_name(y, MOE_EXPERT_OUT)
     # FP8 scales each operand by its amax over every row: unwritten rows (any values, NaN included) would set it
     gmm = functools.partial(grouped_matmul, backend=backend, zero_tail_rows=zero_tail_rows or q is not None)
     with jax.named_scope(FFN_SCOPE):
@@ -317,14 +309,13 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
     # the row kernels leave rows past sum(counts) unwritten: the Triton / Mosaic expert kernels read none of them
     kernels = backend == "triton" and q is None
     weighted = FUSE & WEIGHTED  # the routing weights applied to act, an unweighted combine
-    fused_fwd = bool(weighted & MGPU_SWIGLU)
-    if kernels and weighted and _weighted_takes(slot.shape[0], w_gate_up, w_down, x.dtype, fused_fwd):
+    if kernels and weighted and _weighted_takes(slot.shape[0], w_down, x.dtype):
         rows = (dispatch_rows_kernel if "dispatch" in KERNELS else dispatch_rows)(x, src, slot, k)
         valid = src >= 0
         row_w = jnp.where(valid, jnp.take(w.reshape(-1), jnp.where(valid, src, 0)), 0).astype(jnp.float32)
         with jax.named_scope(FFN_SCOPE):
             y = _mgpu_swiglu_experts(rows, w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
-                                     plan.counts.astype(jnp.int32), fused_fwd, row_w)
+                                     plan.counts.astype(jnp.int32), row_w)
         return sum_rows(checkpoint_name(y, MOE_EXPERT_OUT), src, slot, k, "dispatch" in KERNELS)
     if _fused(backend, q, "gather") and (
             FUSE_SET or not mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype)):
@@ -336,54 +327,26 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
 
 
 @jax.custom_vjp
-def _mgpu_gate_up_swiglu(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(h, act)``: the gate_up forward on the Mosaic-GPU kernel with SwiGLU in its epilogue (``gmm_mgpu.gmm_swiglu``,
-    FUSE "mgpu_swiglu"); rows past ``sum(group_sizes)`` unwritten in both. The backward: d(h) = h's cotangent plus
-    SwiGLU's backward of act's, then d(x) and d(w) as :func:`grouped_matmul`'s."""
-    return gmm_mgpu.gmm_swiglu(x, w, group_sizes)
-
-
-def _mgpu_gate_up_swiglu_fwd(x, w, group_sizes):
-    h, act = gmm_mgpu.gmm_swiglu(x, w, group_sizes)
-    return (h, act), (checkpoint_name(x, MOE_PERMUTED), w, group_sizes, checkpoint_name(h, MOE_GATE_UP))
-
-
-def _mgpu_gate_up_swiglu_bwd(res, g):
-    x, w, group_sizes, h = res
-    dh = g[0].astype(h.dtype) + jax.vjp(swiglu, h)[1](g[1].astype(h.dtype))[0]
-    dx = plain_gmm(dh, w, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten (never read)
-    return dx, plain_tgmm(x, dh, group_sizes, out_dtype=w.dtype), None
-
-
-_mgpu_gate_up_swiglu.defvjp(_mgpu_gate_up_swiglu_fwd, _mgpu_gate_up_swiglu_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _mgpu_swiglu_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
-                         fused_fwd: bool = True, row_w: jax.Array | None = None) -> jax.Array:
-    """The SwiGLU experts on the Mosaic-GPU kernels with SwiGLU's backward in the down projection's d(x) epilogue
-    (``gmm_mgpu.gmm_dswiglu``: d(h) written, d(act) never), then d(x), d(w) of both matmuls; the forward with
-    SwiGLU in the gate_up epilogue (``fused_fwd``, FUSE "mgpu_swiglu_bwd": ``gmm_swiglu``) or after it (FUSE
-    "mgpu_dswiglu": the gate_up matmul, then XLA's SwiGLU), then the down projection. ``row_w [M]`` (float32, FUSE
-    "mgpu_weighted" / "mgpu_dweighted"): each row's routing weight applied to act in the forward's epilogue or in
-    XLA's SwiGLU pass (:func:`swiglu` with ``row_w``), ``y = (silu(gate) * up * row_w) @ w_down[g]``; the
-    backward's d(x) kernel gives d(row_w) too and the down d(w) reads the weighted act saved. Rows past
-    ``sum(group_sizes)`` unwritten (the caller reads none)."""
-    return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd, row_w)[0]
+                         row_w: jax.Array | None = None) -> jax.Array:
+    """The SwiGLU experts with SwiGLU's backward in the down projection's d(x) epilogue on the Mosaic-GPU kernel
+    (``gmm_mgpu.gmm_dswiglu``: d(h) written, d(act) never), then d(x), d(w) of both matmuls; the forward: the gate_up
+    matmul, XLA's SwiGLU, the down projection (FUSE "mgpu_dswiglu"). ``row_w [M]`` (float32, FUSE "mgpu_dweighted"):
+    each row's routing weight applied to act in XLA's SwiGLU pass (:func:`swiglu` with ``row_w``),
+    ``y = (silu(gate) * up * row_w) @ w_down[g]``; the backward's d(x) kernel gives d(row_w) too and the down d(w)
+    reads the weighted act saved. Rows past ``sum(group_sizes)`` unwritten (the caller reads none)."""
+    return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, row_w)[0]
 
 
-def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, fused_fwd=True, row_w=None):
-    if fused_fwd:
-        h, act = gmm_mgpu.gmm_swiglu(x, w_gate_up, group_sizes, row_w)
-    else:
-        h = plain_gmm(x, w_gate_up, group_sizes)
-        act = swiglu(h, row_w)
+def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, row_w=None):
+    h = plain_gmm(x, w_gate_up, group_sizes)
+    act = swiglu(h, row_w)
     y = plain_gmm(act, w_down, group_sizes)
     return y, (checkpoint_name(x, MOE_PERMUTED), w_gate_up, w_down, group_sizes, checkpoint_name(h, MOE_GATE_UP),
                checkpoint_name(act, MOE_ACT), row_w)
 
 
-def _mgpu_swiglu_experts_bwd(fused_fwd, res, g):
+def _mgpu_swiglu_experts_bwd(res, g):
     x, w_gate_up, w_down, group_sizes, h, act, row_w = res
     g = g.astype(x.dtype)
     if row_w is None:
@@ -398,23 +361,20 @@ def _mgpu_swiglu_experts_bwd(fused_fwd, res, g):
 _mgpu_swiglu_experts.defvjp(_mgpu_swiglu_experts_fwd, _mgpu_swiglu_experts_bwd)
 
 
-MGPU_SWIGLU = frozenset({"mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted"})  # SwiGLU in the Mosaic gate_up forward
-MGPU_DSWIGLU = frozenset({"mgpu_swiglu_bwd", "mgpu_weighted", "mgpu_dswiglu", "mgpu_dweighted"})  # its backward
-WEIGHTED = frozenset({"mgpu_weighted", "mgpu_dweighted"})  # the routing weights on act (sorted_experts)
+MGPU_DSWIGLU = frozenset({"mgpu_dswiglu", "mgpu_dweighted"})  # SwiGLU's backward in the Mosaic down d(x) epilogue
+WEIGHTED = frozenset({"mgpu_dweighted"})  # the routing weights on act (sorted_experts)
 
 
-def _weighted_takes(m: int, w_gate_up: jax.Array, w_down: jax.Array, dtype: Any, fused_fwd: bool = True) -> bool:
-    """Whether the experts of ``m`` sorted rows run weighted on the Mosaic kernels (FUSE "mgpu_weighted" /
-    "mgpu_dweighted"): the down projection's d(x) on the Mosaic-GPU kernel and, with ``fused_fwd``, the gate_up
-    forward with SwiGLU in its epilogue."""
-    return ((not fused_fwd or mgpu_swiglu_takes(m, w_gate_up.shape[1], w_gate_up.shape[2], dtype))
-            and mgpu_takes("dx", m, w_down.shape[2], w_down.shape[1], dtype))
+def _weighted_takes(m: int, w_down: jax.Array, dtype: Any) -> bool:
+    """Whether the experts of ``m`` sorted rows run weighted (FUSE "mgpu_dweighted"): where the down projection's
+    d(x) runs on the Mosaic-GPU kernel."""
+    return mgpu_takes("dx", m, w_down.shape[2], w_down.shape[1], dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def sum_rows(y: jax.Array, src: jax.Array, slot: jax.Array, top_k: int, kernel: bool) -> jax.Array:
     """The unweighted combine: ``out[t] = sum_k y[slot[t*K + k]]`` (float32 sum), y ``[S, H]`` -> ``[T, H]``, for
-    experts whose output already carries the routing weights (FUSE "mgpu_weighted"). It is :func:`dispatch_rows`'
+    experts whose output already carries the routing weights (FUSE "mgpu_dweighted"). It is :func:`dispatch_rows`'
     transpose, and its backward that dispatch of g (``kernel``: the Triton row kernel, the buffer's rows no
     assignment maps to unwritten)."""
     return _sum_of_choices(y, slot, top_k).astype(y.dtype)
@@ -457,30 +417,20 @@ sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
 #   kernel; it writes d(h)). Every Triton expert_ffn. Run 10: that kernel +1.7 ms at 235B-A22B against the 0.5 ms
 #   elementwise backward it replaces.
 FUSE_ENV = "MOEVLM_MOE_FUSE"
-# - "mgpu_swiglu": where the gate_up forward runs on the Mosaic-GPU kernel (Hopper, grouped_matmul.mgpu_takes),
-#   SwiGLU in that kernel's epilogue (gmm_mgpu.gmm_swiglu: h and act written together; the elementwise pass that
-#   reads h and writes act goes); the backward as without it.
-# - "mgpu_swiglu_bwd": "mgpu_swiglu" and, where the down projection's d(x) runs on the Mosaic-GPU kernel too,
-#   SwiGLU's backward in that kernel's epilogue (gmm_mgpu.gmm_dswiglu: it writes d(h) from h and its d(act); the
-#   elementwise pass that reads both and writes d(h) goes). Run 20 (bench/moe_layer.md): the layer +0.5-0.9 ms
-#   (+2-3%) at 235B-A22B, within the spread at 30B-A3B; correct (float32 check).
-# - "mgpu_weighted": "mgpu_swiglu_bwd" and, in the local dropless experts (sorted_experts), the routing weights
-#   applied to act in the gate_up forward's epilogue (Megatron's weighted SwiGLU: act_w = silu(gate) * up * weight),
-#   so that the combine is an unweighted sum of each token's rows whose backward is the dispatch of g: the combine
-#   backward's read of the experts' output y ([A, H], ~0.5 GB a layer at the 30B-A3B shapes) goes; the weights'
-#   gradient (sum of d(act_w) * act per row) comes from the down projection's d(x) epilogue
-#   (gmm_mgpu.gmm_dswiglu with row weights). Run 20: as "mgpu_swiglu_bwd" (+2-3% at 235B-A22B, the same at
-#   30B-A3B), correct.
-# - "mgpu_dswiglu": SwiGLU's backward in the down projection's d(x) epilogue as "mgpu_swiglu_bwd", the forward
-#   unfused (the gate_up matmul, then XLA's SwiGLU): run 20b per matmul (bench/mgpu_probe_h200_run20b.txt), the fused
-#   backward 0.07 ms under gmm + XLA's pass at both shape sets while the fused forward costs 0.05 (30B-A3B) to 0.86 ms
-#   (235B-A22B) more than its unfused pair. Not yet timed in the layer.
-# - "mgpu_dweighted": "mgpu_dswiglu" and, in the local dropless experts (sorted_experts), the routing weights as
-#   "mgpu_weighted" but applied in XLA's SwiGLU pass after the unfused gate_up matmul (swiglu with row_w: the row
-#   weights are one more [A] read in the pass "mgpu_dswiglu" has anyway): the unweighted combine and the weighted
-#   d(x) epilogue without the forward epilogue that cost in run 20. Not yet timed on a GPU.
-FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted",
-           "mgpu_dswiglu", "mgpu_dweighted")
+# - "mgpu_dswiglu": where the down projection's d(x) runs on the Mosaic-GPU kernel (Hopper,
+#   grouped_matmul.mgpu_takes), SwiGLU's backward in that kernel's epilogue (gmm_mgpu.gmm_dswiglu: it writes d(h)
+#   from h and its d(act); the elementwise pass that reads both and writes d(h) goes); the forward unfused (the
+#   gate_up matmul, then XLA's SwiGLU). Run 20b per matmul (bench/mgpu_probe_h200_run20b.txt): the fused backward
+#   0.07 ms under gmm + XLA's pass at both shape sets. Not yet timed in the layer. (SwiGLU in the gate_up forward's
+#   epilogue, with or without the routing weights, cost +0.05 / +0.86 ms per matmul at 30B-A3B / 235B-A22B and
+#   +2-3% in the 235B-A22B layer, run 20: removed on 2026-12-06.)
+# - "mgpu_dweighted": "mgpu_dswiglu" and, in the local dropless experts (sorted_experts), the routing weights applied
+#   to act in XLA's SwiGLU pass (Megatron's weighted SwiGLU: act_w = silu(gate) * up * weight; swiglu with row_w:
+#   one more [A] read in the pass), so that the combine is an unweighted sum of each token's rows whose backward is
+#   the dispatch of g: the combine backward's read of the experts' output y ([A, H], ~0.5 GB a layer at the 30B-A3B
+#   shapes) goes; the weights' gradient (sum of d(act_w) * act per row) comes from the down projection's d(x)
+#   epilogue (gmm_mgpu.gmm_dswiglu with row weights). Not yet timed on a GPU.
+FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_dswiglu", "mgpu_dweighted")
 FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
 FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather").split(",") if f)
 if FUSE - set(FUSIONS):

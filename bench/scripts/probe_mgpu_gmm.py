@@ -6,8 +6,8 @@ JAX ships Hopper (wgmma + TMA, persistent) grouped-matmul kernels as Pallas exam
 configs on the layer bench's row count and skewed routing, next to ``parallelism.gmm_triton`` with its tuned
 configs and the same FLOPs as one balanced batched einsum per matmul (the ceiling, cuBLAS), all in one process;
 each Mosaic result is checked against the Triton kernel's (norm-wise relative error over the kept rows).
-This project's ``parallelism.gmm_mgpu`` (forward and d(x) at several configs, the forward with SwiGLU after it or in
-its epilogue at the gate_up shapes, the down projection's d(x) with SwiGLU's backward after it or in its epilogue
+This project's ``parallelism.gmm_mgpu`` (forward and d(x) at several configs, the down projection's d(x) with
+SwiGLU's backward after it or in its epilogue
 (``gmm_dswiglu``) at the down shapes, d(w) ``tgmm`` with NaN rows past the groups as well) runs at several configs;
 JAX's ragged kernels with ``--jax`` (d(w): one config without). ``--dense`` also times JAX's warp-specialised dense
 Hopper matmul (``hopper_matmul_mgpu``) against ``jnp.dot`` on the forward's [rows, K] x [K, N]: what a
@@ -139,25 +139,6 @@ def main() -> int:
                     inputs = (x, w, gs) if kind == "fwd" else (dy, w, gs)
                 record(dict(base, kernel=kind, variant=f"gmm_mgpu {name(kind, cfg)}", config=list(cfg)), fn, inputs, fl, ref,
                        None if kind == "dw" else valid)
-            if kind == "fwd" and (n // 2) % gm.CONFIGS["fwd"].tile_n == 0:  # SwiGLU after the forward, or in it
-                from parallelism.permute import swiglu
-                record(dict(base, kernel=kind, variant="gmm_mgpu, then XLA's SwiGLU pass"),
-                       lambda a, b, s: (lambda h: (h, swiglu(h)))(gm.gmm(a, b, s)), (x, w, gs), fl, None, None)
-                fused = record(dict(base, kernel=kind, variant="gmm_mgpu.gmm_swiglu (SwiGLU in the epilogue)"),
-                               lambda a, b, s: gm.gmm_swiglu(a, b, s), (x, w, gs), fl, None, None)
-                rw = jax.random.uniform(jax.random.key(10), (m,), jnp.float32, 0.05, 1.0)
-                weighted = record(dict(base, kernel=kind, variant="gmm_mgpu.gmm_swiglu with row weights (act_w)"),
-                                  lambda a, b, s, r: gm.gmm_swiglu(a, b, s, r), (x, w, gs, rw), fl, None, None)
-                if fused is not None:  # against the unfused pair, over the groups' rows
-                    h = jax.jit(gm.gmm)(x, w, gs)
-                    row = dict(base, kernel=kind, variant="gmm_swiglu vs gmm + swiglu",
-                               h_rel_err=rel(fused[0], h, valid), act_rel_err=rel(fused[1], swiglu(h), valid))
-                    if weighted is not None:
-                        act_w = (swiglu(h).astype(jnp.float32) * rw[:, None]).astype(h.dtype)
-                        row.update(weighted_h_rel_err=rel(weighted[0], h, valid),
-                                   act_w_rel_err=rel(weighted[1], act_w, valid))
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
             if kind == "dx" and shape.startswith("down") and gm.supported(m, n, k, gm.CONFIGS["dx"]):
                 # the down projection's d(x) [m, I], then SwiGLU's backward at h [m, 2I]; or that in its epilogue
                 from parallelism.permute import swiglu

@@ -25,18 +25,6 @@ def _by_group(x, w, group_sizes, spec):
     return jnp.take_along_axis(each, gid[None, :, None], axis=0)[0], jnp.arange(m) < ends[-1]
 
 
-def swiglu_contract(x, w, group_sizes, row_w=None):
-    """``gmm_mgpu.gmm_swiglu``'s contract in XLA, the kernel's stand-in in the layer tests below (the kernel tests
-    above hold the kernel to it): h = x @ w[g] accumulated in float32 and rounded, act = SwiGLU (weighted with
-    ``row_w``) of h's rounded values, rows past ``sum(group_sizes)`` NaN (the kernel leaves them unwritten)."""
-    from parallelism.permute import swiglu
-
-    h, used = _by_group(x, w, group_sizes, "mk,gkn->gmn")
-    h = h.astype(x.dtype)
-    act = swiglu(h, row_w)
-    return jnp.where(used[:, None], h, jnp.nan), jnp.where(used[:, None], act, jnp.nan)
-
-
 def dswiglu_contract(dy, w, group_sizes, h, row_w=None):
     """``gmm_mgpu.gmm_dswiglu``'s contract in XLA (the layer's call: ``w [G, I, H]`` read transposed), its stand-in
     in the layer tests: d(h) = JAX's gradient of (weighted) SwiGLU at h for d(act) = dy @ w[g]^T rounded to dy's
@@ -115,36 +103,6 @@ def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, e
     np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
-def test_swiglu_kernel_in_the_gpu_interpreter_matches_per_group_einsum_and_swiglu(sms=2):
-    """gmm_swiglu: h = x @ w[g] as gmm gives it, act = SwiGLU of h's rounded values (permute.swiglu); two gate / up
-    column blocks; rows of the same five groups as the forward kernel's test (idle row halves included)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    from parallelism.permute import swiglu
-
-    m, k, n = 512, 128, 512
-    sizes = np.array([130, 0, 200, 10, 140], np.int32)
-    x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(jax.random.key(1), (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)
-    cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
-    h, act = gmm_mgpu.gmm_swiglu(x, w, jnp.asarray(sizes), config=cfg, interpret=InterpretGPUParams(), num_sms=sms)
-    assert h.shape == (m, n) and act.shape == (m, n // 2)
-    used = int(sizes.sum())
-    plain = gmm_mgpu.gmm(x, w, jnp.asarray(sizes), config=cfg, interpret=InterpretGPUParams(), num_sms=sms)
-    np.testing.assert_array_equal(np.asarray(h[:used]), np.asarray(plain[:used]))  # the same accumulation, bits
-    gid = np.repeat(np.arange(len(sizes)), sizes)
-    ref = np.einsum("mk,mkn->mn", np.asarray(x[:used], np.float32), np.asarray(w, np.float32)[gid])
-    np.testing.assert_allclose(np.asarray(h[:used], np.float32), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
-    want = np.asarray(swiglu(h[:used]), np.float32)
-    got = np.asarray(act[:used], np.float32)
-    # SwiGLU of the same bf16 values: equal but for the float32 sigmoid's last bits before rounding to bf16
-    np.testing.assert_allclose(got, want, rtol=8e-3, atol=1e-6)
-    assert np.mean(got == want) > 0.99
-    _assert_near(zip((h, act), swiglu_contract(x, w, jnp.asarray(sizes))), used)  # the layer tests' stand-in
-    with pytest.raises(ValueError, match="swiglu"):
-        gmm_mgpu.gmm_swiglu(x, w[:, :, :384], jnp.asarray(sizes), config=cfg)  # I = 192: not whole 128-column blocks
-
-
 def test_swiglu_backward_kernel_in_the_gpu_interpreter_matches_jax_gradient_of_swiglu(sms=2):
     """gmm_dswiglu: d(h) = JAX's gradient of permute.swiglu at h for d(act) = dy @ w[g] as gmm gives it (bf16); each
     warpgroup's four 64 x 64 slabs go through two h buffers (refilled twice); h's rows past the groups' are NaN (read
@@ -187,11 +145,11 @@ def _assert_near(pairs, used):
         assert np.isnan(tail).all() if tail.ndim > 1 else (tail == 0).all()
 
 
-def test_weighted_swiglu_kernels_in_the_gpu_interpreter_match_jax_gradient_of_weighted_swiglu(sms=2):
-    """gmm_swiglu / gmm_dswiglu with row weights (Megatron's weighted SwiGLU): act_w = silu(gate) * up * weight from
-    h's rounded values, rounded once; its backward's d(h) and the weights' gradient (row sums of d(act_w) * act) as JAX
+def test_weighted_swiglu_backward_kernel_in_the_gpu_interpreter_matches_jax_gradient_of_weighted_swiglu(sms=2):
+    """gmm_dswiglu with row weights, the backward of Megatron's weighted SwiGLU (act_w = silu(gate) * up * weight from
+    h's rounded values, rounded once): d(h) and the weights' gradient (row sums of d(act_w) * act) as JAX
     differentiates that function at h for d(act_w) = dy @ w[g] as gmm gives it. Rows of five groups, h's rows past
-    them NaN (the weights' gradient there 0: _row_sums keeps each row from its own tile); both kernels lowered for a
+    them NaN (the weights' gradient there 0: _row_sums keeps each row from its own tile); the kernel lowered for a
     GPU (the row vectors in wgmma's layout) too."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
@@ -205,15 +163,7 @@ def test_weighted_swiglu_kernels_in_the_gpu_interpreter_match_jax_gradient_of_we
     sizes = np.array([70, 0, 100, 10, 60], np.int32)  # 240 of 256 rows
     used = int(sizes.sum())
     ks = jax.random.split(jax.random.key(8), 5)
-    x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-    wgu = (jax.random.normal(ks[1], (len(sizes), k, 2 * n), jnp.float32) / 8).astype(jnp.bfloat16)
-    row_w = jax.random.uniform(ks[2], (m,), jnp.float32, 0.05, 1.0)
-    h, act_w = gmm_mgpu.gmm_swiglu(x, wgu, jnp.asarray(sizes), row_w, **run)
-    want = np.asarray(weighted_swiglu(h[:used], row_w[:used]), np.float32)
-    got = np.asarray(act_w[:used], np.float32)
-    np.testing.assert_allclose(got, want, rtol=8e-3, atol=1e-6)  # the same bf16 h: equal but for the sigmoid's bits
-    assert np.mean(got == want) > 0.99  # (the weights, 0.05-1, change every row: their omission fails this)
-
+    row_w = jax.random.uniform(ks[2], (m,), jnp.float32, 0.05, 1.0)  # 0.05-1: their omission changes every row
     dy = jax.random.normal(ks[3], (m, k), jnp.float32).astype(jnp.bfloat16)
     wd = (jax.random.normal(ks[4], (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)  # [G, H, I] untransposed
     h_nan = jax.random.normal(ks[2], (m, 2 * n), jnp.float32).at[used:].set(jnp.nan).astype(jnp.bfloat16)
@@ -230,22 +180,18 @@ def test_weighted_swiglu_kernels_in_the_gpu_interpreter_match_jax_gradient_of_we
     np.testing.assert_allclose(np.asarray(d_row_w[:used]), np.asarray(want_dw), rtol=1e-4,
                                atol=1e-5 * np.abs(np.asarray(want_dw)).max())
     np.testing.assert_array_equal(np.asarray(d_row_w[used:]), 0.0)
-    _assert_near(zip((h, act_w), swiglu_contract(x, wgu, jnp.asarray(sizes), row_w)), used)  # the stand-ins
     _assert_near(zip((dh, d_row_w), dswiglu_contract(dy, jnp.swapaxes(wd, 1, 2), jnp.asarray(sizes), h_nan, row_w)),
-                 used)
+                 used)  # the layer tests' stand-in
     with pytest.raises(ValueError, match="row weights"):
-        gmm_mgpu.gmm_swiglu(x, wgu, jnp.asarray(sizes), row_w.astype(jnp.bfloat16), config=cfg)
+        gmm_mgpu.gmm_dswiglu(dy, wd, jnp.asarray(sizes), h_nan, row_w.astype(jnp.bfloat16), trans_w=False, config=cfg)
     with pytest.raises(ValueError, match="row weights"):
-        gmm_mgpu.gmm(x, wgu, jnp.asarray(sizes), None, row_w, config=cfg)  # a plain matmul takes no row weights
+        gmm_mgpu.gmm(dy, wd, jnp.asarray(sizes), None, row_w, config=cfg)  # a plain matmul takes no row weights
 
     bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
     spec = jax.ShapeDtypeStruct
-    for fn, args in [(gmm_mgpu.gmm_swiglu, (spec((1024, 256), bf), spec((4, 256, 512), bf), spec((4,), i32),
-                                            spec((1024,), f32))),
-                     (gmm_mgpu.gmm_dswiglu, (spec((1024, 256), bf), spec((4, 256, 256), bf), spec((4,), i32),
-                                             spec((1024, 512), bf), spec((1024,), f32)))]:
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert lowered.count("mosaic_gpu_v2") >= 1
+    args = (spec((1024, 256), bf), spec((4, 256, 256), bf), spec((4,), i32), spec((1024, 512), bf), spec((1024,), f32))
+    lowered = jax.jit(gmm_mgpu.gmm_dswiglu).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowered.count("mosaic_gpu_v2") >= 1
 
 
 def test_shape_checks_name_the_problem():
@@ -419,12 +365,12 @@ def _kernel_hashes(lowered) -> list[str]:
     return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', lowered.as_text())
 
 
-@pytest.mark.parametrize("fuse", ["", "mgpu_swiglu", "mgpu_swiglu_bwd", "mgpu_weighted", "mgpu_dweighted"])
+@pytest.mark.parametrize("fuse", ["", "mgpu_dswiglu", "mgpu_dweighted"])
 def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypatch, fuse):
     """Trainer.compile_ahead compiles the Mosaic kernels a step records (gmm_mgpu.recording) alone, beside the step's
     compile, so that XLA finds them compiled (jaxlib keys a compiled kernel by its module's hash). Lowered for a GPU on
     this CPU: the experts' forward and backward (the real expert_ffn, the Mosaic kernels taken where the shapes fit;
-    "mgpu_weighted" / "mgpu_dweighted": the real sorted_experts, its kernels with the row weights) record each distinct
+    "mgpu_dweighted": the real sorted_experts, its d(x) kernel with the row weights) record each distinct
     kernel once, and each recorded kernel lowered alone is one of the step's modules, bit for bit (the backward's
     kernels too, which JAX traces under the forward call's source locations: gmm_mgpu._traced_alone)."""
     from parallelism import grouped_matmul as gmmod
@@ -436,7 +382,6 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
 
     monkeypatch.setattr(gmmod, "mgpu_takes", takes)
     monkeypatch.setattr(permute, "mgpu_takes", takes)
-    monkeypatch.setattr(permute, "mgpu_swiglu_takes", lambda m, k, n, dtype: takes("fwd", m, k, n, dtype))
     monkeypatch.setattr(permute, "FUSE", frozenset({fuse} - {""}))
     bf = jnp.bfloat16
     rows, s = jax.ShapeDtypeStruct((512, 256), bf), jax.ShapeDtypeStruct((4,), jnp.int32)
@@ -445,7 +390,7 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
     plan = permute.route_plan(jnp.arange(512, dtype=jnp.int32).reshape(256, 2) % 4, jnp.full((256, 2), 0.5), 4)
 
     def layer(rows, s, wgu, wd):
-        if fuse in ("mgpu_weighted", "mgpu_dweighted"):  # 256 tokens' top-2 rows: 512 sorted rows
+        if fuse == "mgpu_dweighted":  # 256 tokens' top-2 rows: 512 sorted rows
             return permute.sorted_experts(rows[:256], plan, jnp.full((256, 2), 0.5), wgu, wd, "triton")
         return permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
 
@@ -458,11 +403,10 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
 
     with gmm_mgpu.recording() as rec:
         in_step = set(_kernel_hashes(jax.jit(step).trace(rows, s, wgu, wd).lower(lowering_platforms=("cuda",))))
-    # forward gate_up (with SwiGLU or not), down; d(x) of both (the down one with SwiGLU's backward or not); d(w)
+    # forward gate_up, down; d(x) of both (the down one with SwiGLU's backward or not); d(w) of both
     assert len(rec) == len(in_step) == 6
     with_row_weights = [args[4].shape for _, args, _ in rec.kernels.values() if len(args) == 5 and args[4] is not None]
-    # gmm_swiglu (mgpu_weighted only), gmm_dswiglu
-    assert with_row_weights == {"mgpu_weighted": [(512,)] * 2, "mgpu_dweighted": [(512,)]}.get(fuse, [])
+    assert with_row_weights == {"mgpu_dweighted": [(512,)]}.get(fuse, [])  # gmm_dswiglu
     alone = [h for fn, args, kw in rec.kernels.values()
              for h in _kernel_hashes(fn.trace(*args, **dict(kw)).lower(lowering_platforms=("cuda",)))]
     assert len(alone) == 6 and set(alone) == in_step
@@ -483,46 +427,12 @@ def test_compile_ahead_compiles_each_recorded_function_in_threads():
     np.testing.assert_array_equal(np.asarray(compiled[1](jnp.ones(4))), [3.0] * 4)
 
 
-def test_swiglu_fused_gate_up_gradients_match_the_unfused_layer(monkeypatch):
-    """permute._mgpu_gate_up_swiglu (FUSE "mgpu_swiglu"): its outputs and its custom VJP (d(h) = h's cotangent +
-    SwiGLU's backward of act's, then d(x), d(w)) against the per-group einsum and SwiGLU differentiated by JAX, in
-    float32 on the same bf16 values; the kernel stood in for by its contract (:func:`swiglu_contract`, held to the
-    kernel in the GPU interpreter above), the backward's matmuls on the Triton kernels (interpreted on CPU)."""
-    from parallelism import permute
-
-    monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", swiglu_contract)
-    m, k, n = 512, 128, 512
-    sizes = np.array([130, 0, 200, 10, 172], np.int32)  # every row used: the reference has no tail rows to ignore
-    ks = jax.random.split(jax.random.key(3), 4)
-    x = jax.random.normal(ks[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(ks[1], (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)
-    ph, pa = jax.random.normal(ks[2], (m, n), jnp.float32), jax.random.normal(ks[3], (m, n // 2), jnp.float32)
-    gid = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes))
-
-    def fused(x, w):
-        h, act = permute._mgpu_gate_up_swiglu(x, w, jnp.asarray(sizes))
-        return jnp.sum(h.astype(jnp.float32) * ph) + jnp.sum(act.astype(jnp.float32) * pa)
-
-    def reference(x, w):
-        h = jnp.einsum("mk,mkn->mn", x, w[gid], precision="highest")
-        gate, up = jnp.split(h, 2, axis=-1)
-        return jnp.sum(h * ph) + jnp.sum(jax.nn.silu(gate) * up * pa)
-
-    got = jax.jit(jax.grad(fused, argnums=(0, 1)))(x, w)  # one compiled program (eager, each kernel runs alone)
-    want = jax.jit(jax.grad(reference, argnums=(0, 1)))(x.astype(jnp.float32), w.astype(jnp.float32))
-    for a, b in zip(got, want):
-        a, b = np.asarray(a, np.float32), np.asarray(b)
-        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2  # bf16 h, act and gradients against float32
-
-
-@pytest.mark.parametrize("fused_fwd,kernels", [(True, "interpreted"), (False, "contract")])
-def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch, fused_fwd, kernels):
-    """permute._mgpu_swiglu_experts (FUSE "mgpu_swiglu_bwd"; ``fused_fwd=False``: "mgpu_dswiglu", the forward's SwiGLU
-    after the gate_up matmul): the experts' output and gradients (SwiGLU's backward in
+def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
+    """permute._mgpu_swiglu_experts (FUSE "mgpu_dswiglu"): the experts' output and gradients (SwiGLU's backward in
     the down projection's d(x) kernel) against the per-group einsums and SwiGLU differentiated by JAX, in float32 on
-    the same bf16 values; the Mosaic kernels in Pallas' GPU interpreter (gmm_dswiglu on the down weights transposed
-    beforehand: the interpreter has no transposed wgmma operand) or their contracts (:func:`swiglu_contract`,
-    :func:`dswiglu_contract`), the other matmuls on the Triton kernels (interpreted on CPU)."""
+    the same bf16 values; the Mosaic kernel in Pallas' GPU interpreter (gmm_dswiglu on the down weights transposed
+    beforehand: the interpreter has no transposed wgmma operand), the other matmuls on the Triton kernels
+    (interpreted on CPU)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     from parallelism import permute
@@ -534,17 +444,8 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch, fus
 
     def dswiglu_untransposed(dy, w, s, h):
         calls.append(dy.shape)
-        if kernels == "contract":
-            return dswiglu_contract(dy, w, s, h)
         return dswiglu(dy, jnp.swapaxes(w, 1, 2), s, h, trans_w=False, **run)
 
-    swiglu, swiglu_calls = gmm_mgpu.gmm_swiglu, []
-
-    def swiglu_fwd(*a):
-        swiglu_calls.append(a[0].shape)
-        return swiglu_contract(*a) if kernels == "contract" else swiglu(*a, **run)
-
-    monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", swiglu_fwd)
     monkeypatch.setattr(gmm_mgpu, "gmm_dswiglu", dswiglu_untransposed)
     m, hdim, inter = 256, 128, 256
     sizes = np.array([70, 0, 100, 10, 76], np.int32)  # every row used: the reference has no tail rows to ignore
@@ -556,7 +457,7 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch, fus
     gid = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes))
 
     def fused(x, wgu, wd):
-        y = permute._mgpu_swiglu_experts(x, wgu, wd, jnp.asarray(sizes), fused_fwd)
+        y = permute._mgpu_swiglu_experts(x, wgu, wd, jnp.asarray(sizes))
         return jnp.sum(y.astype(jnp.float32) * py)
 
     def reference(x, wgu, wd):
@@ -566,40 +467,34 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch, fus
 
     got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(x, wgu, wd)
     want = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2)))(*(a.astype(jnp.float32) for a in (x, wgu, wd)))
-    assert calls == [(m, hdim)] and swiglu_calls == ([(m, hdim)] if fused_fwd else [])
+    assert calls == [(m, hdim)]
     assert abs(float(got[0]) - float(want[0])) < 1e-2 * abs(float(want[0]))
     for a, b in zip(got[1], want[1]):
         a, b = np.asarray(a, np.float32), np.asarray(b)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2  # bf16 h, act, d(h) and gradients against float32
 
 
-@pytest.mark.parametrize("fuse", ["mgpu_weighted", "mgpu_dweighted"])
-def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_expert_output(monkeypatch, fuse):
-    """permute.sorted_experts with FUSE "mgpu_weighted" (the routing weights applied to act in the gate_up kernel's
-    epilogue, an unweighted combine) or "mgpu_dweighted" (the same weights applied in XLA's SwiGLU pass after the
-    unfused gate_up matmul; the backward as "mgpu_weighted"): the layer's output and its gradients for x, the routing
-    weights and both expert weights against the dense per-expert reference in float32 on the same bf16 values; the
-    Mosaic kernels stood in for by their contracts (:func:`swiglu_contract`, :func:`dswiglu_contract`: held to the
-    weighted kernels in the GPU interpreter above; the recorded-kernel test lowers the real ones at the layer's
-    arguments), the other matmuls and the dispatch on the Triton kernels (interpreted). The combine's backward is the
-    dispatch of g: the experts' output is not among the backward's residuals."""
+def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_expert_output(monkeypatch):
+    """permute.sorted_experts with FUSE "mgpu_dweighted" (the routing weights applied to act in XLA's SwiGLU pass after
+    the gate_up matmul, an unweighted combine; their backward in the down projection's d(x) epilogue): the layer's
+    output and its gradients for x, the routing weights and both expert weights against the dense per-expert
+    reference in float32 on the same bf16 values; the Mosaic d(x) kernel stood in for by its contract
+    (:func:`dswiglu_contract`: held to the weighted kernel in the GPU interpreter above; the recorded-kernel test
+    lowers the real one at the layer's arguments), the other matmuls and the dispatch on the Triton kernels
+    (interpreted). The combine's backward is the dispatch of g: the experts' output is not among the backward's
+    residuals."""
     from parallelism import permute
     from tests.parallelism.moe_reference import dense_reference
 
     calls = []
 
-    def swiglu_weighted(x, w, s, row_w=None):
-        calls.append(("fwd", row_w is not None))
-        return swiglu_contract(x, w, s, row_w)
-
     def dswiglu_untransposed(dy, w, s, h, row_w=None):
         calls.append(("bwd", row_w is not None))
         return dswiglu_contract(dy, w, s, h, row_w)
 
-    monkeypatch.setattr(gmm_mgpu, "gmm_swiglu", swiglu_weighted)
     monkeypatch.setattr(gmm_mgpu, "gmm_dswiglu", dswiglu_untransposed)
-    monkeypatch.setattr(permute, "_weighted_takes", lambda m, wgu, wd, dtype, fused_fwd: m % 128 == 0)
-    monkeypatch.setattr(permute, "FUSE", frozenset({fuse}))
+    monkeypatch.setattr(permute, "_weighted_takes", lambda m, wd, dtype: m % 128 == 0)
+    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_dweighted"}))
     t, hdim, inter, e, k = 128, 128, 256, 5, 2
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((t, e)) + np.array([2.0, 1.0, 0.0, -100.0, 0.5])  # expert 3 gets no token
@@ -620,7 +515,7 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
         return jnp.sum(dense_reference(x, jnp.asarray(idx), topw, wgu, wd) * py)
 
     got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2, 3)))(x, topw, wgu, wd)
-    assert calls == ([("fwd", True)] if fuse == "mgpu_weighted" else []) + [("bwd", True)]
+    assert calls == [("bwd", True)]
     want = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2, 3)))(
         x.astype(jnp.float32), topw, wgu.astype(jnp.float32), wd.astype(jnp.float32))
     assert abs(float(got[0]) - float(want[0])) < 1e-2 * abs(float(want[0]))
@@ -634,63 +529,37 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
     assert kept.count((t * k, hdim)) == 1
 
 
-def test_expert_ffn_takes_the_swiglu_kernel_only_with_the_fusion_asked_for_and_a_shape_it_takes(monkeypatch):
-    """permute.expert_ffn: FUSE "mgpu_swiglu" + a gate_up forward the Mosaic kernel takes (both halves whole 128-column
-    blocks) + tail rows left unwritten -> the fused kernel's act goes to the down projection (the same output as
-    the unfused experts, the kernel stood in for by its reference); otherwise the unfused path. FUSE
-    "mgpu_swiglu_bwd" takes the experts fused both ways where the down projection's d(x) fits the Mosaic kernel."""
+def test_expert_ffn_takes_the_fused_backward_only_with_the_fusion_asked_for_and_a_shape_it_takes(monkeypatch):
+    """permute.expert_ffn: FUSE "mgpu_dswiglu" + a down projection whose d(x) [m, H] -> [m, I] the Mosaic kernel
+    takes + tail rows left unwritten -> the experts with SwiGLU's backward fused (``_mgpu_swiglu_experts``; the same
+    output as the unfused experts, stood in for here by the plain matmuls); otherwise the unfused path."""
     from parallelism import grouped_matmul as gmmod
     from parallelism import permute
 
     calls = []
 
-    def stand_in(x, w, s):  # gmm_swiglu's contract, from the plain grouped matmul
+    def stand_in(x, wgu, wd, s):
         calls.append(x.shape)
-        h = gmmod.grouped_matmul(x, w, s, backend="triton", zero_tail_rows=False)
-        return h, permute.swiglu(h)
+        h = gmmod.grouped_matmul(x, wgu, s, backend="triton", zero_tail_rows=False)
+        return gmmod.grouped_matmul(permute.swiglu(h), wd, s, backend="triton", zero_tail_rows=False)
 
-    monkeypatch.setattr(permute, "_mgpu_gate_up_swiglu", stand_in)
-    monkeypatch.setattr(permute, "mgpu_swiglu_takes", lambda m, k, n, dtype: n // 2 % 128 == 0)
+    monkeypatch.setattr(permute, "_mgpu_swiglu_experts", stand_in)
     m, hdim, inter = 256, 64, 128
     s = jnp.asarray([100, 0, 156])
     ks = jax.random.split(jax.random.key(5), 3)
     rows = jax.random.normal(ks[0], (m, hdim), jnp.float32).astype(jnp.bfloat16)
     wgu = (jax.random.normal(ks[1], (3, hdim, 2 * inter), jnp.float32) / 8).astype(jnp.bfloat16)
     wd = (jax.random.normal(ks[2], (3, inter, hdim), jnp.float32) / 8).astype(jnp.bfloat16)
+    monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: kind == "dx" and n == inter)
     monkeypatch.setattr(permute, "FUSE", frozenset())
     plain = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
-    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_swiglu"}))
+    assert calls == []
+    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_dswiglu"}))
     fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
     assert calls == [(m, hdim)]
     np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
     permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=True)  # tail rows zeroed: the unfused path
     permute.expert_ffn(rows, s, wgu[:, :, :192], wd[:, :96], "triton", zero_tail_rows=False)  # I = 96: not taken
-    assert calls == [(m, hdim)]
-    # "mgpu_swiglu_bwd": both directions fused where the down projection's d(x) [m, H] -> [m, I] runs on the Mosaic
-    # kernel too, else the forward fusion alone
-    both = []
-
-    def both_in(x, wgu, wd, s, fused_fwd):
-        both.append((x.shape, fused_fwd))
-        h = stand_in(x, wgu, s)[1] if fused_fwd else permute.swiglu(
-            gmmod.grouped_matmul(x, wgu, s, backend="triton", zero_tail_rows=False))
-        return gmmod.grouped_matmul(h, wd, s, backend="triton", zero_tail_rows=False)
-
-    monkeypatch.setattr(permute, "_mgpu_swiglu_experts", both_in)
-    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_swiglu_bwd"}))
-    monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: kind == "dx" and n == inter)
-    fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
-    assert both == [((m, hdim), True)] and len(calls) == 2
-    np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
-    # "mgpu_dswiglu": the backward fusion alone (the forward's SwiGLU after the matmul)
-    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_dswiglu"}))
-    fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
-    assert both[1:] == [((m, hdim), False)] and len(calls) == 2
-    np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
     monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: False)
     permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)  # no Mosaic d(x): the unfused experts
-    assert len(both) == 2 and len(calls) == 2
-    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_swiglu_bwd"}))
-    fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)  # the forward fusion only
-    assert len(both) == 2 and len(calls) == 3
-    np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
+    assert calls == [(m, hdim)]
