@@ -268,7 +268,7 @@ def expert_ffn(
     q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
     if _fused(backend, q, "swiglu"):
         return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down, zero_tail_rows)
-    if (backend == "triton" and q is None and not zero_tail_rows and FUSE & MGPU_DSWIGLU
+    if (backend == "triton" and q is None and not zero_tail_rows and "mgpu_dswiglu" in FUSE
             and mgpu_takes("dx", rows.shape[0], w_down.shape[2], w_down.shape[1], rows.dtype)):
         with jax.named_scope(FFN_SCOPE):
             y = _mgpu_swiglu_experts(rows, w_gate_up.astype(rows.dtype), w_down.astype(rows.dtype),
@@ -361,7 +361,6 @@ def _mgpu_swiglu_experts_bwd(res, g):
 _mgpu_swiglu_experts.defvjp(_mgpu_swiglu_experts_fwd, _mgpu_swiglu_experts_bwd)
 
 
-MGPU_DSWIGLU = frozenset({"mgpu_dswiglu", "mgpu_dweighted"})  # SwiGLU's backward in the Mosaic down d(x) epilogue
 WEIGHTED = frozenset({"mgpu_dweighted"})  # the routing weights on act (sorted_experts)
 
 
@@ -396,9 +395,10 @@ sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
 # ----------------------------------------------------------------------------- fused Triton experts
 
 # Which fusions the Triton experts use (outside FP8), from $MOEVLM_MOE_FUSE at import (a comma list, "" for
-# none; unset: "gather", the only one that paid on an H200, bench/moe_layer.md run 10, except where the gate_up
-# forward runs on the Mosaic-GPU kernel instead, grouped_matmul.mgpu_takes: that kernel after an XLA gather beat
-# the fused Triton kernel by 0.6 / 0.06 ms at 235B-A22B / 30B-A3B, run 14); read when the experts are traced.
+# none; unset: "gather,mgpu_dweighted", the ones that paid: "gather" on an H200, bench/moe_layer.md run 10, except
+# where the gate_up forward runs on the Mosaic-GPU kernel instead, grouped_matmul.mgpu_takes: that kernel after an
+# XLA gather beat the fused Triton kernel by 0.6 / 0.06 ms at 235B-A22B / 30B-A3B, run 14; "mgpu_dweighted" on an
+# H100, run 21, where it applies: on Hopper); read when the experts are traced.
 # - "gather": the local dropless experts (sorted_experts) pass the token rows x [T, H] and an int32 row index
 #   to the gate_up forward kernel, which reads the rows through it (no dispatch gather kernel) and, in the first
 #   column block's programs, writes the gathered rows [A, H] for the backward's d(w) (remat name moe_permuted,
@@ -417,22 +417,25 @@ sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
 #   kernel; it writes d(h)). Every Triton expert_ffn. Run 10: that kernel +1.7 ms at 235B-A22B against the 0.5 ms
 #   elementwise backward it replaces.
 FUSE_ENV = "MOEVLM_MOE_FUSE"
-# - "mgpu_dswiglu": where the down projection's d(x) runs on the Mosaic-GPU kernel (Hopper,
+# - "mgpu_dswiglu": in expert_ffn (the experts after the all-to-all / all-gather dispatchers, and the local ones
+#   without "mgpu_dweighted"), where the down projection's d(x) runs on the Mosaic-GPU kernel (Hopper,
 #   grouped_matmul.mgpu_takes), SwiGLU's backward in that kernel's epilogue (gmm_mgpu.gmm_dswiglu: it writes d(h)
 #   from h and its d(act); the elementwise pass that reads both and writes d(h) goes); the forward unfused (the
 #   gate_up matmul, then XLA's SwiGLU). Run 20b per matmul (bench/mgpu_probe_h200_run20b.txt): the fused backward
 #   0.07 ms under gmm + XLA's pass at both shape sets. Not yet timed in the layer. (SwiGLU in the gate_up forward's
 #   epilogue, with or without the routing weights, cost +0.05 / +0.86 ms per matmul at 30B-A3B / 235B-A22B and
 #   +2-3% in the 235B-A22B layer, run 20: removed on 2026-12-06.)
-# - "mgpu_dweighted": "mgpu_dswiglu" and, in the local dropless experts (sorted_experts), the routing weights applied
-#   to act in XLA's SwiGLU pass (Megatron's weighted SwiGLU: act_w = silu(gate) * up * weight; swiglu with row_w:
+# - "mgpu_dweighted": in the local dropless experts (sorted_experts), SwiGLU's backward in the down projection's d(x)
+#   epilogue as "mgpu_dswiglu", and the routing weights applied to act in XLA's SwiGLU pass (Megatron's weighted SwiGLU: act_w = silu(gate) * up * weight; swiglu with row_w:
 #   one more [A] read in the pass), so that the combine is an unweighted sum of each token's rows whose backward is
 #   the dispatch of g: the combine backward's read of the experts' output y ([A, H], ~0.5 GB a layer at the 30B-A3B
 #   shapes) goes; the weights' gradient (sum of d(act_w) * act per row) comes from the down projection's d(x)
-#   epilogue (gmm_mgpu.gmm_dswiglu with row weights). Not yet timed on a GPU.
+#   epilogue (gmm_mgpu.gmm_dswiglu with row weights). Run 21 (one H100, one call): the layer -0.3 / -0.4 ms at
+#   30B-A3B (0.68 -> 0.72 of the ceiling), -0.3 / -0.5 ms at 235B-A22B; the proxy step +0.6 / +0.8% and 0.46 GiB
+#   less memory (bench/step_h200.md run 34). The default.
 FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_dswiglu", "mgpu_dweighted")
 FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
-FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather").split(",") if f)
+FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather,mgpu_dweighted").split(",") if f)
 if FUSE - set(FUSIONS):
     raise ValueError(f"${FUSE_ENV}: unknown fusions {sorted(FUSE - set(FUSIONS))}; known: {FUSIONS}")
 
