@@ -309,7 +309,6 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
         raise ValueError(f"gmm_mgpu: row weights are float32 [{m}] (got {row_w.shape} {row_w.dtype}), for SwiGLU's "
                          f"backward in the epilogue (h) only")
     cta_n = 2 * tn
-    inter = n  # dswiglu: h's gate half's columns, then the up half's
     split_m = bool(cfg.wg_m)
     # a compute warpgroup's block of the tile: its rows (from row wm0 of the window) and its columns
     wm, wn = (tm // 2, cta_n) if split_m else (tm, tn)
@@ -421,7 +420,7 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                         bar = h_bar.at[wg * 2 + sl % 2]
                         plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(start + r, em), pl.ds(c, en)],
                                                 out_smem.at[wg, sl % 2, 0], bar)
-                        plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(start + r, em), pl.ds(inter + c, en)],
+                        plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(start + r, em), pl.ds(n + c, en)],  # h's up half
                                                 out_smem.at[wg, sl % 2, 1], bar)
 
                     def store_dswiglu(acc_ref):
@@ -454,7 +453,7 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                             lo = jnp.clip(skip - mi * em, 0, em)
                             hi = jnp.clip(skip + count - mi * em, 0, em)
                             store_rows(out_smem.at[wg, b, 0], out_gmem, start + r, c, lo, hi - lo)
-                            store_rows(out_smem.at[wg, b, 1], out_gmem, start + r, inter + c, lo, hi - lo)
+                            store_rows(out_smem.at[wg, b, 1], out_gmem, start + r, n + c, lo, hi - lo)
                             if sl + 2 < n_slabs:  # the buffer's stores read before it is refilled
                                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                                 load_h(sl + 2)
@@ -516,10 +515,10 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                         return acc_ref
 
                     cols = pl.ds(ni * cta_n, cta_n)
-                    body = mma_body
-                    operands = (a_gmem.at[pl.ds(start, tm), :], b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols])
+                    operands = (a_gmem.at[pl.ds(start, tm), :],
+                                b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols])
                     if not chain:
-                        get_pipeline(body, compute_context)(*operands, allocations=pipeline_allocs)
+                        get_pipeline(mma_body, compute_context)(*operands, allocations=pipeline_allocs)
                         return
                     # this SM's first tile starts the chain (loads its first blocks), its last one ends it (waits
                     # for the compute warpgroups' last releases); a lone tile is an unchained pipeline
@@ -527,9 +526,9 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                     state = jnp.where(j == 0, int(plgpu.PipelinePipeline.START),
                                       jnp.where(j == n_local - 1, int(plgpu.PipelinePipeline.STOP),
                                                 int(plgpu.PipelinePipeline.STEADY)))
-                    pl.when(n_local == 1)(lambda: get_pipeline(body, compute_context)(
+                    pl.when(n_local == 1)(lambda: get_pipeline(mma_body, compute_context)(
                         *operands, allocations=pipeline_allocs))
-                    pl.when(n_local > 1)(lambda: get_pipeline(body, compute_context, state)(
+                    pl.when(n_local > 1)(lambda: get_pipeline(mma_body, compute_context, state)(
                         *operands, allocations=pipeline_allocs))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

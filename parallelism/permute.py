@@ -308,8 +308,8 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
     q = fp8.experts_scope()
     # the row kernels leave rows past sum(counts) unwritten: the Triton / Mosaic expert kernels read none of them
     kernels = backend == "triton" and q is None
-    weighted = FUSE & WEIGHTED  # the routing weights applied to act, an unweighted combine
-    if kernels and weighted and _weighted_takes(slot.shape[0], w_down, x.dtype):
+    # "mgpu_dweighted": the routing weights applied to act, an unweighted combine
+    if kernels and "mgpu_dweighted" in FUSE and _weighted_takes(slot.shape[0], w_down, x.dtype):
         rows = (dispatch_rows_kernel if "dispatch" in KERNELS else dispatch_rows)(x, src, slot, k)
         valid = src >= 0
         row_w = jnp.where(valid, jnp.take(w.reshape(-1), jnp.where(valid, src, 0)), 0).astype(jnp.float32)
@@ -359,9 +359,6 @@ def _mgpu_swiglu_experts_bwd(res, g):
 
 
 _mgpu_swiglu_experts.defvjp(_mgpu_swiglu_experts_fwd, _mgpu_swiglu_experts_bwd)
-
-
-WEIGHTED = frozenset({"mgpu_dweighted"})  # the routing weights on act (sorted_experts)
 
 
 def _weighted_takes(m: int, w_down: jax.Array, dtype: Any) -> bool:
@@ -426,8 +423,8 @@ FUSE_ENV = "MOEVLM_MOE_FUSE"
 #   epilogue, with or without the routing weights, cost +0.05 / +0.86 ms per matmul at 30B-A3B / 235B-A22B and
 #   +2-3% in the 235B-A22B layer, run 20: removed on 2026-12-06.)
 # - "mgpu_dweighted": in the local dropless experts (sorted_experts), SwiGLU's backward in the down projection's d(x)
-#   epilogue as "mgpu_dswiglu", and the routing weights applied to act in XLA's SwiGLU pass (Megatron's weighted SwiGLU: act_w = silu(gate) * up * weight; swiglu with row_w:
-#   one more [A] read in the pass), so that the combine is an unweighted sum of each token's rows whose backward is
+#   epilogue as "mgpu_dswiglu", and the routing weights applied to act in XLA's SwiGLU pass (Megatron's weighted
+#   SwiGLU: act_w = silu(gate) * up * weight; swiglu with row_w: one more [A] read in the pass), so that the combine is an unweighted sum of each token's rows whose backward is
 #   the dispatch of g: the combine backward's read of the experts' output y ([A, H], ~0.5 GB a layer at the 30B-A3B
 #   shapes) goes; the weights' gradient (sum of d(act_w) * act per row) comes from the down projection's d(x)
 #   epilogue (gmm_mgpu.gmm_dswiglu with row weights). Run 21 (one H100, one call): the layer -0.3 / -0.4 ms at

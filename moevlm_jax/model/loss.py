@@ -93,8 +93,9 @@ def _chunked_ce_fwd(hc, kernel, tc, mc, fp32_logits):
         ce, dh, dk_c = _chunk_ce(h, kernel, t, m, grads=True, fp32_logits=fp32_logits, shards=shards)
         return (total + ce, dk + dk_c), dh
 
-    zeros = jnp.zeros(kernel.shape if shards == (1, 1) else (*shards, *kernel.shape), jnp.float32)
-    init = (jnp.zeros((), jnp.float32), zeros if shards == (1, 1) else constrain(zeros, HEAD_PARTIAL))
+    dk0 = (jnp.zeros(kernel.shape, jnp.float32) if shards == (1, 1)
+           else constrain(jnp.zeros((*shards, *kernel.shape), jnp.float32), HEAD_PARTIAL))
+    init = (jnp.zeros((), jnp.float32), dk0)
     (total, dk), dh = jax.lax.scan(step, init, (hc, tc, mc))
     if shards != (1, 1):
         dk = constrain(jnp.sum(dk, axis=(0, 1)), HEAD_PARAM)
