@@ -395,7 +395,7 @@ sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
 # none; unset: "gather,mgpu_dweighted", the ones that paid: "gather" on an H200, bench/moe_layer.md run 10, except
 # where the gate_up forward runs on the Mosaic-GPU kernel instead, grouped_matmul.mgpu_takes: that kernel after an
 # XLA gather beat the fused Triton kernel by 0.6 / 0.06 ms at 235B-A22B / 30B-A3B, run 14; "mgpu_dweighted" on an
-# H100, run 21, where it applies: on Hopper); read when the experts are traced.
+# H100, run 21, and -4% in the layer on an H200, run 23, where it applies: on Hopper); read when the experts are traced.
 # - "gather": the local dropless experts (sorted_experts) pass the token rows x [T, H] and an int32 row index
 #   to the gate_up forward kernel, which reads the rows through it (no dispatch gather kernel) and, in the first
 #   column block's programs, writes the gathered rows [A, H] for the backward's d(w) (remat name moe_permuted,
