@@ -413,7 +413,6 @@ sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
 # - "swiglu_bwd": SwiGLU's backward in the down projection's d(x) kernel's epilogue (d(act) never leaves the
 #   kernel; it writes d(h)). Every Triton expert_ffn. Run 10: that kernel +1.7 ms at 235B-A22B against the 0.5 ms
 #   elementwise backward it replaces.
-FUSE_ENV = "MOEVLM_MOE_FUSE"
 # - "mgpu_dswiglu": in expert_ffn (the experts after the all-to-all / all-gather dispatchers, and the local ones
 #   without "mgpu_dweighted"), where the down projection's d(x) runs on the Mosaic-GPU kernel (Hopper,
 #   grouped_matmul.mgpu_takes), SwiGLU's backward in that kernel's epilogue (gmm_mgpu.gmm_dswiglu: it writes d(h)
@@ -424,12 +423,15 @@ FUSE_ENV = "MOEVLM_MOE_FUSE"
 #   +2-3% in the 235B-A22B layer, run 20: removed on 2026-12-06.)
 # - "mgpu_dweighted": in the local dropless experts (sorted_experts), SwiGLU's backward in the down projection's d(x)
 #   epilogue as "mgpu_dswiglu", and the routing weights applied to act in XLA's SwiGLU pass (Megatron's weighted
-#   SwiGLU: act_w = silu(gate) * up * weight; swiglu with row_w: one more [A] read in the pass), so that the combine is an unweighted sum of each token's rows whose backward is
-#   the dispatch of g: the combine backward's read of the experts' output y ([A, H], ~0.5 GB a layer at the 30B-A3B
-#   shapes) goes; the weights' gradient (sum of d(act_w) * act per row) comes from the down projection's d(x)
-#   epilogue (gmm_mgpu.gmm_dswiglu with row weights). Run 21 (one H100, one call): the layer -0.3 / -0.4 ms at
+#   SwiGLU: act_w = silu(gate) * up * weight; swiglu with row_w: one more [A] read in the pass), so that the
+#   combine is an unweighted sum of each token's rows whose backward is the dispatch of g: the combine
+#   backward's read of the experts' output y ([A, H], ~0.5 GB a layer at the 30B-A3B shapes) goes; the weights'
+#   gradient (sum of d(act_w) * act per row) comes from the down projection's d(x) epilogue (gmm_mgpu.gmm_dswiglu
+#   with row weights). Run 21 (one H100, one call): the layer -0.3 / -0.4 ms at
 #   30B-A3B (0.68 -> 0.72 of the ceiling), -0.3 / -0.5 ms at 235B-A22B; the proxy step +0.6 / +0.8% and 0.46 GiB
-#   less memory (bench/step_h200.md run 34). The default.
+#   less memory (bench/step_h200.md run 34); on an H200 -4% at both shape sets (run 23). The default. Where it
+#   applies the rows are dispatched by the row kernel, so "gather" does not apply there.
+FUSE_ENV = "MOEVLM_MOE_FUSE"
 FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_dswiglu", "mgpu_dweighted")
 FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
 FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather,mgpu_dweighted").split(",") if f)
