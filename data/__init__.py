@@ -9,19 +9,22 @@ run log. Exports load lazily (``import data`` alone imports nothing heavy).
 
 from __future__ import annotations
 
+if __name__ != "moevlm_jax.data":  # the folder is the package moevlm_jax.data, not a top-level name
+    raise ImportError(f"import moevlm_jax.data (this folder is installed as moevlm_jax.data, not as {__name__!r})")
+
 import importlib
 from typing import Any
 
 _EXPORTS = {
-    "build_loader": "data.loader", "Loader": "data.loader", "model_inputs": "data.loader",
-    "throughput_line": "data.loader", "HOST_KEYS": "data.loader", "merge_states": "data.loader",
-    "MODEL_KEYS": "data.batch", "EVAL_KEYS": "data.packing",
-    "DataConfig": "data.config", "ImageConfig": "data.config", "DataError": "data.config",
-    "load_data_config": "data.config",
-    "SKIP_REASONS": "data.sample", "QUESTION_TYPES": "data.config",
-    "CHANCE": "data.vqa",
-    "answer_accuracy": "data.metrics", "merge_accuracy": "data.metrics", "question_chance": "data.metrics",
-    "load_tokenizer": "data.tokenizer", "has_heldout": "data.sources", "dataset_source": "data.sources",
+    "build_loader": "moevlm_jax.data.loader", "Loader": "moevlm_jax.data.loader", "model_inputs": "moevlm_jax.data.loader",
+    "throughput_line": "moevlm_jax.data.loader", "HOST_KEYS": "moevlm_jax.data.loader", "merge_states": "moevlm_jax.data.loader",
+    "MODEL_KEYS": "moevlm_jax.data.batch", "EVAL_KEYS": "moevlm_jax.data.packing",
+    "DataConfig": "moevlm_jax.data.config", "ImageConfig": "moevlm_jax.data.config", "DataError": "moevlm_jax.data.config",
+    "load_data_config": "moevlm_jax.data.config",
+    "SKIP_REASONS": "moevlm_jax.data.sample", "QUESTION_TYPES": "moevlm_jax.data.config",
+    "CHANCE": "moevlm_jax.data.vqa",
+    "answer_accuracy": "moevlm_jax.data.metrics", "merge_accuracy": "moevlm_jax.data.metrics", "question_chance": "moevlm_jax.data.metrics",
+    "load_tokenizer": "moevlm_jax.data.tokenizer", "has_heldout": "moevlm_jax.data.sources", "dataset_source": "moevlm_jax.data.sources",
 }
 __all__ = [  # noqa: RUF022 - grouped as in _EXPORTS
     "build_loader", "Loader", "model_inputs", "throughput_line", "HOST_KEYS", "merge_states", "MODEL_KEYS", "EVAL_KEYS",

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from data.mrope import mrope_position_ids
+from moevlm_jax.data.mrope import mrope_position_ids
 
 # the arrays of a batch the model and the train step take (ARCHITECTURE.md "The batch")
 MODEL_KEYS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask",

@@ -1,8 +1,8 @@
 """Input-pipeline benchmark: samples/s and patches/s per worker at the proxy workload's shapes.
 
-    python -m data.bench                                  # proxy preset, workers 0,1,2
-    python -m data.bench --workers 1,4,8,12 --batches 96  # on the GPU machine's 16 cores
-    python -m data.bench --config vqa --mock              # also time the mock source (labelled MOCK)
+    python -m moevlm_jax.data.bench                                  # proxy preset, workers 0,1,2
+    python -m moevlm_jax.data.bench --workers 1,4,8,12 --batches 96  # on the GPU machine's 16 cores
+    python -m moevlm_jax.data.bench --config vqa --mock              # also time the mock source (labelled MOCK)
 
 Self-contained and offline: the proxy preset's dataset (4 realistic JPEG images per sample, resized
 to ~448x448 = ~784 patches each, ~3.7k tokens per 4096-token row) is generated into the cache
@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from data.config import load_data_config
-from data.loader import build_loader, throughput_line
+from moevlm_jax.data.config import load_data_config
+from moevlm_jax.data.loader import build_loader, throughput_line
 
 # HF transformers + torch.compile, proxy workload, MBS 4 on one H200 (bench/README.md): 33.3k tokens/s.
 HF_PROXY_TOKENS_PER_S = 33300.0
@@ -103,7 +103,7 @@ def print_table(rows: list[dict[str, Any]], stream: Any = None) -> None:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """CLI entry point."""
-    parser = argparse.ArgumentParser(prog="python -m data.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moevlm_jax.data.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="proxy", help="data preset or YAML (default: proxy)")
     parser.add_argument("--workers", default="0,1,2", help="comma-separated worker counts to time")
     parser.add_argument("--batches", type=int, default=12, help="timed batches per run (at least 8 per worker)")
@@ -141,7 +141,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     print_table(rows)
     out = args.out or Path("bench") / f"data_pipeline_{platform.node() or 'host'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python -m data.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = {"command": "python -m moevlm_jax.data.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
     out.write_text(json.dumps({"meta": meta, "runs": rows}, indent=1))

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from data.tokenizer import Tokenizer
+from moevlm_jax.data.tokenizer import Tokenizer
 
 # Qwen3-VL Instruct's chat template, the tool-free path (kept in Jinja so tests can render it with
 # transformers' apply_chat_template and compare against ``render_text``).

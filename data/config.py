@@ -113,7 +113,7 @@ SplitPaths = str | tuple[str, ...] | dict[str, str | tuple[str, ...]]
 
 @dataclasses.dataclass(frozen=True)
 class ArrayRecordConfig:
-    """ArrayRecord shards written by ``python -m data.convert`` (the native format)."""
+    """ArrayRecord shards written by ``python -m moevlm_jax.data.convert`` (the native format)."""
 
     kind: Literal["arrayrecord"] = "arrayrecord"  # source kind
     # shard paths or globs: a list (the train split) or {train: [...], heldout: [...]}

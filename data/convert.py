@@ -1,7 +1,7 @@
 """Convert LLaVA-style JSON/JSONL conversations or an image folder with captions into ArrayRecord shards.
 
-    python -m data.convert llava train.json --image-root images/ --out shards/
-    python -m data.convert folder photos/ --out shards/ [--captions captions.jsonl] [--prompt "..."]
+    python -m moevlm_jax.data.convert llava train.json --image-root images/ --out shards/
+    python -m moevlm_jax.data.convert folder photos/ --out shards/ [--captions captions.jsonl] [--prompt "..."]
 
 Each written record holds the conversation and the original image bytes (see ``data.records``).
 Every entry is checked the way the loader would check it (conversation structure, image
@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from data.chat import ConversationError, validate_messages
-from data.config import DataError, ImageConfig
-from data.image import ImageSkip, decode_image
-from data.records import RecordError, encode_record, from_llava
-from data.sample import SKIP_REASONS
-from data.sources import ImageFolderSource, read_llava
+from moevlm_jax.data.chat import ConversationError, validate_messages
+from moevlm_jax.data.config import DataError, ImageConfig
+from moevlm_jax.data.image import ImageSkip, decode_image
+from moevlm_jax.data.records import RecordError, encode_record, from_llava
+from moevlm_jax.data.sample import SKIP_REASONS
+from moevlm_jax.data.sources import ImageFolderSource, read_llava
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def print_summary(summary: dict[str, Any], stream: Any = None) -> None:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """CLI entry point."""
-    parser = argparse.ArgumentParser(prog="python -m data.convert", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moevlm_jax.data.convert", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="kind", required=True)
     p_llava = sub.add_parser("llava", help="LLaVA-style JSON list or JSONL conversations with image paths")
     p_llava.add_argument("input", type=Path)

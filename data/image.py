@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps
 
-from data.config import ImageConfig
+from moevlm_jax.data.config import ImageConfig
 
 log = logging.getLogger(__name__)
 

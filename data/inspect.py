@@ -1,8 +1,8 @@
 """Print a summary of a few batches of a data config (shapes, fill, skips, decoded text), optionally dump images.
 
-    python -m data.inspect                       # default vqa preset
-    python -m data.inspect proxy --batches 2 --dump /tmp/imgs
-    python -m data.inspect vqa --split heldout --set seq_len=512
+    python -m moevlm_jax.data.inspect                       # default vqa preset
+    python -m moevlm_jax.data.inspect proxy --batches 2 --dump /tmp/imgs
+    python -m moevlm_jax.data.inspect vqa --split heldout --set seq_len=512
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ def _image_from_patches(pixel_values: np.ndarray, rc: np.ndarray, hw: tuple[int,
 
 def main(argv: Iterable[str] | None = None) -> int:
     """CLI entry point."""
-    from data.loader import build_loader, throughput_line
+    from moevlm_jax.data.loader import build_loader, throughput_line
 
-    parser = argparse.ArgumentParser(prog="python -m data.inspect", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moevlm_jax.data.inspect", description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", default="vqa")
     parser.add_argument("--split", default="train")
     parser.add_argument("--batches", type=int, default=1)

@@ -32,11 +32,11 @@ from typing import Any, Self
 import grain
 import numpy as np
 
-from data.config import DataConfig, DataError, load_data_config
-from data.batch import MODEL_KEYS
-from data.packing import EVAL_KEYS, PackedBatchDataset
-from data.sample import SKIP_REASONS, SampleProcessor, is_skip
-from data.sources import build_source
+from moevlm_jax.data.config import DataConfig, DataError, load_data_config
+from moevlm_jax.data.batch import MODEL_KEYS
+from moevlm_jax.data.packing import EVAL_KEYS, PackedBatchDataset
+from moevlm_jax.data.sample import SKIP_REASONS, SampleProcessor, is_skip
+from moevlm_jax.data.sources import build_source
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 2: logical data shards (streams)

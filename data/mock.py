@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from data.config import MockConfig, source_params
+from moevlm_jax.data.config import MockConfig, source_params
 
 _WORDS = ("the", "image", "shows", "a", "red", "blue", "green", "shape", "on", "left", "right", "of",
           "and", "small", "large", "circle", "square", "word", "near", "top", "bottom", "centre")

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from data.config import PhotosConfig, source_params
+from moevlm_jax.data.config import PhotosConfig, source_params
 from PIL import Image
 
 log = logging.getLogger(__name__)

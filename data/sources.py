@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from data.config import DataConfig, DataError, source_params
+from moevlm_jax.data.config import DataConfig, DataError, source_params
 
 log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -246,7 +246,7 @@ def dataset_source(path: str | Path) -> dict[str, Any] | None:
     if any(f.suffix.lower() in IMAGE_SUFFIXES for f in files):
         return {"kind": "image_folder", "path": str(p)}
     raise DataError(f"--data {p}: cannot tell what dataset this folder is: expected ArrayRecord shards "
-                    f"(*.array_record, from python -m data.convert) or images ({', '.join(IMAGE_SUFFIXES)}) with "
+                    f"(*.array_record, from python -m moevlm_jax.data.convert) or images ({', '.join(IMAGE_SUFFIXES)}) with "
                     "captions; for a LLaVA file give the .json / .jsonl itself")
 
 
@@ -271,16 +271,16 @@ def _build_source(cfg: DataConfig, split: str) -> tuple[Any, str]:
     src = source_params(cfg.source)
     kind = cfg.kind
     if kind == "vqa":
-        from data.vqa import ensure_vqa
+        from moevlm_jax.data.vqa import ensure_vqa
 
         return ArrayRecordSource(ensure_vqa(src, cfg.resolved_cache_dir(), split)), \
             "vqa (procedural scenes, real JPEG decode)"
     if kind == "photos":
-        from data.photos import PhotoSource
+        from moevlm_jax.data.photos import PhotoSource
 
         return PhotoSource(src, split), "photos (shipped photographs, real JPEG decode)"
     if kind == "mock":
-        from data.mock import MockSource, mock_label
+        from moevlm_jax.data.mock import MockSource, mock_label
 
         return MockSource(src, split), mock_label(src)
     if kind == "arrayrecord":

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.config import DataError
+from moevlm_jax.data.config import DataError
 
 # Qwen2's pre-tokenizer (transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX).
 QWEN_PATTERN = (

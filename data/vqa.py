@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from data.config import VqaConfig, source_params
-from data.records import encode_record
-from data.sample import QUESTION_TYPES
+from moevlm_jax.data.config import VqaConfig, source_params
+from moevlm_jax.data.records import encode_record
+from moevlm_jax.data.sample import QUESTION_TYPES
 
 log = logging.getLogger(__name__)
 

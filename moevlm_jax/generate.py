@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("model from %s%s loaded in %.1fs", loaded.source, f" (step {loaded.step})" if loaded.step else "",
              time.perf_counter() - t0)
     t0 = time.perf_counter()
-    from data.chat import ConversationError
-    from data.image import ImageSkip
+    from moevlm_jax.data.chat import ConversationError
+    from moevlm_jax.data.image import ImageSkip
 
     try:
         results = inference.generate(loaded.model, loaded.tokenizer, [q["prompt"] for q in questions],

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from moevlm_jax.config.run import add_arguments, from_args, help_config
-from data.config import DataError
+from moevlm_jax.data.config import DataError
 from moevlm_jax.config.schema import ConfigError
 from moevlm_jax.training import capture, distributed
 from moevlm_jax.training.faults import TrainingStopped

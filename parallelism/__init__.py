@@ -20,6 +20,9 @@ A layout (configs/layouts/*.yaml) maps them to the mesh axes of parallelism.layo
 parallelism.validate checks a layout against a model config and batch shape before compiling.
 """
 
+if __name__ != "moevlm_jax.parallelism":  # the folder is the package moevlm_jax.parallelism, not a top-level name
+    raise ImportError(f"import moevlm_jax.parallelism (this folder is installed as moevlm_jax.parallelism, not as {__name__!r})")
+
 PARAM_AXES: tuple[str, ...] = (
     "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "exp", "moe_mlp", "layers",
     "vis_embed", "vis_heads", "vis_head_dim", "vis_mlp", "vis_layers", "patch_in", "norm",
@@ -33,6 +36,6 @@ LOGICAL_AXES: tuple[str, ...] = PARAM_AXES + ACTIVATION_AXES
 # XLA:CPU host devices: enough pool threads for their collectives, set before the CPU client starts
 # (importing this package precedes the first device use in the train CLI, tools and tests; a pool of one
 # thread per device deadlocks the 3D layouts' steps on machines with fewer cores than devices).
-from parallelism.cpu_threads import ensure_collective_threads  # noqa: E402
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads  # noqa: E402
 
 ensure_collective_threads()

@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from parallelism import logical
-from parallelism.dispatch import shard_map_unchecked
+from moevlm_jax.parallelism import logical
+from moevlm_jax.parallelism.dispatch import shard_map_unchecked
 
 log = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from parallelism import logical
-from parallelism.hybrid import hybrid_overflow_rows, hybrid_sorted_ffn, local_hybrid
-from parallelism.permute import (
+from moevlm_jax.parallelism import logical
+from moevlm_jax.parallelism.hybrid import hybrid_overflow_rows, hybrid_sorted_ffn, local_hybrid
+from moevlm_jax.parallelism.permute import (
     RoutePlan,
     capacity_ffn,
     combine_rows,

@@ -32,8 +32,8 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from parallelism import logical
-from parallelism.dispatch import (
+from moevlm_jax.parallelism import logical
+from moevlm_jax.parallelism.dispatch import (
     A2A_IMPLS,
     DISPATCHERS,
     ExpertTopology,
@@ -41,10 +41,10 @@ from parallelism.dispatch import (
     resolve_topology,
     run_experts,
 )
-from parallelism import fp8
-from parallelism.fp8 import Fp8Config
-from parallelism.grouped_matmul import GPU_PLATFORMS, resolve_backend
-from parallelism.permute import DROP_POLICIES
+from moevlm_jax.parallelism import fp8
+from moevlm_jax.parallelism.fp8 import Fp8Config
+from moevlm_jax.parallelism.grouped_matmul import GPU_PLATFORMS, resolve_backend
+from moevlm_jax.parallelism.permute import DROP_POLICIES
 
 log = logging.getLogger(__name__)
 

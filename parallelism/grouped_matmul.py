@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from parallelism import gmm_mgpu, gmm_triton
+from moevlm_jax.parallelism import gmm_mgpu, gmm_triton
 
 log = logging.getLogger(__name__)
 

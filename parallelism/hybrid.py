@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from parallelism.permute import (
+from moevlm_jax.parallelism.permute import (
     RoutePlan,
     capacity_ffn,
     combine_rows,

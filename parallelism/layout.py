@@ -19,7 +19,7 @@ import numpy as np
 from flax.core import FrozenDict
 from jax.sharding import Mesh
 
-from parallelism.cpu_threads import check_collective_threads
+from moevlm_jax.parallelism.cpu_threads import check_collective_threads
 
 
 MESH_AXES: tuple[str, ...] = ("stage", "data", "fsdp", "context", "expert", "tensor")
@@ -76,7 +76,7 @@ class Layout:
     hosts: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
-        from parallelism.logical import normalize_rules
+        from moevlm_jax.parallelism.logical import normalize_rules
 
         unknown = [a for a in self.mesh if a not in MESH_AXES]
         if unknown:

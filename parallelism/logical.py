@@ -61,7 +61,7 @@ def normalize_rules(rules: Sequence[Sequence[Any]]) -> Rules:
 def sharding_context(mesh: Mesh, rules: Sequence[Sequence[Any]], options: Any = None) -> Iterator[ShardingContext]:
     """Make ``mesh`` and ``rules`` the ones :func:`constrain` and the dispatchers use; ``options``
     (a layout's ``LayoutOptions``) reach e.g. ``parallelism.pipeline``."""
-    from parallelism.layout import LayoutOptions
+    from moevlm_jax.parallelism.layout import LayoutOptions
 
     if options is not None and not isinstance(options, LayoutOptions):
         raise TypeError(f"sharding_context options must be a parallelism.layout.LayoutOptions, got {options!r}")

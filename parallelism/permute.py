@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from parallelism import fp8, gmm_mgpu, gmm_triton, permute_triton
-from parallelism.grouped_matmul import (capacity_matmul, grouped_matmul, mgpu_takes, plain_gmm,
+from moevlm_jax.parallelism import fp8, gmm_mgpu, gmm_triton, permute_triton
+from moevlm_jax.parallelism.grouped_matmul import (capacity_matmul, grouped_matmul, mgpu_takes, plain_gmm,
                                         plain_tgmm, zero_tail)
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from parallelism import gmm_triton
+from moevlm_jax.parallelism import gmm_triton
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from parallelism import logical
-from parallelism.layout import PipelineOptions
+from moevlm_jax.parallelism import logical
+from moevlm_jax.parallelism.layout import PipelineOptions
 
 log = logging.getLogger(__name__)
 

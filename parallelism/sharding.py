@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallelism.logical import Rules, check_divisible, logical_to_spec, normalize_rules
+from moevlm_jax.parallelism.logical import Rules, check_divisible, logical_to_spec, normalize_rules
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-import parallelism
-from parallelism.layout import MESH_AXES, Layout, resolve_mesh_shape
-from parallelism.logical import Rules, flat_axes, logical_to_spec, mesh_axes_for
+import moevlm_jax.parallelism as parallelism
+from moevlm_jax.parallelism.layout import MESH_AXES, Layout, resolve_mesh_shape
+from moevlm_jax.parallelism.logical import Rules, flat_axes, logical_to_spec, mesh_axes_for
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def validate_layout(model: Any, layout: Layout, mesh: Mesh | None = None, batch_
         errors += _context_errors(model, layout, shape, seq_len)
         if layout.options.pipeline is not None:
             try:
-                from parallelism.pipeline import inner_rules, pipeline_config
+                from moevlm_jax.parallelism.pipeline import inner_rules, pipeline_config
 
                 cfg = pipeline_config(layout.options, shape.get("stage", 1))
                 if batch_size is not None and cfg.stages > 1:  # what the schedule needs of the batch rows

@@ -25,7 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-import parallelism  # noqa: E402,F401 - sets PJRT_NPROC before any test starts the CPU client
+import moevlm_jax.parallelism as parallelism  # noqa: E402,F401 - sets PJRT_NPROC before any test starts the CPU client
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a plain `python3 script`
 
 from moevlm_jax.tools import bench_moe as bm  # noqa: E402
-from parallelism import permute  # noqa: E402
+from moevlm_jax.parallelism import permute  # noqa: E402
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parallelism import fp8
+from moevlm_jax.parallelism import fp8
 
 SHAPES = {"qkv": (32768, 2048, 4096), "o_proj": (32768, 4096, 2048), "expert": (16384, 2048, 768)}
 SMALL = {"qkv": (512, 256, 384), "o_proj": (512, 384, 256)}

@@ -36,7 +36,7 @@ if [ "${PROFILE:-0}" = 1 ] && [ "$(left 590)" -ge 100 ]; then
       | grep -v "Autotuning cache miss" | tail -45 | tee "$OUT/step_profile.txt"
 fi
 if [ -n "${AB_KEYS:-}" ]; then  # the layer (no HF, no checks) with these CONFIGS keys at the kernels' defaults, then as configured
-  python3 -c "import dataclasses, json, sys; from parallelism.gmm_triton import CONFIGS
+  python3 -c "import dataclasses, json, sys; from moevlm_jax.parallelism.gmm_triton import CONFIGS
 print(json.dumps({k: dataclasses.asdict(CONFIGS[k.split(':')[0]]) for k in sys.argv[1].split(',')}))" "$AB_KEYS" > /tmp/ab_defaults.json
   for v in defaults configured; do
     cfg=$([ $v = defaults ] && echo /tmp/ab_defaults.json || echo "${MOEVLM_GMM_TRITON_CONFIGS:-}")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moevlm_jax.tools import bench_moe as bm
-from parallelism import gmm_mgpu
+from moevlm_jax.parallelism import gmm_mgpu
 
 
 def main() -> None:

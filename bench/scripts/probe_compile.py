@@ -48,7 +48,7 @@ def main() -> None:
     state = trainer.abstract_state()
     res = {"recipe": args.recipe, "overrides": args.overrides, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "setup_s": time.perf_counter() - t_start}
-    from parallelism import gmm_mgpu
+    from moevlm_jax.parallelism import gmm_mgpu
 
     t = time.perf_counter()
     with gmm_mgpu.recording() as kernels:

@@ -37,7 +37,7 @@ from probe_tokamax import (
     timed,
 )
 
-from parallelism import gmm_triton as gt
+from moevlm_jax.parallelism import gmm_triton as gt
 
 # (block_m, block_n, block_k, num_warps, num_stages); for dw block_m is the rows per step and
 # block_k x block_n the output tile
@@ -91,7 +91,7 @@ def main() -> int:
             from tokamax._src.ops.ragged_dot import base
             from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as pmg
 
-            from parallelism.grouped_matmul import TOKAMAX_SM90_CONFIGS
+            from moevlm_jax.parallelism.grouped_matmul import TOKAMAX_SM90_CONFIGS
             dims = {"fwd": base.DEFAULT_RAGGED_DOT_DIM_NUMS, "dx": base.TRANS_RHS_RAGGED_DOT_DIM_NUMS,
                     "dw": base.RAGGED_CONTRACTING_DOT_DIM_NUMS}
 

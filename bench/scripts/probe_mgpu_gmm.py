@@ -33,8 +33,8 @@ import numpy as np
 from probe_step_parts import timeit
 from probe_tokamax import SHAPES, bf16_inputs, error_text, probe_arguments, rel
 
-from parallelism import gmm_mgpu as gm
-from parallelism import gmm_triton as gt
+from moevlm_jax.parallelism import gmm_mgpu as gm
+from moevlm_jax.parallelism import gmm_triton as gt
 
 # ragged_dot (fwd, dx): (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
 RAGGED = [(128, 192, 64, 4, 4), (128, 128, 64, 5, 8)]  # the fastest two of run 13's first call
@@ -141,7 +141,7 @@ def main() -> int:
                        None if kind == "dw" else valid)
             if kind == "dx" and shape.startswith("down") and gm.supported(m, n, k, gm.CONFIGS["dx"]):
                 # the down projection's d(x) [m, I], then SwiGLU's backward at h [m, 2I]; or that in its epilogue
-                from parallelism.permute import swiglu
+                from moevlm_jax.parallelism.permute import swiglu
                 hh = jax.random.normal(jax.random.key(9), (m, 2 * k), jnp.float32).astype(jnp.bfloat16)
                 unfused = record(dict(base, kernel=kind, variant="gmm_mgpu d(x), then XLA's SwiGLU backward"),
                                  lambda a, b, s, h: jax.vjp(swiglu, h)[1](gm.gmm(a, b, s, trans_w=True))[0],

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moevlm_jax.tools.bench_moe import time_calls
-from parallelism import permute, permute_triton
+from moevlm_jax.parallelism import permute, permute_triton
 
 HIDDEN = {"235b-a22b": 4096, "30b-a3b": 2048}
 CONFIGS = [  # block_a, block_h, num_warps, num_stages

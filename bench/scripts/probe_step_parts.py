@@ -37,7 +37,7 @@ from moevlm_jax.config import load_config
 from moevlm_jax.model import layers, vision
 from moevlm_jax.training import optimizer as optim
 from op_bandwidth import hlo_table, op_rows, print_rows
-from parallelism.vocab import take_rows
+from moevlm_jax.parallelism.vocab import take_rows
 
 
 def timeit(fn, args, rounds, iters):

@@ -151,7 +151,7 @@ def profile_shape(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     from with_searchsorted import forced  # bench/scripts: the script's own directory
 
     from moevlm_jax.tools import bench_moe as bm
-    from parallelism.experts import experts_forward
+    from moevlm_jax.parallelism.experts import experts_forward
 
     shape = {**bm.SHAPES, **bm.TINY}[name]
     k = shape["top_k"]

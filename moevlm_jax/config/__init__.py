@@ -22,7 +22,7 @@ _EXPORTS = {
     "save_config": "moevlm_jax.config.run", "help_config": "moevlm_jax.config.run",
     "default_recipe": "moevlm_jax.config.run",
     "ModelConfig": "moevlm_jax.model.config", "load_model_config": "moevlm_jax.model.config",
-    "ComputeConfig": "moevlm_jax.model.compute", "DataConfig": "data.config", "Layout": "parallelism.layout",
+    "ComputeConfig": "moevlm_jax.model.compute", "DataConfig": "moevlm_jax.data.config", "Layout": "moevlm_jax.parallelism.layout",
     "OptimizerConfig": "moevlm_jax.training.config", "TrainConfig": "moevlm_jax.training.config",
 }
 __all__ = sorted(_EXPORTS)

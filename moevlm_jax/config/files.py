@@ -36,8 +36,8 @@ def find_config(kind: str, name_or_path: str | Path) -> Path:
 
 
 # the dataclass of each run section, imported when that section is loaded (``import data`` stays light)
-SECTION_TYPES = {"model": "moevlm_jax.model.config:ModelConfig", "layout": "parallelism.layout:Layout",
-                 "data": "data.config:DataConfig", "compute": "moevlm_jax.model.compute:ComputeConfig",
+SECTION_TYPES = {"model": "moevlm_jax.model.config:ModelConfig", "layout": "moevlm_jax.parallelism.layout:Layout",
+                 "data": "moevlm_jax.data.config:DataConfig", "compute": "moevlm_jax.model.compute:ComputeConfig",
                  "optimizer": "moevlm_jax.training.config:OptimizerConfig",
                  "train": "moevlm_jax.training.config:TrainConfig"}
 

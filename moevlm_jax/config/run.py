@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from data.config import DataConfig
+from moevlm_jax.data.config import DataConfig
 from moevlm_jax.config.files import CONFIG_DIR, REFERENCED, find_config, resolve_reference
 from moevlm_jax.config.schema import (
     ConfigError,
@@ -54,7 +54,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model.registry import model_config_type
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
-from parallelism.layout import Layout
+from moevlm_jax.parallelism.layout import Layout
 
 __all__ = ["CONFIG_DIR", "ConfigError", "RunConfig", "add_arguments", "build_run_config", "default_recipe",
            "from_args", "help_config", "load_config", "resolve_raw", "save_config"]
@@ -198,7 +198,7 @@ def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, errors: list[str]) -> N
 
 def _experts_checks(compute: ComputeConfig, layout: Layout, shape: Mapping[str, int]) -> list[str]:
     """The experts' dispatcher against the layout (what tracing the step would otherwise find)."""
-    from parallelism.logical import axis_size, mesh_axes_for
+    from moevlm_jax.parallelism.logical import axis_size, mesh_axes_for
 
     ep = axis_size(shape, mesh_axes_for("exp", layout.rules))
     dispatcher = compute.moe.dispatcher
@@ -210,8 +210,8 @@ def _experts_checks(compute: ComputeConfig, layout: Layout, shape: Mapping[str, 
 
 def model_data_checks(model: ModelConfig, data: DataConfig) -> list[str]:
     """The data's tokenizer and image processing must match the model config."""
-    from data.tokenizer import load_tokenizer
-    from data.config import DataError
+    from moevlm_jax.data.tokenizer import load_tokenizer
+    from moevlm_jax.data.config import DataError
 
     errors = []
     try:
@@ -274,7 +274,7 @@ def _derive_data(raw: dict[str, Any], tr: TrainConfig, gbs: int, num_processes: 
 def _layout_parts(raw: Mapping[str, Any], num_devices: int, num_processes: int,
                   errors: list[str]) -> tuple[Layout | None, int]:
     """The layout and its data-parallel size over ``num_devices`` (errors appended)."""
-    from parallelism.logical import data_parallel_size
+    from moevlm_jax.parallelism.logical import data_parallel_size
 
     layout = build(Layout, raw.get("layout"), "layout", errors)
     if layout is None:
@@ -292,7 +292,7 @@ def _layout_parts(raw: Mapping[str, Any], num_devices: int, num_processes: int,
 def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes: int = 1) -> RunConfig:
     """Validate a resolved mapping (sections are mappings, not names) into a RunConfig, with every rule
     between sections checked; all problems in one ConfigError."""
-    from parallelism.validate import LayoutError, validate_layout
+    from moevlm_jax.parallelism.validate import LayoutError, validate_layout
 
     errors: list[str] = []
     for k in raw:
@@ -348,8 +348,8 @@ def _dataset_path(ref: Any) -> tuple[str, dict[str, Any]] | None:
         return None
     if "/" not in str(ref) and (CONFIG_DIR / "data" / f"{ref}.yaml").exists():
         return None
-    from data.config import DataError
-    from data.sources import dataset_source
+    from moevlm_jax.data.config import DataError
+    from moevlm_jax.data.sources import dataset_source
 
     try:
         source = dataset_source(ref)

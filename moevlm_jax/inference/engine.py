@@ -49,13 +49,13 @@ import numpy as np
 from flax import nnx
 from PIL import Image
 
-from data.batch import hf_inputs_to_batch
-from data.chat import encode_conversation
-from data.config import ImageConfig
-from data.image import decode_image, image_to_pixel_values
-from data.mrope import mrope_position_ids
-from data.records import IMAGE_PLACEHOLDER
-from data.tokenizer import Tokenizer
+from moevlm_jax.data.batch import hf_inputs_to_batch
+from moevlm_jax.data.chat import encode_conversation
+from moevlm_jax.data.config import ImageConfig
+from moevlm_jax.data.image import decode_image, image_to_pixel_values
+from moevlm_jax.data.mrope import mrope_position_ids
+from moevlm_jax.data.records import IMAGE_PLACEHOLDER
+from moevlm_jax.data.tokenizer import Tokenizer
 from moevlm_jax.inference.kv_cache import cache_segment_ids, init_cache, round_up
 from moevlm_jax.inference.sampling import sample_token
 

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from data.config import DataConfig, ImageConfig
-from data.tokenizer import Tokenizer, load_tokenizer
+from moevlm_jax.data.config import DataConfig, ImageConfig
+from moevlm_jax.data.tokenizer import Tokenizer, load_tokenizer
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe

@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from parallelism import context
-from parallelism.grouped_matmul import zero_grad_where
+from moevlm_jax.parallelism import context
+from moevlm_jax.parallelism.grouped_matmul import zero_grad_where
 
 Axes = tuple[str | None, ...]
 

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from moevlm_jax.config.schema import build, coerce_fields
-from parallelism.experts import ExpertsConfig
-from parallelism.fp8 import Fp8Config
+from moevlm_jax.parallelism.experts import ExpertsConfig
+from moevlm_jax.parallelism.fp8 import Fp8Config
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 RecomputeMode = Literal["none", "full", "selective"]
@@ -81,7 +81,7 @@ class AttentionOptions:
     pad_head_dim: int | None = None  # zero-pad the decoder's q/k/v head dim to this (a tuned kernel); null: as is
     vision_max_segments: int | None = None  # the vision tower's bound on images a row (null: max_segments)
     vision_pad_head_dim: int | None = None  # the vision tower's head-dim padding (null: pad_head_dim)
-    # the most patches one image holds (null: derived from data.image.max_pixels): the XLA attention
+    # the most patches one image holds (null: derived from moevlm_jax.data.image.max_pixels): the XLA attention
     # (CPU) of the vision tower then computes only a band around each image (exact; the trainer checks
     # each batch on the host and runs the whole-row attention for a batch with a longer image)
     vision_max_image_patches: int | None = None

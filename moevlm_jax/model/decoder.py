@@ -35,8 +35,8 @@ from moevlm_jax.model.layers import (
 )
 from moevlm_jax.model.moe import MLP, SparseMoeBlock
 from moevlm_jax.model.rotary import apply_rotary, mrope_cos_sin
-from parallelism.logical import constrain
-from parallelism.vocab import embed_lookup
+from moevlm_jax.parallelism.logical import constrain
+from moevlm_jax.parallelism.vocab import embed_lookup
 
 ACT = ("act_batch", "act_norm_seq", "act_embed")  # the residual stream (sequence parallel under TP)
 INNER = ("act_batch", "act_seq", "act_embed")  # attention's input / output (sequence gathered under SP)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from data.batch import hf_inputs_to_batch
+from moevlm_jax.data.batch import hf_inputs_to_batch
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -17,9 +17,9 @@ from flax import nnx
 from jax.ad_checkpoint import Offloadable, Saveable
 
 from moevlm_jax.model.compute import CHECKPOINT_NAMES, ComputeConfig, checkpoint_names_of
-from parallelism import fp8 as fp8_ops
-from parallelism import pipeline
-from parallelism.fp8 import Fp8Config
+from moevlm_jax.parallelism import fp8 as fp8_ops
+from moevlm_jax.parallelism import pipeline
+from moevlm_jax.parallelism.fp8 import Fp8Config
 
 Axes = tuple[str | None, ...]
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from moevlm_jax.model.router import load_balancing_loss, router_z_loss
-from parallelism.logical import constrain, split_counts
+from moevlm_jax.parallelism.logical import constrain, split_counts
 
 __all__ = ["lm_loss", "load_balancing_loss", "router_z_loss"]
 

@@ -19,8 +19,8 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import TextConfig
 from moevlm_jax.model.layers import Linear, dtype_of, param
 from moevlm_jax.model.router import ExpertBias, route, router_stats
-from parallelism.experts import experts_forward_with_stats
-from parallelism.logical import constrain
+from moevlm_jax.parallelism.experts import experts_forward_with_stats
+from moevlm_jax.parallelism.logical import constrain
 
 __all__ = ["MLP", "ExpertBias", "SparseMoeBlock", "route", "router_stats"]
 

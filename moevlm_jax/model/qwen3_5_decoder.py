@@ -31,8 +31,8 @@ from moevlm_jax.model.moe import SparseMoeBlock
 from moevlm_jax.model.qwen3_5_config import Qwen35TextConfig
 from moevlm_jax.model.qwen3_5_gdn import GatedDeltaNet
 from moevlm_jax.model.rotary import apply_rotary, mrope_cos_sin
-from parallelism.logical import constrain
-from parallelism.vocab import embed_lookup
+from moevlm_jax.parallelism.logical import constrain
+from moevlm_jax.parallelism.vocab import embed_lookup
 
 
 class ZeroCenteredRMSNorm(nnx.Module):

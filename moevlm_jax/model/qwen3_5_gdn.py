@@ -49,8 +49,8 @@ from moevlm_jax.model.gated_deltanet import (
 )
 from moevlm_jax.model.layers import Linear, dtype_of, param
 from moevlm_jax.model.qwen3_5_config import Qwen35TextConfig
-from parallelism import context
-from parallelism.logical import constrain
+from moevlm_jax.parallelism import context
+from moevlm_jax.parallelism.logical import constrain
 
 INNER = ("act_batch", "act_seq", "act_embed")  # the layer's input / output (sequence gathered under SP)
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")  # q, k, v, z, the core output

@@ -27,7 +27,7 @@ from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
 from moevlm_jax.model.qwen3_5_decoder import Qwen35TextModel
 from moevlm_jax.model.qwen3_vl_moe import place_visual_tokens, spread_placeholders
 from moevlm_jax.model.vision import VisionModel
-from parallelism.logical import constrain
+from moevlm_jax.parallelism.logical import constrain
 
 __all__ = ["Qwen35Moe", "jit_forward"]
 

@@ -22,7 +22,7 @@ from moevlm_jax.model.eager import hf_call, jit_forward  # noqa: F401 - jit_forw
 from moevlm_jax.model.decoder import TextModel
 from moevlm_jax.model.layers import Linear, dtype_of
 from moevlm_jax.model.vision import VisionModel
-from parallelism.logical import constrain
+from moevlm_jax.parallelism.logical import constrain
 
 
 def spread_placeholders(input_ids: jax.Array, is_image: jax.Array, vocab_size: int) -> jax.Array:

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 
 from moevlm_jax.model.compute import RouterConfig
-from parallelism.sharding import path_str
+from moevlm_jax.parallelism.sharding import path_str
 
 log = logging.getLogger(__name__)
 

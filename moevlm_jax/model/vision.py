@@ -30,7 +30,7 @@ from moevlm_jax.model.layers import (
     stack_modules,
 )
 from moevlm_jax.model.rotary import apply_rotary, vision_rope_cos_sin
-from parallelism.logical import constrain
+from moevlm_jax.parallelism.logical import constrain
 
 ACT = ("act_batch", None, "act_vis_embed")
 

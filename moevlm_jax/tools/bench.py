@@ -161,7 +161,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     batches + initial HF weights (for the peer) and run the breakdown on the last timed batch."""
     import jax
 
-    import data as data_lib
+    import moevlm_jax.data as data_lib
     from moevlm_jax.tools import flops
     from moevlm_jax.training import optimizer as optim
     from moevlm_jax.training.trainer import Trainer

@@ -187,7 +187,7 @@ def route(x: jax.Array, router: jax.Array, top_k: int, dtype: Any = None) -> tup
 
 def layer_step(top_k: int, route_dtype: Any = None, **options: Any) -> Callable:
     """jit(value_and_grad) of <MoE layer(x), probe> wrt x, router, w_gate_up, w_down."""
-    from parallelism.experts import experts_forward
+    from moevlm_jax.parallelism.experts import experts_forward
 
     def loss(x, router, w_gate_up, w_down, probe):
         idx, w = route(x, router, top_k, route_dtype)
@@ -216,7 +216,7 @@ CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # compiler options: every dot on
 def ceiling_step(options: dict | None = None) -> Callable:
     """The same expert FLOPs as balanced batched einsums, forward + backward; ``options``: compiler options beside
     the run's (e.g. :data:`CUBLAS`)."""
-    from parallelism.permute import capacity_ffn
+    from moevlm_jax.parallelism.permute import capacity_ffn
 
     def loss(rows, w_gate_up, w_down):
         return jnp.sum(capacity_ffn(rows, w_gate_up, w_down).astype(jnp.float32))
@@ -300,8 +300,8 @@ def check(report: Report, base: dict, label: str, got: Any, ref: Any, dtype: Any
 
 def bench_shape(name: str, shape: dict, args: argparse.Namespace, dtype: Any, report: Report) -> None:
     """Ceiling, backends and HF for one shape on one device."""
-    from parallelism.experts import experts_forward_with_stats
-    from parallelism.grouped_matmul import tokamax_available
+    from moevlm_jax.parallelism.experts import experts_forward_with_stats
+    from moevlm_jax.parallelism.grouped_matmul import tokamax_available
 
     h, e, k, i, t = shape["hidden"], shape["experts"], shape["top_k"], shape["inter"], args.tokens
     inp = make_inputs(shape, t, args.zipf, dtype)
@@ -397,7 +397,7 @@ def bench_shape(name: str, shape: dict, args: argparse.Namespace, dtype: Any, re
 def bench_hf(base: dict, inp: dict, idx: jax.Array, w: jax.Array, dtype: Any, args: argparse.Namespace, report: Report):
     """transformers' Qwen3VLMoeTextSparseMoeBlock (grouped_mm experts) on the same tokens and weights;
     its experts on our routing are checked against a float32 reference."""
-    from parallelism.experts import experts_forward
+    from moevlm_jax.parallelism.experts import experts_forward
 
     try:
         from moevlm_jax.tools.bench_moe_hf import HFMoeBlock
@@ -440,8 +440,8 @@ def bench_ep(name: str, shape: dict, args: argparse.Namespace, dtype: Any, repor
     """EP dispatchers over ``args.ep`` devices and the achieved ragged all-to-all bandwidth."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from parallelism import logical
-    from parallelism.grouped_matmul import default_backend
+    from moevlm_jax.parallelism import logical
+    from moevlm_jax.parallelism.grouped_matmul import default_backend
 
     n, h, e, k, i, t = args.ep, shape["hidden"], shape["experts"], shape["top_k"], shape["inter"], args.tokens
     base = dict(shape=name, tokens=t, hidden=h, experts=e, top_k=k, inter=i, ep=n)
@@ -489,8 +489,8 @@ def bench_exchange(mesh: Any, xs: tuple, base: dict, args: argparse.Namespace, d
     """Time the exchange alone: each device's expert-sorted rows to the devices owning the experts."""
     from jax.sharding import PartitionSpec
 
-    from parallelism.dispatch import exchange_fn, exchange_offsets, shard_map_unchecked
-    from parallelism.permute import dispatch_rows, inverse_slots, route_plan, sorted_slots
+    from moevlm_jax.parallelism.dispatch import exchange_fn, exchange_offsets, shard_map_unchecked
+    from moevlm_jax.parallelism.permute import dispatch_rows, inverse_slots, route_plan, sorted_slots
 
     n, e, k, h = args.ep, base["experts"], base["top_k"], base["hidden"]
     el, impl = e // n, "ragged" if jax.default_backend() == "gpu" else "dense"

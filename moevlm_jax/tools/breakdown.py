@@ -47,10 +47,10 @@ from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import scatter_visual_tokens
 from moevlm_jax.model.rotary import mrope_cos_sin
 from moevlm_jax.training.objective import gather_trained, loss_capacity, most_trained
-from parallelism.dispatch import ExpertTopology
-from parallelism.experts import resolve_options
-from parallelism.hybrid import hybrid_buffer_ffn, hybrid_slots
-from parallelism.permute import (
+from moevlm_jax.parallelism.dispatch import ExpertTopology
+from moevlm_jax.parallelism.experts import resolve_options
+from moevlm_jax.parallelism.hybrid import hybrid_buffer_ffn, hybrid_slots
+from moevlm_jax.parallelism.permute import (
     capacity_ffn,
     combine_rows,
     dispatch_rows,

@@ -124,7 +124,7 @@ def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: i
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
     from moevlm_jax.config import load_layout
-    from parallelism.validate import validate_layout
+    from moevlm_jax.parallelism.validate import validate_layout
 
     model = model if isinstance(model, CONFIG_TYPES) else load_model_config(model)  # any family
     layout = load_layout(layout) if isinstance(layout, str) else layout

@@ -67,7 +67,7 @@ class Candidate:
     @property
     def mesh(self) -> dict[str, int]:
         """Axis sizes > 1, outermost first (``parallelism.layout.MESH_AXES``)."""
-        from parallelism.layout import MESH_AXES
+        from moevlm_jax.parallelism.layout import MESH_AXES
 
         return {a: int(self.layout.mesh[a]) for a in MESH_AXES if int(self.layout.mesh.get(a, 1)) > 1}
 
@@ -91,7 +91,7 @@ class Candidate:
         ndev = devices or math.prod(layout_mesh.values())
         if base is None or base.layout.name != self.preset or _mesh_of(base, ndev) != self.mesh:
             out.append(f"layout={self.preset}")
-            from parallelism.layout import MESH_AXES
+            from moevlm_jax.parallelism.layout import MESH_AXES
 
             out += [f"layout.mesh.{a}={layout_mesh[a]}" for a in MESH_AXES if a in layout_mesh]
             pipe = self.layout.options.pipeline
@@ -377,14 +377,14 @@ def estimate(c: Candidate, w: Workload, compute: Any = None) -> Estimate:
 def valid(c: Candidate, w: Workload, _cache: dict | None = None) -> str | None:
     """Why a candidate cannot run (the layout validator's first problem), or None. Its warnings (ETP while
     EP would fit, ...) are the recommendation's business here, not logged."""
-    from parallelism.logical import data_parallel_size
-    from parallelism.validate import LayoutError, validate_layout
+    from moevlm_jax.parallelism.logical import data_parallel_size
+    from moevlm_jax.parallelism.validate import LayoutError, validate_layout
 
     dp = data_parallel_size(c.layout.rules, c.layout.resolved_mesh_shape(w.devices))
     key = (c.layout.name, repr(c.layout.rules), repr(c.layout.options), c.mbs * dp, w.seq, w.devices, id(w.model))
     if _cache is not None and key in _cache:
         return _cache[key]
-    logger = logging.getLogger("parallelism.validate")
+    logger = logging.getLogger("moevlm_jax.parallelism.validate")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
@@ -406,7 +406,7 @@ def enumerate_candidates(w: Workload, *, presets: Iterable[str] = PRESETS, pin: 
                          capacity: Sequence[float | None] = (None,), max_mbs: int = 16,
                          accum_dtypes: Sequence[str] = ("float32", "bfloat16")) -> list[Candidate]:
     """Every (layout, setting) candidate for the workload that the layout validator accepts."""
-    from parallelism.logical import data_parallel_size
+    from moevlm_jax.parallelism.logical import data_parallel_size
 
     out, cache = [], {}
     for preset, layout in fitted_layouts(w.model, w.devices, w.hosts, presets=presets, pin=pin, pipeline=pipeline):

@@ -208,7 +208,7 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
 
 
 def _alternatives(base: Candidate, w: Workload, allow: set[str]) -> list[Candidate]:
-    from parallelism.logical import data_parallel_size
+    from moevlm_jax.parallelism.logical import data_parallel_size
 
     layouts = [(base.preset, base.layout)]
     if "layout" in allow:

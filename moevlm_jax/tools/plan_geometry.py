@@ -21,7 +21,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from parallelism.logical import Rules, flat_axes, logical_to_spec, normalize_rules
+from moevlm_jax.parallelism.logical import Rules, flat_axes, logical_to_spec, normalize_rules
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # logical parameter axes that split a weight the way data parallelism does (ZeRO-3 / FSDP: the
@@ -49,7 +49,7 @@ def size_of(shape: Mapping[str, int], axes: Sequence[str]) -> int:
 def lookup_spread(rules: Rules, shape: Mapping[str, int]) -> tuple[str, ...]:
     """The mesh axes the embedding lookup spreads the table's embed dimension over (ids gathered, rows
     returned by all-to-all: ``parallelism.vocab.lookup_axes``); () where it gathers the table instead."""
-    from parallelism.vocab import lookup_axes
+    from moevlm_jax.parallelism.vocab import lookup_axes
 
     ax = lookup_axes(tuple(rules), types.SimpleNamespace(shape=dict(shape)))
     return ax.spread if ax is not None else ()
@@ -81,7 +81,7 @@ def param_table(model: Any, param_dtype: str = "float32", expert_bias: bool = Fa
     from moevlm_jax.model.compute import ComputeConfig
     from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
     from moevlm_jax.training.optimizer import param_group
-    from parallelism.sharding import path_str
+    from moevlm_jax.parallelism.sharding import path_str
 
     compute = ComputeConfig(param_dtype=param_dtype, router={"expert_bias": expert_bias})
     state = nnx.state(nnx.eval_shape(lambda: Qwen3VLMoe(model, compute, nnx.Rngs(0))))
@@ -192,8 +192,8 @@ class Geometry:
 def geometry(model: Any, rules: Sequence[Sequence[Any]], shape: Mapping[str, int], *, mbs: int, seq: int,
              patches: int, options: Any = None) -> Geometry:
     """The per-device sizes of a point (see :class:`Geometry`); ``options`` a LayoutOptions."""
-    from parallelism.layout import MESH_AXES
-    from parallelism.logical import data_parallel_size
+    from moevlm_jax.parallelism.layout import MESH_AXES
+    from moevlm_jax.parallelism.logical import data_parallel_size
 
     rules = normalize_rules(rules)
     shape = {a: int(shape.get(a, 1)) for a in MESH_AXES}

@@ -40,7 +40,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    import data as data_lib
+    import moevlm_jax.data as data_lib
     from moevlm_jax.tools import flops
     from moevlm_jax.config import load_layout
     from moevlm_jax.config.run import model_data_checks
@@ -48,7 +48,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     from moevlm_jax.model.registry import data_tokenizer, load_model_config
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
-    from parallelism.validate import validate_layout
+    from moevlm_jax.parallelism.validate import validate_layout
 
     mbs, steps, warmup = int(spec["mbs"]), int(spec["steps"]), int(spec["warmup"])
     if mbs < 1 or steps < 1 or warmup < 0:

@@ -51,7 +51,7 @@ def auto_fit(cfg: Any, rebuild: Callable[[Sequence[str]], Any], *, device_memory
     import jax
 
     from moevlm_jax.tools.plan import fit
-    from parallelism.multihost import host_ids
+    from moevlm_jax.parallelism.multihost import host_ids
 
     devices = list(devices if devices is not None else jax.devices())
     if device_memory_gib is None and devices[0].platform == "cpu":

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from parallelism.multihost import agreed_max
+from moevlm_jax.parallelism.multihost import agreed_max
 
 log = logging.getLogger(__name__)
 

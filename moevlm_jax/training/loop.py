@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-import data as data_lib
+import moevlm_jax.data as data_lib
 from moevlm_jax.config.run import RunConfig, save_config
 from moevlm_jax.config.schema import ConfigError
 from moevlm_jax.model.router import ExpertBias
@@ -38,7 +38,7 @@ from moevlm_jax.training.metrics import (
     read_metrics,
 )
 from moevlm_jax.training.trainer import Trainer
-from parallelism.multihost import gather_json
+from moevlm_jax.parallelism.multihost import gather_json
 
 log = logging.getLogger("moevlm_jax.train")
 
@@ -366,9 +366,9 @@ def _answers(cfg: RunConfig, state: Any, count: int) -> list[dict[str, Any]] | N
     """The first ``count`` questions of the held-out split answered by greedy generation (every process
     runs it: the parameters are global arrays) -> rows ``{"question", "answer", "generated", "match"}``;
     None (with the reason logged) for a model family generation does not cover."""
-    from data.records import decode_record
-    from data.sources import build_source
-    from data.tokenizer import load_tokenizer
+    from moevlm_jax.data.records import decode_record
+    from moevlm_jax.data.sources import build_source
+    from moevlm_jax.data.tokenizer import load_tokenizer
     from moevlm_jax import inference
     from moevlm_jax.model import registry
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from moevlm_jax.model import router as moe_router
 from moevlm_jax.model.loss import lm_loss
-from parallelism.logical import constrain
+from moevlm_jax.parallelism.logical import constrain
 
 MIN_CAPACITY = 32  # smallest gathered-positions buffer per group (fewer distinct compiled shapes)
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from parallelism.sharding import path_str
+from moevlm_jax.parallelism.sharding import path_str
 
 if TYPE_CHECKING:
     from moevlm_jax.training.config import OptimizerConfig

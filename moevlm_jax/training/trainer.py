@@ -51,7 +51,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from data.batch import MODEL_KEYS, PATCH_KEYS, batch_shapes
+from moevlm_jax.data.batch import MODEL_KEYS, PATCH_KEYS, batch_shapes
 from moevlm_jax.model import router as moe_router
 from moevlm_jax.model.attention import resolve_impl, rows_within_bound
 from moevlm_jax.model.compute import ComputeConfig
@@ -61,10 +61,10 @@ from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.objective import (ce_and_argmax, gather_trained, largest_capacity, loss_capacity,
                                           microbatch_objective, most_trained)
-from parallelism import gmm_mgpu, grouped_matmul, sharding
-from parallelism.layout import Layout, LayoutOptions
-from parallelism.logical import Rules, data_parallel_size, logical_to_spec, normalize_rules, sharding_context
-from parallelism.multihost import agreed_max, host_ids
+from moevlm_jax.parallelism import gmm_mgpu, grouped_matmul, sharding
+from moevlm_jax.parallelism.layout import Layout, LayoutOptions
+from moevlm_jax.parallelism.logical import Rules, data_parallel_size, logical_to_spec, normalize_rules, sharding_context
+from moevlm_jax.parallelism.multihost import agreed_max, host_ids
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from PIL import Image
 
-from data.tokenizer import QWEN3_SPECIAL_TOKENS, qwen_ranks_path
+from moevlm_jax.data.tokenizer import QWEN3_SPECIAL_TOKENS, qwen_ranks_path
 from tests.data.images import jpeg_bytes  # noqa: F401  (fixtures below use it)
 
 

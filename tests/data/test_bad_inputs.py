@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from data.config import DataError, load_data_config
-from data.loader import build_loader
-from data.records import encode_record
-from data.sample import SKIP_REASONS, SampleProcessor
+from moevlm_jax.data.config import DataError, load_data_config
+from moevlm_jax.data.loader import build_loader
+from moevlm_jax.data.records import encode_record
+from moevlm_jax.data.sample import SKIP_REASONS, SampleProcessor
 
 
 def llava_config(path, workers=0):

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data.chat import (
+from moevlm_jax.data.chat import (
     QWEN3_VL_CHAT_TEMPLATE,
     ConversationError,
     encode_conversation,
     render_text,
 )
-from data.config import load_data_config
-from data.records import encode_record
-from data.sample import SampleProcessor
-from data.tokenizer import load_tokenizer
+from moevlm_jax.data.config import load_data_config
+from moevlm_jax.data.records import encode_record
+from moevlm_jax.data.sample import SampleProcessor
+from moevlm_jax.data.tokenizer import load_tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
@@ -111,6 +111,6 @@ def test_sample_matches_hf_qwen3_vl_processor(hf_tokenizer, monkeypatch):
     assert "skip" not in sample, sample
     np.testing.assert_array_equal(sample["ids"], ref["input_ids"][0])
     np.testing.assert_array_equal(sample["grids"], ref["image_grid_thw"])
-    from data.image import expand_patches
+    from moevlm_jax.data.image import expand_patches
 
     np.testing.assert_array_equal(expand_patches(sample["patches"], img_cfg), ref["pixel_values"])

@@ -1,11 +1,11 @@
-"""python -m data.convert: LLaVA JSON and image folders -> ArrayRecord shards, with a skip summary."""
+"""python -m moevlm_jax.data.convert: LLaVA JSON and image folders -> ArrayRecord shards, with a skip summary."""
 
 import json
 
-from data.convert import main
-from data.loader import build_loader
-from data.records import decode_record
-from data.sources import ArrayRecordSource
+from moevlm_jax.data.convert import main
+from moevlm_jax.data.loader import build_loader
+from moevlm_jax.data.records import decode_record
+from moevlm_jax.data.sources import ArrayRecordSource
 
 
 def test_convert_llava_then_load(llava_dir, tmp_path, capsys):

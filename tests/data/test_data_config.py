@@ -2,7 +2,7 @@
 
 import pytest
 
-from data.config import DataError, load_data_config
+from moevlm_jax.data.config import DataError, load_data_config
 from moevlm_jax.config import CONFIG_DIR
 
 

@@ -12,8 +12,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize as hf_smart_resize,
 )
 
-from data.config import ImageConfig
-from data.image import (
+from moevlm_jax.data.config import ImageConfig
+from moevlm_jax.data.image import (
     ImageSkip,
     decode_image,
     expand_patches,
@@ -21,7 +21,7 @@ from data.image import (
     process_image,
     smart_resize,
 )
-from data.batch import patch_layout  # the shared helper (model + data)
+from moevlm_jax.data.batch import patch_layout  # the shared helper (model + data)
 
 
 def hf_processor(cfg: ImageConfig) -> Qwen2VLImageProcessorPil:

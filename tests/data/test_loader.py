@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from data.config import DataError
-from data.loader import build_loader, model_inputs, throughput_line
+from moevlm_jax.data.config import DataError
+from moevlm_jax.data.loader import build_loader, model_inputs, throughput_line
 
 SMALL = ["source.num_train=150", "source.num_heldout=30", "seq_len=384", "batch_size=3",
          "patch_buckets=[256, 512, 1024, 1536]", "pack_lookahead=4"]

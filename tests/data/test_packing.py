@@ -3,15 +3,15 @@
 import numpy as np
 import pytest
 
-from data.config import DataError
-from data.image import expand_patches
-from data.loader import build_loader
-from data.batch import MODEL_KEYS
-from data.packing import choose_bucket
-from data.sample import QUESTION_TYPES, SampleProcessor
-from data.sources import build_source
-from data.batch import patch_layout
-from data.mrope import mrope_position_ids
+from moevlm_jax.data.config import DataError
+from moevlm_jax.data.image import expand_patches
+from moevlm_jax.data.loader import build_loader
+from moevlm_jax.data.batch import MODEL_KEYS
+from moevlm_jax.data.packing import choose_bucket
+from moevlm_jax.data.sample import QUESTION_TYPES, SampleProcessor
+from moevlm_jax.data.sources import build_source
+from moevlm_jax.data.batch import patch_layout
+from moevlm_jax.data.mrope import mrope_position_ids
 
 SMALL = ["source.num_train=120", "source.num_heldout=40", "seq_len=512", "batch_size=4",
          "patch_buckets=[256, 512, 1024, 1536, 2048]"]
@@ -90,7 +90,7 @@ def test_eval_batches_mask_answers_only(vqa_cache):
     assert seen == list(range(40))  # one ordered epoch, every held-out sample once
     source, proc = check_batch_against_samples(batches[0], loader.config, "heldout", eval_mode=True)
     b = batches[0]
-    from data.records import decode_record
+    from moevlm_jax.data.records import decode_record
 
     for r in range(b["input_ids"].shape[0]):
         for k, idx in enumerate(b["sample_index"][r]):
@@ -124,7 +124,7 @@ def test_text_only_batches_have_no_pixel_keys():
 
 
 def test_balance_images_by_hand():
-    from data.packing import balance_images
+    from moevlm_jax.data.packing import balance_images
 
     # largest first onto the least-filled row: 800 -> row 0, 700 -> row 1, 600 -> row 1, 500 -> row 0
     assert balance_images([[800, 700], [600, 500]], 0) == [[(0, 0), (1, 1)], [(0, 1), (1, 0)]]

@@ -5,7 +5,7 @@ import unicodedata
 import numpy as np
 import pytest
 
-from data.tokenizer import (
+from moevlm_jax.data.tokenizer import (
     QWEN3_SPECIAL_TOKENS,
     JsonTokenizer,
     QwenTokenizer,
@@ -86,7 +86,7 @@ def test_tokenizer_json_backend(hf_tokenizer, tmp_path):
 def test_tokenizer_json_without_vision_tokens_is_rejected(tmp_path):
     from tokenizers import Tokenizer, models
 
-    from data.config import DataError
+    from moevlm_jax.data.config import DataError
 
     Tokenizer(models.BPE()).save(str(tmp_path / "t.json"))
     with pytest.raises(DataError, match="vision_start"):

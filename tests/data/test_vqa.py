@@ -11,11 +11,11 @@ from PIL import Image
 from scipy import ndimage
 from scipy.spatial import ConvexHull
 
-from data.loader import build_loader
-from data.metrics import answer_accuracy, merge_accuracy
-from data.photos import PhotoSource, photo_count
-from data.records import decode_record
-from data.vqa import (
+from moevlm_jax.data.loader import build_loader
+from moevlm_jax.data.metrics import answer_accuracy, merge_accuracy
+from moevlm_jax.data.photos import PhotoSource, photo_count
+from moevlm_jax.data.records import decode_record
+from moevlm_jax.data.vqa import (
     ANSWERS,
     CHANCE,
     COLOURS,
@@ -96,7 +96,7 @@ def test_generation_is_deterministic_fast_and_cached(tmp_path):
     root = dataset_dir(params, tmp_path)
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["chance"] == CHANCE and manifest["params"]["num_train"] == 300
-    from data.sources import ArrayRecordSource
+    from moevlm_jax.data.sources import ArrayRecordSource
 
     assert len(ArrayRecordSource(paths)) == 300 and len(ArrayRecordSource(heldout)) == 50
     assert ArrayRecordSource(paths)[5] == make_record(params, "train", 5)
@@ -144,8 +144,8 @@ def _ink_box(jpeg: bytes) -> tuple[int, int, int, int, int, int]:
 
 
 def test_text_words_and_text_size_set_the_text_question(tmp_path):
-    from data.config import load_data_config
-    from data.metrics import question_chance
+    from moevlm_jax.data.config import load_data_config
+    from moevlm_jax.data.metrics import question_chance
 
     def text_scenes(**source):
         params = vqa_params({"questions": ["text"], **source})

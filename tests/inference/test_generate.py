@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.mrope import mrope_position_ids
+from moevlm_jax.data.mrope import mrope_position_ids
 from moevlm_jax import inference
 from moevlm_jax.hf import load_pretrained
 from moevlm_jax.inference import Prompt, generate_ids
@@ -244,8 +244,8 @@ def test_cli_hf_dir_matches_hf(qwen_vocab_hf, tmp_path):
     assert rows[0]["generated"] == text.rstrip("\n")
 
     # the same prompts (training template + tokenizer + image processing) through HF generate
-    from data.config import ImageConfig
-    from data.tokenizer import load_tokenizer
+    from moevlm_jax.data.config import ImageConfig
+    from moevlm_jax.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer("qwen3")
     cfg = ImageConfig(min_pixels=4096, max_pixels=16384)
@@ -271,9 +271,9 @@ def test_cli_run_dir_restores_params_only(tmp_path):
     import jax
     from flax import nnx
 
-    from data.config import VqaConfig
-    from data.records import decode_record
-    from data.vqa import make_record
+    from moevlm_jax.data.config import VqaConfig
+    from moevlm_jax.data.records import decode_record
+    from moevlm_jax.data.vqa import make_record
     from moevlm_jax.config import load_config, save_config
     from moevlm_jax.training.checkpoint import Checkpointer
     from moevlm_jax.training.trainer import Trainer

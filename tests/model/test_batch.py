@@ -14,7 +14,7 @@ from transformers.vision_utils import (
 )
 
 from moevlm_jax.model.config import load_model_config
-from data.batch import (
+from moevlm_jax.data.batch import (
     hf_inputs_to_batch,
     hf_labels_to_targets,
     patch_layout,

@@ -13,7 +13,7 @@ from flax import nnx
 
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.hf import load_pretrained
-from data.batch import hf_inputs_to_batch, hf_labels_to_targets
+from moevlm_jax.data.batch import hf_inputs_to_batch, hf_labels_to_targets
 from moevlm_jax.training.objective import microbatch_objective
 from moevlm_jax.model.qwen3_vl_moe import jit_forward
 from tests.model.hf_reference import make_batches

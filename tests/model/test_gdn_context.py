@@ -22,8 +22,8 @@ from moevlm_jax.model import gated_deltanet, qwen3_5_gdn
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.qwen3_5_gdn import GatedDeltaNet
 from moevlm_jax.model.registry import load_model_config
-from parallelism.context import SequenceShards, context_parallel_map, sequence_axes
-from parallelism.logical import named_sharding, sharding_context
+from moevlm_jax.parallelism.context import SequenceShards, context_parallel_map, sequence_axes
+from moevlm_jax.parallelism.logical import named_sharding, sharding_context
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
 # quick compiles (tests/xla_options.py): the one-device reference compiled alike

@@ -15,7 +15,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
     load_balancing_loss_func,
 )
 
-import parallelism
+import moevlm_jax.parallelism as parallelism
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import load_model_config
 from moevlm_jax.model.attention import dot_product_attention
@@ -196,9 +196,9 @@ def test_every_parameter_has_logical_axes():
 def test_activation_constraints_trace_under_a_layout():
     """Every ``constrain`` call names as many axes as its tensor has (traced under the fsdp layout
     on 8 CPU devices; shapes only, nothing compiled)."""
-    from data.batch import hf_inputs_to_batch
+    from moevlm_jax.data.batch import hf_inputs_to_batch
     from moevlm_jax.config import load_layout
-    from parallelism.logical import sharding_context
+    from moevlm_jax.parallelism.logical import sharding_context
 
     config = load_model_config("tiny-v512")
     model = nnx.eval_shape(lambda: Qwen3VLMoe(config, ComputeConfig(dtype="float32"), nnx.Rngs(0)))

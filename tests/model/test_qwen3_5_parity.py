@@ -27,7 +27,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-from data.batch import hf_inputs_to_batch, hf_labels_to_targets
+from moevlm_jax.data.batch import hf_inputs_to_batch, hf_labels_to_targets
 from moevlm_jax.hf import load_pretrained, save_pretrained
 from moevlm_jax.hf.checkpoint import abstract_model, checkpoint_entries
 from moevlm_jax.model.compute import ComputeConfig

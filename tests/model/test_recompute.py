@@ -255,9 +255,9 @@ def _saves(policy, name: str) -> bool:
 def test_pipeline_stages_trace_the_policies():
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
-    from parallelism import pipeline
+    from moevlm_jax.parallelism import pipeline
     from moevlm_jax.config import load_layout
-    from parallelism.logical import sharding_context
+    from moevlm_jax.parallelism.logical import sharding_context
 
     compute = ComputeConfig(**F32, recompute="selective", recompute_modules=("core_attn",), vision_recompute="full")
     trainer = Trainer.create(CFG, compute, load_layout("pp"), OptimizerConfig(), steps=10)

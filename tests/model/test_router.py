@@ -136,7 +136,7 @@ def test_megatron_losses_match_token_level_reference():
 def test_aux_loss_groups_are_the_layouts_data_parallel_ranks():
     """The per-rank aux loss's row groups (the trainer passes them in): the mesh axes act_batch maps to."""
     from moevlm_jax.config import load_layout
-    from parallelism.logical import data_parallel_size
+    from moevlm_jax.parallelism.logical import data_parallel_size
 
     for name, want in (("fsdp", 8), ("tp", 4), ("cp", 2), ("pp", 8), ("ep", 8)):
         layout = load_layout(name)

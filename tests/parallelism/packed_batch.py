@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.batch import patch_layout
-from data.mrope import mrope_position_ids
+from moevlm_jax.data.batch import patch_layout
+from moevlm_jax.data.mrope import mrope_position_ids
 
 # per row: samples as (tokens, image grid (t, h, w) or None); a grid of 1x4x4 patches = 4 image tokens
 ROW_PLANS = (

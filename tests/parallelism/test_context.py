@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from moevlm_jax.model.attention import dot_product_attention
-from parallelism.context import sequence_axes
+from moevlm_jax.parallelism.context import sequence_axes
 from moevlm_jax.config import load_layout
-from parallelism.layout import LayoutOptions
-from parallelism.logical import named_sharding, sharding_context
+from moevlm_jax.parallelism.layout import LayoutOptions
+from moevlm_jax.parallelism.logical import named_sharding, sharding_context
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
 # quick compiles (tests/xla_options.py): the single-device reference compiled alike

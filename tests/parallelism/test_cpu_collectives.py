@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 
-from parallelism import cpu_threads
+from moevlm_jax.parallelism import cpu_threads
 
 REPO = Path(__file__).resolve().parents[2]
 DEVICES = 8
@@ -33,7 +33,7 @@ PROGRAM = textwrap.dedent("""
     import os, sys
     os.sched_setaffinity(0, [int(c) for c in os.environ["PIN_CPUS"].split(",")])  # before XLA counts the CPUs
     if os.environ.get("IMPORT_PARALLELISM", "1") == "1":
-        import parallelism  # noqa: F401  - what the train CLI imports before its first device use
+        import moevlm_jax.parallelism as parallelism  # noqa: F401  - what the train CLI imports before its first device use
     import jax, jax.numpy as jnp, numpy as np
     from jax import lax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

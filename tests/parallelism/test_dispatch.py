@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from parallelism import logical
-from parallelism.dispatch import ragged_all_to_all_dense, resolve_topology
-from parallelism.experts import experts_forward, experts_forward_with_stats
+from moevlm_jax.parallelism import logical
+from moevlm_jax.parallelism.dispatch import ragged_all_to_all_dense, resolve_topology
+from moevlm_jax.parallelism.experts import experts_forward, experts_forward_with_stats
 from moevlm_jax.config import load_layout
 from tests.parallelism.moe_reference import assert_close, dense_reference, make_problem, value_and_grads
 

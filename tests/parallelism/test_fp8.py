@@ -12,8 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from parallelism import fp8
-from parallelism.experts import experts_forward
+from moevlm_jax.parallelism import fp8
+from moevlm_jax.parallelism.experts import experts_forward
 from tests.parallelism.moe_reference import dense_reference, make_problem
 
 NP_FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}

@@ -12,7 +12,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from parallelism import gmm_mgpu
+from moevlm_jax.parallelism import gmm_mgpu
 
 
 def _by_group(x, w, group_sizes, spec):
@@ -29,7 +29,7 @@ def dswiglu_contract(dy, w, group_sizes, h, row_w=None):
     """``gmm_mgpu.gmm_dswiglu``'s contract in XLA (the layer's call: ``w [G, I, H]`` read transposed), its stand-in
     in the layer tests: d(h) = JAX's gradient of (weighted) SwiGLU at h for d(act) = dy @ w[g]^T rounded to dy's
     dtype, rows past ``sum(group_sizes)`` NaN; with ``row_w`` also the weights' gradient, 0 there."""
-    from parallelism.permute import swiglu
+    from moevlm_jax.parallelism.permute import swiglu
 
     d_act, used = _by_group(dy, w, group_sizes, "mh,gih->gmi")
     d_act = d_act.astype(dy.dtype)
@@ -110,7 +110,7 @@ def test_swiglu_backward_kernel_in_the_gpu_interpreter_matches_jax_gradient_of_s
     layer's call (trans_w=True) is cross-lowered for a GPU."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-    from parallelism.permute import swiglu
+    from moevlm_jax.parallelism.permute import swiglu
 
     m, k, n = 256, 128, 256
     sizes = np.array([70, 0, 100, 10, 60], np.int32)  # 240 of 256 rows; windows at rows 0, 64, 128 (g3, g4: moved back)
@@ -208,8 +208,8 @@ def test_shape_checks_name_the_problem():
 
 def test_plain_gmm_routes_only_supported_bf16_gpu_matmuls_to_the_mosaic_kernel(monkeypatch):
     """``grouped_matmul.plain_gmm``: the listed kinds, bf16, on a GPU, at shapes the kernel takes; else Triton."""
-    from parallelism import gmm_triton
-    from parallelism import grouped_matmul as gmmod
+    from moevlm_jax.parallelism import gmm_triton
+    from moevlm_jax.parallelism import grouped_matmul as gmmod
 
     calls = []
     monkeypatch.setattr(gmm_mgpu, "gmm", lambda x, w, s, trans_w=False: calls.append(("mgpu", trans_w)) or "mgpu")
@@ -236,8 +236,8 @@ def test_plain_gmm_routes_only_supported_bf16_gpu_matmuls_to_the_mosaic_kernel(m
 
 def test_plain_tgmm_routes_listed_bf16_hopper_weight_gradients_to_the_mosaic_kernel(monkeypatch):
     """``grouped_matmul.plain_tgmm``: "dw" listed, bf16 in and out, on Hopper, at shapes ``tgmm`` takes; else Triton."""
-    from parallelism import gmm_triton
-    from parallelism import grouped_matmul as gmmod
+    from moevlm_jax.parallelism import gmm_triton
+    from moevlm_jax.parallelism import grouped_matmul as gmmod
 
     calls, real_tgmm = [], gmm_mgpu.tgmm
     monkeypatch.setattr(gmm_mgpu, "tgmm", lambda x, dy, s: calls.append("mgpu") or "mgpu")
@@ -373,8 +373,8 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
     "mgpu_dweighted": the real sorted_experts, its d(x) kernel with the row weights) record each distinct
     kernel once, and each recorded kernel lowered alone is one of the step's modules, bit for bit (the backward's
     kernels too, which JAX traces under the forward call's source locations: gmm_mgpu._traced_alone)."""
-    from parallelism import grouped_matmul as gmmod
-    from parallelism import permute
+    from moevlm_jax.parallelism import grouped_matmul as gmmod
+    from moevlm_jax.parallelism import permute
 
     def takes(kind, m, k, n, dtype):  # the hardware checks left out (lowering only)
         cfg = gmm_mgpu.CONFIGS[kind]
@@ -435,7 +435,7 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
     (interpreted on CPU)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-    from parallelism import permute
+    from moevlm_jax.parallelism import permute
 
     cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1, epi_buffers=2)
     run = dict(config=cfg, interpret=InterpretGPUParams(), num_sms=2)
@@ -483,7 +483,7 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
     lowers the real one at the layer's arguments), the other matmuls and the dispatch on the Triton kernels
     (interpreted). The combine's backward is the dispatch of g: the experts' output is not among the backward's
     residuals."""
-    from parallelism import permute
+    from moevlm_jax.parallelism import permute
     from tests.parallelism.moe_reference import dense_reference
 
     calls = []
@@ -533,8 +533,8 @@ def test_expert_ffn_takes_the_fused_backward_only_with_the_fusion_asked_for_and_
     """permute.expert_ffn: FUSE "mgpu_dswiglu" + a down projection whose d(x) [m, H] -> [m, I] the Mosaic kernel
     takes + tail rows left unwritten -> the experts with SwiGLU's backward fused (``_mgpu_swiglu_experts``; the same
     output as the unfused experts, stood in for here by the plain matmuls); otherwise the unfused path."""
-    from parallelism import grouped_matmul as gmmod
-    from parallelism import permute
+    from moevlm_jax.parallelism import grouped_matmul as gmmod
+    from moevlm_jax.parallelism import permute
 
     calls = []
 

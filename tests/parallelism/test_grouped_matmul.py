@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallelism import grouped_matmul as gm
+from moevlm_jax.parallelism import grouped_matmul as gm
 from tests.parallelism.moe_reference import assert_close
 
 GROUP_SIZES = {
@@ -152,7 +152,7 @@ def test_bfloat16_output_dtype():
 
 
 def test_triton_tile_table_hand_computed():
-    from parallelism.gmm_triton import tile_table
+    from moevlm_jax.parallelism.gmm_triton import tile_table
 
     # groups of 5, 0, 9, 2 rows in tiles of 4 (16 rows): tiles [0,4) [4,5) | [5,9) [9,13) [13,14) | [14,16)
     group, row0, row1 = (np.asarray(a) for a in tile_table(jnp.asarray([5, 0, 9, 2]), 16, 4))
@@ -168,7 +168,7 @@ def test_triton_kernels_match_per_group_einsum(sizes):
     """The three Pallas-Triton kernels (interpret mode on CPU) with tiles that cut groups at unaligned
     rows, a partial last tile running past the array's end, empty groups, and NaN in the padding rows
     (which the kernels must not read)."""
-    from parallelism import gmm_triton as gt
+    from moevlm_jax.parallelism import gmm_triton as gt
 
     rng = np.random.default_rng(3)
     m, k, n, g = 200, 32, 48, len(sizes)
@@ -199,7 +199,7 @@ def test_triton_kernels_match_per_group_einsum(sizes):
 
 
 def test_triton_configs_from_file(tmp_path, monkeypatch):
-    from parallelism import gmm_triton as gt
+    from moevlm_jax.parallelism import gmm_triton as gt
 
     monkeypatch.setattr(gt, "CONFIGS", dict(gt.CONFIGS))
     path = tmp_path / "cfg.json"
@@ -220,7 +220,7 @@ def test_triton_fused_kernels_match_per_group_einsum(sizes):
     (d(h) from d(act)), the gathered rows written for d(w) (``gathered_out``); uneven and empty groups, index
     entries past sum(group_sizes) out of range and NaN in the padding rows of h and dy (none of which the kernels
     may read)."""
-    from parallelism import gmm_triton as gt
+    from moevlm_jax.parallelism import gmm_triton as gt
 
     rng = np.random.default_rng(4)
     m, t, k, i, g = 200, 50, 32, 24, len(sizes)

@@ -23,7 +23,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import load_model_config
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from parallelism.validate import validate_layout
+from moevlm_jax.parallelism.validate import validate_layout
 from tests.parallelism.packed_batch import packed_batch
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from moevlm_jax.training.metrics import read_metrics
-from parallelism.logical import data_parallel_size
+from moevlm_jax.parallelism.logical import data_parallel_size
 from moevlm_jax.train import main
 from moevlm_jax.config import load_layout
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config

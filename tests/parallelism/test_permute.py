@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallelism import permute
-from parallelism.hybrid import hybrid_slots
-from parallelism.experts import experts_forward, experts_forward_with_stats
-from parallelism.permute import CHECKPOINT_NAMES, expert_capacity, route_plan
+from moevlm_jax.parallelism import permute
+from moevlm_jax.parallelism.hybrid import hybrid_slots
+from moevlm_jax.parallelism.experts import experts_forward, experts_forward_with_stats
+from moevlm_jax.parallelism.permute import CHECKPOINT_NAMES, expert_capacity, route_plan
 from tests.parallelism.moe_reference import (
     assert_close,
     dense_reference,
@@ -360,7 +360,7 @@ def test_fp8_experts_zero_the_unwritten_rows(monkeypatch):
     """Under a per-tensor FP8 recipe the operands' scales are maxima over every row: the sorted experts zero the
     unwritten rows there (1e30 in every kernel output here: NaN would not show it on XLA:CPU, whose max skips NaN,
     and a NaN maximum gives scale 1), and the layer equals the unpoisoned one."""
-    from parallelism import fp8
+    from moevlm_jax.parallelism import fp8
 
     _, _, _, w_gate_up, w_down = make_problem(seed=3, t=6, h=8, e=3, i=4, k=2)
     x = jnp.asarray(np.random.default_rng(7).standard_normal((6, 8), np.float32))

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallelism import fp8, permute, permute_triton
-from parallelism.experts import experts_forward
+from moevlm_jax.parallelism import fp8, permute, permute_triton
+from moevlm_jax.parallelism.experts import experts_forward
 from tests.parallelism.moe_reference import assert_close, dense_reference, make_problem, value_and_grads
 
 pytestmark = pytest.mark.usefixtures("legacy_emitters")

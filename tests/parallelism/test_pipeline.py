@@ -24,11 +24,11 @@ from flax import nnx
 from moevlm_jax.model.compute import ComputeConfig
 
 from moevlm_jax.model.config import ModelConfig, load_model_config
-from data.batch import hf_inputs_to_batch
+from moevlm_jax.data.batch import hf_inputs_to_batch
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from parallelism import logical, pipeline
+from moevlm_jax.parallelism import logical, pipeline
 from moevlm_jax.config import load_layout
 
 # quick compiles (tests/xla_options.py): the unpipelined references compiled alike
@@ -80,7 +80,7 @@ def test_schedule_equals_sequential(toy, mesh, options, caplog):
             assert cfg is not None and cfg.stages == mesh["stage"]
             return pipeline.run_pipeline(_layer, p, x, None, side, 0, cfg)
 
-    with caplog.at_level(logging.INFO, logger="parallelism.pipeline"):
+    with caplog.at_level(logging.INFO, logger="moevlm_jax.parallelism.pipeline"):
         (h, ys), grads = jax.jit(lambda p: (run(p), jax.grad(lambda q: _objective(run(q)))(p)))(params)
     repeats = options.get("repeats", 2 if options.get("schedule") == "circular" else 1)
     bubble = pipeline.bubble_fraction(mesh["stage"], options["microbatches"], repeats)
@@ -216,7 +216,7 @@ def model_reference():
 def test_tiny_model_trains_as_on_one_device(model_reference, layout, logged, caplog):
     config, batches, start, ref_records, ref_params = model_reference
     layout = load_layout(PP4_UNEVEN) if layout == "pp4_uneven" else load_layout(layout)
-    with caplog.at_level(logging.INFO, logger="parallelism.pipeline"):
+    with caplog.at_level(logging.INFO, logger="moevlm_jax.parallelism.pipeline"):
         trainer, _, records, params = _train(layout, config, batches, init_params=start)
     assert all(any(text in r.getMessage() for r in caplog.records) for text in logged)  # the schedule ran
     experts = trainer.param_shardings["language_model"]["stacks"][0]["mlp"]["gate_up_proj"].spec

@@ -39,7 +39,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from parallelism.validate import LayoutError, validate_layout
+from moevlm_jax.parallelism.validate import LayoutError, validate_layout
 from tests.parallelism.packed_batch import packed_batch
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
@@ -127,7 +127,7 @@ def assert_same_training(got, want, initial):
     not os.environ.get("MOEVLM_QWEN35_ALL_LAYOUTS"), reason="MOEVLM_QWEN35_ALL_LAYOUTS=1: no distinct Qwen3.5 path"))
     for n in MORE))
 def test_qwen3_5_preset_trains_like_one_device(setup, reference, name, caplog):
-    with caplog.at_level(logging.INFO, logger="parallelism.pipeline"):
+    with caplog.at_level(logging.INFO, logger="moevlm_jax.parallelism.pipeline"):
         records, params, hlo = train(setup, load_layout(name))
     assert_same_training((records, params), reference, setup[1])
     if name in ("cp", "folded"):  # GDN under CP: the shards' (transition, final) states [cp, B, Hv, Dk, D]

@@ -10,7 +10,7 @@ import pytest
 
 from moevlm_jax.model.config import load_model_config
 from moevlm_jax.config import load_layout
-from parallelism.validate import LayoutError, validate_layout
+from moevlm_jax.parallelism.validate import LayoutError, validate_layout
 
 PRESETS = ("fsdp", "tp", "ep", "tp_ep", "ep_etp", "cp", "folded")
 
@@ -27,7 +27,7 @@ def _layout(mesh, *rules, options=None):
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_presets_fit_the_tiny_model(tiny, name, caplog):
-    with caplog.at_level(logging.WARNING, "parallelism.validate"):
+    with caplog.at_level(logging.WARNING, "moevlm_jax.parallelism.validate"):
         warnings = validate_layout(tiny, load_layout(name), batch_size=8, seq_len=32, num_devices=8)
     # the guide's advice: ETP while EP alone would fit
     assert bool(warnings) == (name in ("tp", "ep_etp"))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from moevlm_jax.config import load_layout
-from parallelism.logical import named_sharding, sharding_context
-from parallelism.vocab import embed_lookup
+from moevlm_jax.parallelism.logical import named_sharding, sharding_context
+from moevlm_jax.parallelism.vocab import embed_lookup
 from tests.parallelism.test_layouts import FAST, collectives
 
 V, H, B, S = 512, 64, 8, 32
@@ -85,7 +85,7 @@ def test_take_rows_gradient_accumulates_in_float32():
     """take_rows: rows equal jnp.take's; the bf16 table's gradient equals the float32 scatter-add of the
     same cotangents rounded once (repeated ids, a wrapped negative id, an out-of-range id dropped), where
     autodiff's bf16 scatter-add of jnp.take rounds at every repeat."""
-    from parallelism.vocab import take_rows
+    from moevlm_jax.parallelism.vocab import take_rows
     v, h = 16, 8
     ids = jnp.array([[3, 3, 3, 3, 3, 3, 3, 3, 5, -1, 99, 0]], jnp.int32)
     table = jax.random.normal(jax.random.key(0), (v, h), jnp.bfloat16)

@@ -16,7 +16,7 @@ def tiny35():
     and the text batch of tests.model.hf_reference (3 rows, left padding)."""
     from flax import nnx
 
-    from data.batch import hf_inputs_to_batch, hf_labels_to_targets
+    from moevlm_jax.data.batch import hf_inputs_to_batch, hf_labels_to_targets
     from moevlm_jax.model import registry
     from moevlm_jax.model.compute import ComputeConfig
     from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
@@ -42,8 +42,8 @@ def test_breakdown_components_of_a_qwen3_5_step(tiny35):
     from flax import nnx
 
     from moevlm_jax.tools import breakdown
-    from parallelism.dispatch import ExpertTopology
-    from parallelism.experts import resolve_options
+    from moevlm_jax.parallelism.dispatch import ExpertTopology
+    from moevlm_jax.parallelism.experts import resolve_options
 
     model, batch = tiny35
     assert breakdown.components_of(model) == breakdown.QWEN35_COMPONENTS

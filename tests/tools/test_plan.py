@@ -31,7 +31,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import load_model_config
 from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
-from data.batch import batch_shapes
+from moevlm_jax.data.batch import batch_shapes
 from moevlm_jax.tools import memory, plan, plan_comm, plan_memory
 from moevlm_jax.tools.plan_geometry import geometry, shard_table
 

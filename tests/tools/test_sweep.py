@@ -39,7 +39,7 @@ def test_sweep_smoke(tmp_path, capsys):
     for r in rows[2:]:
         assert "must split into 4 microbatches" in r["message"]
 
-    import data as data_lib  # reference counts: the same loader, batches WARMUP .. WARMUP + STEPS
+    import moevlm_jax.data as data_lib  # reference counts: the same loader, batches WARMUP .. WARMUP + STEPS
 
     loader = data_lib.build_loader(str(data_path), batch_size=ROWS, seq_len=cfg["seq_len"])
     try:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from data.config import DataError
-from data.sources import HELDOUT_SLICE_MAX, dataset_source, heldout_slice
+from moevlm_jax.data.config import DataError
+from moevlm_jax.data.sources import HELDOUT_SLICE_MAX, dataset_source, heldout_slice
 from moevlm_jax.train import main
 from moevlm_jax.training.metrics import read_metrics
 from tests.data.images import jpeg_bytes

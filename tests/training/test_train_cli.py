@@ -107,8 +107,8 @@ def test_main_job_resume_freeze_and_outputs(tmp_path, capsys):
 
     # the summary's held-out answers: greedy generation from the final parameters, as the generate
     # path gives from the checkpoint (restored on its own)
-    from data.records import decode_record
-    from data.sources import build_source
+    from moevlm_jax.data.records import decode_record
+    from moevlm_jax.data.sources import build_source
     from moevlm_jax import inference
 
     shown = [json.loads(line) for line in (straight / "answers.jsonl").read_text().splitlines()]

@@ -30,7 +30,7 @@ def data_config(cache_dir: str | Path) -> dict[str, Any]:
 def host_batches(cache_dir: str | Path, n: int, rows: int = ROWS, **data: Any) -> list[dict[str, Any]]:
     """The first ``n`` training batches of ``rows`` rows (numpy, as the loader gives them); ``data``: further
     data-config keys (e.g. ``balance_vision_rows``)."""
-    import data as data_lib
+    import moevlm_jax.data as data_lib
 
     loader = data_lib.build_loader({**data_config(cache_dir), **data}, batch_size=rows)
     try:
@@ -43,6 +43,6 @@ def leaves_by_path(tree: Any) -> dict[str, np.ndarray]:
     """'/'-joined path -> numpy array for every leaf of ``tree``."""
     import jax
 
-    from parallelism.sharding import path_str
+    from moevlm_jax.parallelism.sharding import path_str
 
     return {path_str(kp): np.asarray(x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
