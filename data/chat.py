@@ -93,6 +93,8 @@ def content_items(content: Any) -> list[dict[str, Any]]:
     for item in content:
         if isinstance(item, str):
             items.append({"type": "text", "text": item})
+        elif item.get("type") in ("video", "audio") or "video" in item or "audio" in item:
+            raise ConversationError("unsupported_media", f"content item {item.get('type')!r}: not supported yet")
         elif item.get("type") == "image" or "image" in item or "image_url" in item:
             items.append({"type": "image"})
         elif "text" in item:

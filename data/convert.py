@@ -26,7 +26,7 @@ from typing import Any
 from moevlm_jax.data.chat import ConversationError, validate_messages
 from moevlm_jax.data.config import DataError, ImageConfig
 from moevlm_jax.data.image import ImageSkip, decode_image
-from moevlm_jax.data.records import RecordError, encode_record, from_llava
+from moevlm_jax.data.records import RecordError, UnsupportedMedia, encode_record, from_llava
 from moevlm_jax.data.sample import SKIP_REASONS
 from moevlm_jax.data.sources import ImageFolderSource, read_llava
 
@@ -69,6 +69,8 @@ def prepare_entry(entry: Any, image_root: Path, image_cfg: ImageConfig, decode_c
         return encode_record(messages, images, meta), None, ""
     except (ImageSkip, ConversationError) as e:
         return None, e.reason, str(e)
+    except UnsupportedMedia as e:
+        return None, "unsupported_media", str(e)
     except (RecordError, KeyError, TypeError, AttributeError) as e:
         return None, "bad_record", f"{type(e).__name__}: {e}"
 

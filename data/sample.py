@@ -25,7 +25,7 @@ import numpy as np
 from moevlm_jax.data.chat import ConversationError, encode_conversation, validate_messages
 from moevlm_jax.data.config import QUESTION_TYPES, DataConfig
 from moevlm_jax.data.image import ImageSkip, decode_image, process_image
-from moevlm_jax.data.records import RecordError, decode_record, from_llava
+from moevlm_jax.data.records import RecordError, UnsupportedMedia, decode_record, from_llava
 from moevlm_jax.data.tokenizer import Tokenizer, load_tokenizer
 from moevlm_jax.data.mrope import mrope_position_ids
 
@@ -41,6 +41,7 @@ SKIP_REASONS = {
     "image_too_large": "image above max_image_pixels (decompression guard)",
     "extreme_aspect": "aspect ratio above max_aspect_ratio",
     "image_count_mismatch": "image placeholders and images differ in number",
+    "unsupported_media": "sample holds video or audio, not supported yet (never trained as text alone)",
     "no_assistant": "conversation has no assistant turn",
     "too_long": "sample has more tokens than seq_len",
     "too_many_patches": "sample has more patches than the largest patch bucket",
@@ -82,6 +83,8 @@ class SampleProcessor:
             return self._process(int(index), raw)
         except (ImageSkip, ConversationError) as e:
             return {"skip": e.reason, "index": int(index), "detail": str(e)}
+        except UnsupportedMedia as e:
+            return {"skip": "unsupported_media", "index": int(index), "detail": str(e)}
         except RecordError as e:
             return {"skip": "bad_record", "index": int(index), "detail": str(e)}
         except Exception as e:  # bad input must never crash a run

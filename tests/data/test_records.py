@@ -1,0 +1,135 @@
+"""The conversation formats users bring (LLaVA, ShareGPT / LLaMA-Factory, HF processors' ``messages``): every
+media key is either trained on its images or counted as skipped, never trained as text alone."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moevlm_jax.data.config import load_data_config
+from moevlm_jax.data.convert import prepare_entry
+from moevlm_jax.data.loader import build_loader
+from moevlm_jax.data.records import RecordError, UnsupportedMedia, from_llava
+from moevlm_jax.data.sample import SKIP_REASONS, SampleProcessor
+from tests.data.images import jpeg_bytes
+
+QUESTION, ANSWER = "What is shown?", "A picture."
+
+
+def _config(path):
+    return {"name": "formats", "source": {"kind": "llava", "path": str(path)}, "seq_len": 256, "batch_size": 1,
+            "patch_buckets": [64, 128, 256], "image": {"min_pixels": 1024, "max_pixels": 16384}, "workers": 0,
+            "read_threads": 0, "shuffle": False, "num_epochs": 1, "heldout_fraction": 0}
+
+
+def _llava(images):
+    return {"conversations": [{"from": "human", "value": "<image>\n" * len(images) + QUESTION},
+                              {"from": "gpt", "value": ANSWER}], "image": images if len(images) > 1 else images[0]}
+
+
+def _hf_messages(images, key="image"):
+    content = [{"type": "image", key: p} for p in images] + [{"type": "text", "text": QUESTION}]
+    return {"messages": [{"role": "user", "content": content},
+                         {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]}]}
+
+
+# every media key of the formats: (entry, what must happen to it)
+def _entries():
+    two = ["a.jpg", "b.jpg"]
+    return [
+        (_llava(["a.jpg"]), 1),                                                   # LLaVA "image": str
+        ({**_llava(two), "image": None, "images": two}, 2),                       # "images" list
+        ({"messages": [{"role": "user", "content": "<image><image>" + QUESTION},  # LLaMA-Factory messages + images
+                       {"role": "assistant", "content": ANSWER}], "images": two}, 2),
+        (_hf_messages(two), 2),                                                   # HF: the path inside the item
+        (_hf_messages(["a.jpg"], key="path"), 1),
+        (_hf_messages(["a.jpg"], key="url"), 1),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file://a.jpg"}},
+                                                    {"type": "text", "text": QUESTION}]},
+                       {"role": "assistant", "content": ANSWER}]}, 1),
+        ({"conversations": [{"from": "human", "value": "<video>\n" + QUESTION}, {"from": "gpt", "value": ANSWER}],
+          "video": "clip.mp4"}, "unsupported_media"),                            # LLaVA-Video "video"
+        ({"messages": [{"role": "user", "content": "<video>" + QUESTION}, {"role": "assistant", "content": ANSWER}],
+          "videos": ["clip.mp4"]}, "unsupported_media"),                          # LLaMA-Factory "videos"
+        ({"conversations": [{"from": "human", "value": "<video>\n" + QUESTION}, {"from": "gpt", "value": ANSWER}]},
+         "unsupported_media"),                                                    # a placeholder alone
+        ({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"},
+                                                    {"type": "text", "text": QUESTION}]},
+                       {"role": "assistant", "content": ANSWER}]}, "unsupported_media"),  # HF video item
+    ]
+
+
+@pytest.fixture()
+def formats_file(tmp_path):
+    (tmp_path / "a.jpg").write_bytes(jpeg_bytes(64, 48, seed=1))
+    (tmp_path / "b.jpg").write_bytes(jpeg_bytes(80, 64, seed=2))
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    entries = _entries()
+    path = tmp_path / "formats.jsonl"
+    path.write_text("\n".join(json.dumps(e) for e, _ in entries))
+    return path, [want for _, want in entries]
+
+
+def test_every_media_key_is_trained_or_counted(formats_file):
+    path, wants = formats_file
+    proc = SampleProcessor(load_data_config(_config(path)))
+    root = str(path.parent)
+    samples = [proc(k, {"llava": e, "image_root": root}) for k, (e, _) in enumerate(_entries())]
+    for k, (sample, want) in enumerate(zip(samples, wants, strict=True)):
+        if want == "unsupported_media":
+            assert sample.get("skip") == "unsupported_media", (k, sample)
+        else:  # trained on each image it names
+            assert "skip" not in sample, (k, sample)
+            assert sample["grids"].shape == (want, 3), k
+    with build_loader(_config(path)) as loader:
+        seen = sorted({int(i) for batch in loader for i in batch["sample_index"].ravel() if i >= 0})
+        summary = loader.summary()
+    assert seen == [k for k, w in enumerate(wants) if isinstance(w, int)]
+    assert summary["skipped"] == {"unsupported_media": sum(w == "unsupported_media" for w in wants)}
+    assert summary["useful_patches"] == sum(len(s["patches"]) for s in samples if "skip" not in s)
+    assert summary["samples"] + sum(summary["skipped"].values()) == len(wants)  # nothing dropped silently
+    assert "unsupported_media" in SKIP_REASONS
+
+
+def test_messages_forms_equal_the_llava_form(formats_file):
+    """The same conversation as LLaVA, LLaMA-Factory and HF ``messages`` -> the same ids, targets and patches."""
+    path, _ = formats_file
+    cfg = load_data_config(_config(path))
+    proc = SampleProcessor(cfg)
+    root = str(path.parent)
+    two = ["a.jpg", "b.jpg"]
+    llava = {"conversations": [{"from": "human", "value": "<image><image>" + QUESTION}, {"from": "gpt", "value": ANSWER}],
+             "image": two}
+    forms = [llava, _entries()[2][0], _hf_messages(two)]
+    samples = [proc(k, {"llava": e, "image_root": root}) for k, e in enumerate(forms)]
+    assert not any("skip" in s for s in samples), samples
+    ref = samples[0]
+    assert ref["grids"].shape == (2, 3)
+    for s in samples[1:]:
+        for key in ("ids", "targets", "loss_mask", "positions", "patches", "grids"):
+            np.testing.assert_array_equal(s[key], ref[key], err_msg=key)
+
+
+def test_images_named_twice_or_partly_inline_are_bad_records():
+    entry = _hf_messages(["a.jpg", "b.jpg"])
+    entry["messages"][0]["content"][1] = {"type": "image"}  # one item names its file, one does not
+    with pytest.raises(RecordError, match="name each image once"):
+        from_llava(entry)
+    entry = {**_hf_messages(["a.jpg"]), "images": ["b.jpg"]}  # inline and listed disagree
+    with pytest.raises(RecordError, match="name each image once"):
+        from_llava(entry)
+    assert from_llava({**_hf_messages(["a.jpg"]), "images": ["a.jpg"]})[1] == ["a.jpg"]  # the same file twice: fine
+
+
+def test_convert_counts_video_entries(tmp_path):
+    """The ArrayRecord converter skips the same entries, by the same reason."""
+    from moevlm_jax.data.config import ImageConfig
+
+    (tmp_path / "a.jpg").write_bytes(jpeg_bytes(64, 48, seed=1))
+    (tmp_path / "clip.mp4").write_bytes(b"\x00")
+    for entry, want in _entries():
+        if want == "unsupported_media":
+            record, reason, detail = prepare_entry(entry, tmp_path, ImageConfig())
+            assert (record, reason) == (None, "unsupported_media"), detail
+    with pytest.raises(UnsupportedMedia):
+        from_llava({"conversations": [{"from": "human", "value": "<audio> hi"}, {"from": "gpt", "value": "x"}]})
