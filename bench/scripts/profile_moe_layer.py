@@ -1,5 +1,5 @@
-"""Per-pass time of one MoE layer, forward + backward (issue 24): the layer of
-``moevlm_jax.tools.bench_moe`` (same inputs, routing and ``experts_forward``), with the router in a
+"""Per-pass time of one MoE layer, forward + backward: the layer of
+``bench.moe_layer`` (same inputs, routing and ``experts_forward``), with the router in a
 ``router`` scope and the experts in ``experts`` (the model's scopes, ``moevlm_jax.model.moe``), timed,
 then traced with ``jax.profiler`` with command buffers off (every kernel keeps its HLO instruction,
 ``moevlm_jax.training.capture`` 'none'). Each device kernel is put in one pass by its HLO instruction:
@@ -10,10 +10,10 @@ table and the largest kernels as JSON, ``--tar`` the traces and HLO texts (re-re
 ``--from-tar``, no GPU: ``python bench/scripts/profile_moe_layer.py --from-tar moe_profile.tgz``).
 ``--searchsorted METHOD`` (a what-if): every ``jnp.searchsorted`` of the layer forced to METHOD ('scan': jnp's
 default, a ``while`` loop of log2(n) + 1 steps, each a few tiny kernels and launch gaps; 'compare_all', what
-route_plan's expert counts and the kernels' tile tables use since run 9; 'sort', 'scan_unrolled'); the layer is
+route_plan's expert counts and the kernels' tile tables use; 'sort', 'scan_unrolled'); the layer is
 timed as it is and with METHOD in the same process, and the METHOD one is traced.
 
-  python bench/scripts/profile_moe_layer.py --shapes 235b-a22b --out $OUT/moe_profile.json --tar $OUT/moe_profile.tgz
+  python bench/scripts/profile_moe_layer.py --shapes 235b-a22b --out runs/bench/moe_profile.json --tar runs/bench/moe_profile.tgz
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `bench` is not installed
 if "--from-tar" not in sys.argv:  # before jax is imported
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
@@ -42,11 +43,11 @@ def instructions(hlo_text: str) -> dict[str, dict]:
     """HLO instruction name -> its opcode, result dims and ``op_name`` (the JAX name stack)."""
     out = {}
     for m in _INSTR.finditer(hlo_text):
-        name, shape, opcode, rest = m.groups()
+        _name, shape, opcode, rest = m.groups()
         op = _OP_NAME.search(rest)
         first = _SHAPE.search(shape)  # a tuple's (a multi-output fusion's) first element
         dims = [int(d) for d in first.group(1).split(",") if d] if first else []
-        out[m.group(1)] = dict(opcode=opcode, dims=dims, op_name=op.group(1) if op else "", line=m.group(0)[:300])
+        out[m.group(1)] = {"opcode": opcode, "dims": dims, "op_name": op.group(1) if op else "", "line": m.group(0)[:300]}
     return out
 
 
@@ -96,7 +97,7 @@ def classify(kernel: str, info: dict | None, shape: dict) -> str:
 
 def passes(trace_dir: Path, hlo_text: str, steps: int, shape: dict) -> dict:
     """Per pass: ms per step, kernel count per step, and the largest kernels."""
-    from moevlm_jax.tools.trace_breakdown import device_events, idle_gaps, load_trace
+    from bench.breakdown import device_events, idle_gaps, load_trace
 
     table = instructions(hlo_text)
     by_kernel = {k.replace(".", "_"): v for k, v in table.items()}
@@ -148,10 +149,9 @@ def table_text(name: str, res: dict) -> str:
 def profile_shape(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     import jax
     import jax.numpy as jnp
-    from with_searchsorted import forced  # bench/scripts: the script's own directory
-
-    from moevlm_jax.tools import bench_moe as bm
+    from bench import moe_layer as bm
     from moevlm_jax.parallelism.experts import experts_forward
+    from with_searchsorted import forced  # bench/scripts: the script's own directory
 
     shape = {**bm.SHAPES, **bm.TINY}[name]
     k = shape["top_k"]
@@ -210,7 +210,7 @@ def main() -> int:
     args = p.parse_args()
     results = {}
     if args.from_tar:
-        from moevlm_jax.tools import bench_moe as bm
+        from bench import moe_layer as bm
 
         with tempfile.TemporaryDirectory() as d:
             with tarfile.open(args.from_tar) as t:

@@ -1,19 +1,17 @@
-"""GPU check of the FP8 GEMM (``parallelism.fp8``): does XLA make an FP8 cuBLASLt GEMM of our dot, how fast
-is it next to bf16, and how far is it from bf16 (per-GEMM error)?
+"""The FP8 GEMM (``moevlm_jax.parallelism.fp8``) on a GPU: does XLA make an FP8 cuBLASLt GEMM of our dot, how fast
+is it next to bf16, and how far is it from float32 (per-GEMM error)?
 
 Shapes: the proxy decoder's dense projections (tokens 8 x 4096, hidden 2048 -> 4096 and 4096 -> 2048)
 and one expert-sized GEMM. Variants per shape, forward + backward (``jax.vjp``): ``bf16`` (the plain
 dot), ``fp8_tensor`` (the library's tensor recipe: per-tensor current scaling with the fp8 arrays
-handed to the dot, ``fp8.tensor_gemm``; until 2026-12-02 22:35 UTC a quantise-dequantise dot, which
-this script's former ``fp8_direct`` probe showed XLA does not make an FP8 GEMM of), ``fp8_blockwise``
-(1x128 / 128x128, quantise-dequantise: no FP8 kernel expected). For each: mean ms over ``--iters``
-calls after a warm-up, TFLOP/s (3 GEMMs: 6 M K N flops), the relative error of y, dx and dw against a
-float32 HIGHEST reference on the same bf16 inputs (``rounded``: whether the error is FP8's, i.e. > 5x
-bf16's; on 2026-12-02 it first was not: XLA:GPU had removed the fp8 converts, see parallelism/fp8.py
-``qdq``), and whether the compiled HLO holds an FP8 GEMM (``__cublas$lt$matmul$f8`` or an f8e4m3
-operand of a cuBLAS custom call).
+handed to the dot, ``fp8.tensor_gemm``), ``fp8_blockwise`` (1x128 / 128x128, quantise-dequantise: no FP8
+kernel expected). For each: mean ms over ``--iters`` calls after a warm-up, TFLOP/s (3 GEMMs: 6 M K N
+flops), the relative error of y, dx and dw against a float32 HIGHEST reference on the same bf16 inputs
+(``rounded``: whether the error is FP8's, i.e. > 5x bf16's; a compiler that folds the fp8 converts away
+would leave bf16-sized errors, see ``fp8.qdq``), and whether the compiled HLO holds an FP8 GEMM
+(``__cublas$lt$matmul$f8`` or an f8e4m3 operand of a cuBLAS custom call). bench/results/fp8.md has the figures.
 
-Usage: ``python bench/scripts/h200_fp8_gemm.py OUT.json [--iters N] [--hlo-dir DIR]`` (on CPU too, slowly: ``--small``).
+Usage: ``python bench/scripts/fp8_gemm.py OUT.json [--iters N] [--hlo-dir DIR]`` (on CPU too, slowly: ``--small``).
 """
 
 from __future__ import annotations
@@ -28,12 +26,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from moevlm_jax.parallelism import fp8
 
 SHAPES = {"qkv": (32768, 2048, 4096), "o_proj": (32768, 4096, 2048), "expert": (16384, 2048, 768)}
 SMALL = {"qkv": (512, 256, 384), "o_proj": (512, 384, 256)}
-FP8_GEMM = re.compile(r"cublas\$lt\$matmul\$f8|f8e4m3fn\[[^\]]*\][^\n]*custom_call_target=\"__cublas", re.I)
+FP8_GEMM = re.compile(r"cublas\$lt\$matmul\$f8|f8e4m3fn\[[^\]]*\][^\n]*custom_call_target=\"__cublas", re.IGNORECASE)
 TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
@@ -42,7 +39,7 @@ def _gemms(hlo: str) -> dict:
     fp8 operand and are GEMMs (a dot, a cuBLAS call, or a fusion whose kind or config names a GEMM:
     XLA may emit an FP8 GEMM as a Triton fusion instead of cuBLASLt, which the pattern above misses)."""
     lines = hlo.splitlines()
-    f8 = [ln.strip() for ln in lines if re.search(r"f8e[45]m[23]", ln, re.I)
+    f8 = [ln.strip() for ln in lines if re.search(r"f8e[45]m[23]", ln, re.IGNORECASE)
           and re.search(r"\bdot\(|custom-call|__triton_gemm|kind=kCustom|gemm", ln)]
     return {"custom_call_targets": sorted(set(TARGET.findall(hlo))), "fp8_gemm_like": len(f8),
             "fp8_gemm_like_examples": [ln[:300] for ln in f8[:4]]}
