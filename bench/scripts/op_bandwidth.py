@@ -2,9 +2,8 @@
 shapes of the compiled HLO) and the bandwidth that gives. Memory-bound fusions far below the HBM's ~4,800 GB/s
 (H200) are what is left to win in the elementwise and reduction rows of a step's breakdown.
 
-    python3 bench/scripts/op_bandwidth.py /tmp/prof0 --hlo '/tmp/prof0/*/train_step_*.hlo.txt' --steps 4 --out ops.json
+    python bench/scripts/op_bandwidth.py runs/bench/prof --hlo 'runs/bench/prof/*/train_step_*.hlo.txt' --steps 4 --out ops.json
 
-``probe_step_parts.py --profile`` prints the same table for its parts.
 """
 
 from __future__ import annotations
@@ -13,8 +12,12 @@ import argparse
 import glob
 import json
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `bench` is not installed
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
 _SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64|s64)\[([\d,]*)\]")
@@ -32,7 +35,7 @@ def hlo_table(text: str) -> tuple[dict[str, str], dict[str, int]]:
     module), i.e. what a memory-bound fusion moves at least once; a slice twice its output. An upper bound where a
     fusion reads only part of an operand in other ways (a gather's table, a dynamic slice inside a larger fusion)."""
     ops, out, lines = {}, {}, {}
-    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.-]+) = (.*)$", text, re.M):
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.-]+) = (.*)$", text, re.MULTILINE):
         name, rest = m.group(1), m.group(2)
         on = re.search(r'op_name="([^"]+)"', rest)
         if on:
@@ -84,7 +87,7 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def main():
-    from moevlm_jax.tools.trace_breakdown import device_events, load_trace
+    from bench.breakdown import device_events, load_trace
     ap = argparse.ArgumentParser()
     ap.add_argument("trace", help="a profile directory (perfetto_trace.json.gz under it) or the trace file")
     ap.add_argument("--hlo", required=True, help="glob of the profiled programs' compiled HLO text")
@@ -94,7 +97,7 @@ def main():
     args = ap.parse_args()
     ops, nbytes = {}, {}
     for f in sorted(glob.glob(args.hlo)):
-        o, b = hlo_table(open(f).read())
+        o, b = hlo_table(Path(f).read_text())
         ops.update(o)
         nbytes.update(b)
     rows = op_rows(device_events(load_trace(args.trace)), ops, nbytes, args.steps, args.top)

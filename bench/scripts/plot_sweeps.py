@@ -1,6 +1,6 @@
-"""Merge several ``moevlm_jax.tools.sweep`` results.json files into one table and one throughput-vs-memory plot.
+"""Merge several ``python -m bench.sweep`` results.json files into one table and one throughput-vs-memory plot.
 
-    PYTHONPATH=. python3 bench/scripts/plot_sweeps.py bench/sweep_h200_*.json --out bench/sweep_h200.png
+    python bench/scripts/plot_sweeps.py runs/bench/sweep_*/results.json --out runs/bench/sweep.png
 
 Each point's label gets its file's compute overrides that differ between the files (e.g. the
 experts' backend), so points of different sweeps stay distinguishable.
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from moevlm_jax.tools.sweep import format_table, plot
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `bench` is not installed
+from bench.sweep import format_table, plot
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

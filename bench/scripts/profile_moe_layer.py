@@ -1,5 +1,5 @@
-"""Per-pass time of one MoE layer, forward + backward (issue 24): the layer of
-``moevlm_jax.tools.bench_moe`` (same inputs, routing and ``experts_forward``), with the router in a
+"""Per-pass time of one MoE layer, forward + backward: the layer of
+``bench.moe_layer`` (same inputs, routing and ``experts_forward``), with the router in a
 ``router`` scope and the experts in ``experts`` (the model's scopes, ``moevlm_jax.model.moe``), timed,
 then traced with ``jax.profiler`` with command buffers off (every kernel keeps its HLO instruction,
 ``moevlm_jax.training.capture`` 'none'). Each device kernel is put in one pass by its HLO instruction:
@@ -8,19 +8,14 @@ the six grouped matmuls by kernel name and output shape; the rest by its name st
 masks inside ``expert_ffn``, the loss outside). Prints ms per layer step per pass; ``--out`` writes the
 table and the largest kernels as JSON, ``--tar`` the traces and HLO texts (re-read with
 ``--from-tar``, no GPU: ``python bench/scripts/profile_moe_layer.py --from-tar moe_profile.tgz``).
-``--searchsorted METHOD`` (a what-if): every ``jnp.searchsorted`` of the layer forced to METHOD ('scan': jnp's
-default, a ``while`` loop of log2(n) + 1 steps, each a few tiny kernels and launch gaps; 'compare_all', what
-route_plan's expert counts and the kernels' tile tables use since run 9; 'sort', 'scan_unrolled'); the layer is
-timed as it is and with METHOD in the same process, and the METHOD one is traced.
 
-  python bench/scripts/profile_moe_layer.py --shapes 235b-a22b --out $OUT/moe_profile.json --tar $OUT/moe_profile.tgz
+  python bench/scripts/profile_moe_layer.py --shapes 235b-a22b --out runs/bench/moe_profile.json --tar runs/bench/moe_profile.tgz
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import re
@@ -30,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `bench` is not installed
 if "--from-tar" not in sys.argv:  # before jax is imported
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
@@ -42,11 +38,11 @@ def instructions(hlo_text: str) -> dict[str, dict]:
     """HLO instruction name -> its opcode, result dims and ``op_name`` (the JAX name stack)."""
     out = {}
     for m in _INSTR.finditer(hlo_text):
-        name, shape, opcode, rest = m.groups()
+        _name, shape, opcode, rest = m.groups()
         op = _OP_NAME.search(rest)
         first = _SHAPE.search(shape)  # a tuple's (a multi-output fusion's) first element
         dims = [int(d) for d in first.group(1).split(",") if d] if first else []
-        out[m.group(1)] = dict(opcode=opcode, dims=dims, op_name=op.group(1) if op else "", line=m.group(0)[:300])
+        out[m.group(1)] = {"opcode": opcode, "dims": dims, "op_name": op.group(1) if op else "", "line": m.group(0)[:300]}
     return out
 
 
@@ -96,7 +92,7 @@ def classify(kernel: str, info: dict | None, shape: dict) -> str:
 
 def passes(trace_dir: Path, hlo_text: str, steps: int, shape: dict) -> dict:
     """Per pass: ms per step, kernel count per step, and the largest kernels."""
-    from moevlm_jax.tools.trace_breakdown import device_events, idle_gaps, load_trace
+    from bench.breakdown import device_events, idle_gaps, load_trace
 
     table = instructions(hlo_text)
     by_kernel = {k.replace(".", "_"): v for k, v in table.items()}
@@ -126,9 +122,8 @@ def passes(trace_dir: Path, hlo_text: str, steps: int, shape: dict) -> dict:
 
 
 def table_text(name: str, res: dict) -> str:
-    lines = [f"{name}: timed {res.get('ms', float('nan')):.3f} ms/step (median), kernels {res['kernel_ms']:.3f} ms/step, "
-             f"traced span {res['span_ms']:.3f} ms/step; searchsorted: {res.get('searchsorted', 'as the library has it')}"
-             + (f" (as is, same process: {res['ms_as_is']:.3f} ms/step)" if "ms_as_is" in res else ""),
+    lines = [(f"{name}: timed {res.get('ms', float('nan')):.3f} ms/step (median), kernels {res['kernel_ms']:.3f} ms/step, "
+              f"traced span {res['span_ms']:.3f} ms/step"),
              f"  {'pass':<48} {'ms/step':>9} {'share':>7} {'kernels':>8}"]
     total = res["kernel_ms"]
     for k, v in res["per_step_ms"].items():
@@ -148,9 +143,7 @@ def table_text(name: str, res: dict) -> str:
 def profile_shape(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     import jax
     import jax.numpy as jnp
-    from with_searchsorted import forced  # bench/scripts: the script's own directory
-
-    from moevlm_jax.tools import bench_moe as bm
+    from bench import moe_layer as bm
     from moevlm_jax.parallelism.experts import experts_forward
 
     shape = {**bm.SHAPES, **bm.TINY}[name]
@@ -168,12 +161,8 @@ def profile_shape(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     def build():
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)).lower(*xs).compile()
 
-    extra = {}
-    if args.searchsorted:  # the layer as it is first, then with the other method (traced)
-        extra["ms_as_is"], _ = bm.time_jax(build(), xs, args.iters, 2)
-    with forced(args.searchsorted) if args.searchsorted else contextlib.nullcontext():
-        t0 = time.perf_counter()
-        step = build()
+    t0 = time.perf_counter()
+    step = build()
     compile_s = time.perf_counter() - t0
     hlo = step.as_text()
     ms, _ = bm.time_jax(step, xs, args.iters, 2)
@@ -189,7 +178,7 @@ def profile_shape(name: str, args: argparse.Namespace, workdir: Path) -> dict:
     flops = bm.expert_flops(args.tokens * k, shape["hidden"], shape["inter"])
     res.update(shape=name, ms=ms, tflops=flops / ms / 1e9, compile_s=compile_s, steps=args.steps, tokens=args.tokens,
                backend=args.backend, device=jax.devices()[0].device_kind, jax=jax.__version__,
-               searchsorted=args.searchsorted or "as the library has it", pipelined=args.pipelined, **extra)
+               pipelined=args.pipelined)
     return res
 
 
@@ -203,14 +192,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5, help="traced layer steps")
     p.add_argument("--pipelined", action="store_true",
                    help="trace the steps issued back to back (one wait at the end) instead of each waited for")
-    p.add_argument("--searchsorted", help="what-if: jnp.searchsorted's method for the traced layer (e.g. compare_all)")
     p.add_argument("--out")
     p.add_argument("--tar", help="write the traces and HLO texts here (.tgz)")
     p.add_argument("--from-tar", help="re-classify a --tar file's traces (no GPU)")
     args = p.parse_args()
     results = {}
     if args.from_tar:
-        from moevlm_jax.tools import bench_moe as bm
+        from bench import moe_layer as bm
 
         with tempfile.TemporaryDirectory() as d:
             with tarfile.open(args.from_tar) as t:

@@ -2,7 +2,7 @@
 breakdown shows): per (kernel, hlo_op) the count, total and mean duration, one event's full args,
 and the kernels just before and after it on the same stream.
 
-    python bench/scripts/trace_events.py /tmp/prof --match 'Memset|Memcpy' --steps 4 --out memsets.json
+    python bench/scripts/trace_events.py runs/bench/prof --match 'Memset|Memcpy' --steps 4 --out memsets.json
 """
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ import argparse
 import collections
 import json
 import re
+import sys
+from pathlib import Path
 
-from moevlm_jax.tools.trace_breakdown import device_events, load_trace
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `bench` is not installed
+from bench.breakdown import device_events, load_trace
 
 
 def summarise(events, pattern: str, steps: int, limit: int = 40) -> list[dict]:
@@ -29,7 +32,8 @@ def summarise(events, pattern: str, steps: int, limit: int = 40) -> list[dict]:
         g["count"] += 1
         g["ms"] += float(e.get("dur", 0.0)) * 1e-3
         g["dur_us"].append(float(e.get("dur", 0.0)))
-        same = lambda j: 0 <= j < len(events) and (events[j]["pid"], events[j].get("tid")) == (e["pid"], e.get("tid"))
+        stream = (e["pid"], e.get("tid"))
+        same = lambda j, stream=stream: 0 <= j < len(events) and (events[j]["pid"], events[j].get("tid")) == stream
         before = str(events[i - 1].get("name", ""))[:60] if same(i - 1) else "-"
         after = str(events[i + 1].get("name", ""))[:60] if same(i + 1) else "-"
         g["neighbours"][f"{before} | {after}"] += 1
