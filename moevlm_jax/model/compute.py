@@ -241,7 +241,7 @@ class ComputeConfig:
     @property
     def moe_options(self) -> dict[str, Any]:
         """Keyword options for ``parallelism.experts.experts_forward``."""
-        return dataclasses.asdict(self.moe)
+        return self.moe.options()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> ComputeConfig:

@@ -62,6 +62,7 @@ from moevlm_jax.tools.bench_steps import (
     shape_key,
 )
 from moevlm_jax.tools.memory import is_oom, peak_device_bytes
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
 
 log = logging.getLogger("moevlm_jax.tools.bench")
 
@@ -441,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     from moevlm_jax.train import setup_logging
 
     args = parse_args(argv)
+    ensure_collective_threads()  # XLA:CPU host devices: pool threads for their collectives, before jax starts
     args.argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(logging.WARNING if args.quiet else logging.INFO)
     from moevlm_jax.training import capture

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
+
 SHAPES = {
     "30b-a3b": dict(hidden=2048, experts=128, top_k=8, inter=768),
     "235b-a22b": dict(hidden=4096, experts=128, top_k=8, inter=1536),
@@ -542,6 +544,7 @@ def bench_exchange(mesh: Any, xs: tuple, base: dict, args: argparse.Namespace, d
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every agreement check passed."""
     args = parse_args(argv)
+    ensure_collective_threads()  # XLA:CPU host devices: pool threads for their collectives, before jax starts
     JIT_OPTIONS.clear()
     if args.tiny:
         JIT_OPTIONS["xla_backend_optimization_level"] = 0

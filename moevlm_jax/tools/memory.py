@@ -27,6 +27,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
+
 log = logging.getLogger(__name__)
 
 TOTAL = "total_bytes"
@@ -210,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="compute settings, e.g. dtype=float32")
     args = p.parse_args(argv)
     set_host_devices(args.host_devices)
+    ensure_collective_threads()  # XLA:CPU host devices: pool threads for their collectives, before jax starts
     import jax
 
     from moevlm_jax.config.schema import overrides_tree
