@@ -53,12 +53,12 @@ class Config:
     tile_m: int = 128  # rows of a tile (a group's row window)
     tile_n: int = 128  # columns of each compute warpgroup's accumulator (the CTA covers 2 * tile_n)
     tile_k: int = 64  # contraction per pipeline step
-    max_concurrent_steps: int = 4  # pipeline steps in flight
+    max_concurrent_steps: int = 3  # pipeline steps in flight
     grid_tile_width: int = 8  # output tiles along N visited before moving on in M
     epi_tile_m: int = 64  # epilogue slab rows
     epi_tile_n: int = 64  # epilogue slab columns
     align: int = 8  # a group's row windows start at a multiple of this (divides tile_m; a multiple of 8)
-    epi_buffers: int = 1  # epilogue shared-memory buffers per warpgroup (1 or 2)
+    epi_buffers: int = 2  # epilogue shared-memory buffers per warpgroup (1 or 2)
 
     def __post_init__(self) -> None:
         _check_tiles(self)
@@ -508,15 +508,15 @@ class TConfig:
     tile_m: int = 128  # rows of the [K, N] gradient per compute warpgroup's tile
     tile_n: int = 128  # columns of each compute warpgroup's accumulator (the CTA covers 2 * tile_n)
     tile_k: int = 64  # sorted rows contracted per pipeline step
-    max_concurrent_steps: int = 4  # pipeline steps in flight
+    max_concurrent_steps: int = 3  # pipeline steps in flight
     grid_tile_width: int = 4  # output tiles along N visited before moving on in K
-    epi_tile_m: int = 64  # epilogue slab rows
-    epi_tile_n: int = 64  # epilogue slab columns
-    epi_buffers: int = 2  # epilogue shared-memory buffers per warpgroup (1 or 2)
+    epi_tile_m: int = 128  # epilogue slab rows
+    epi_tile_n: int = 128  # epilogue slab columns
+    epi_buffers: int = 1  # epilogue shared-memory buffers per warpgroup (1 or 2)
     # 0: one pipeline per (group, output tile). > 0: the sorted rows cut at group boundaries into segments of about
     # this many rows, one pipeline per (segment, output tile) streaming the segment's row blocks and storing each
     # group's tile where the group ends (:func:`_tgmm_streamed`)
-    seg_rows: int = 0
+    seg_rows: int = 16384
 
     def __post_init__(self) -> None:
         _check_tiles(self)
@@ -821,10 +821,7 @@ def _tgmm_streamed(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, cfg: TCo
     return call(ends, g0, g1, b0s, steps_s, lo_s, hi_s, x, dy)
 
 
-# The tuned tiles per kind on an H200 (bench/results/moe_layer.md): fwd / dx with 3 steps in flight and two epilogue
-# buffers; d(w) the streamed kernel at 16,384-row segments with one 128 x 128 epilogue slab per warpgroup. The
-# experts take them from ``compute.moe.kernels.mosaic_gpu_tiles`` (``parallelism.kernels``), whose defaults these are.
-CONFIGS: dict[str, Config | TConfig] = {
-    "fwd": Config(max_concurrent_steps=3, epi_buffers=2), "dx": Config(max_concurrent_steps=3, epi_buffers=2),
-    "dw": TConfig(seg_rows=16384, max_concurrent_steps=3, epi_tile_m=128, epi_tile_n=128, epi_buffers=1),
-}
+# The tiles per kind: the class defaults, the fastest measured on an H200 (bench/results/moe_layer.md): fwd / dx with
+# 3 steps in flight and two epilogue buffers; d(w) the streamed kernel at 16,384-row segments with one 128 x 128
+# epilogue slab per warpgroup. A run sets its own in ``compute.moe.kernels.mosaic_gpu_tiles`` (``parallelism.kernels``).
+CONFIGS: dict[str, Config | TConfig] = {"fwd": Config(), "dx": Config(), "dw": TConfig()}

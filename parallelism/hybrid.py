@@ -4,9 +4,9 @@ Each expert's first ``C`` assignments (``C`` from ``capacity_factor`` x the mean
 padded batched einsum ``[E, C, H] x [E, H, 2I]`` (the dense-matmul rate on the GPU), the overflow
 (rank >= C) through the grouped matmul on a small static buffer of ``B`` rows (``hybrid_overflow``
 x the assignments): one buffer ``[E*C + B, H]``, one gather in, one combine out, nothing dropped.
-The grouped kernel's time follows its static row count, not the rows in use (H200, 2026-11-30: the
+The grouped kernel's time follows its static row count, not the rows in use (H200: the
 overflow kernel over a full-size buffer cost ~45% of the whole dropless layer for ~10% of its rows,
-bench/moe_layer.md run 4), hence ``B``; a batch whose overflow exceeds ``B`` runs the plain grouped
+bench/moe_layer.md), hence ``B``; a batch whose overflow exceeds ``B`` runs the plain grouped
 matmul on all its rows (``hybrid_or_grouped``, a per-call ``lax.cond``), so the result never
 depends on the bound.
 """

@@ -89,33 +89,24 @@ class TritonTile:
         return gmm_triton.Config(self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages)
 
 
-def _merge_tiles(base: Any, raw: Any) -> Any:
-    """A partial mapping of tile fields over ``base`` (the tuned default), so that one key overrides one field."""
-    if isinstance(raw, Mapping):
-        return {**dataclasses.asdict(base), **raw}
-    return raw
-
-
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuTiles:
-    """Tiles of the Mosaic-GPU kernels per matmul; a field given replaces that field of the tuned default."""
+    """Tiles of the Mosaic-GPU kernels per matmul (defaults: ``gmm_mgpu.CONFIGS``, the tuned ones); a field given
+    replaces that field of the default."""
 
-    fwd: gmm_mgpu.Config = gmm_mgpu.CONFIGS["fwd"]  # the forward grouped matmul (gmm_mgpu.gmm)
-    dx: gmm_mgpu.Config = gmm_mgpu.CONFIGS["dx"]  # d(x): the forward kernel on the weights read transposed
-    dw: gmm_mgpu.TConfig = gmm_mgpu.CONFIGS["dw"]  # d(w): gmm_mgpu.tgmm
-
-    @classmethod
-    def __normalize__(cls, raw: dict[str, Any]) -> dict[str, Any]:
-        return {k: _merge_tiles(getattr(cls, k), v) if k in ("fwd", "dx", "dw") else v for k, v in raw.items()}
+    fwd: gmm_mgpu.Config = gmm_mgpu.Config()  # the forward grouped matmul (gmm_mgpu.gmm)
+    dx: gmm_mgpu.Config = gmm_mgpu.Config()  # d(x): the forward kernel on the weights read transposed
+    dw: gmm_mgpu.TConfig = gmm_mgpu.TConfig()  # d(w): gmm_mgpu.tgmm
 
     def __post_init__(self) -> None:
         for name, tp in (("fwd", gmm_mgpu.Config), ("dx", gmm_mgpu.Config), ("dw", gmm_mgpu.TConfig)):
             v = getattr(self, name)
             if isinstance(v, Mapping):
-                v = tp(**_merge_tiles(getattr(type(self), name), v))
+                v = tp(**v)
                 object.__setattr__(self, name, v)
             if not isinstance(v, tp):
-                raise TypeError(f"compute.moe.kernels.mosaic_gpu_tiles.{name}: expected {tp.__name__} fields, got {v!r}")
+                raise TypeError(f"compute.moe.kernels.mosaic_gpu_tiles.{name}: expected {tp.__name__} fields, "
+                                f"got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)

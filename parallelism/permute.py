@@ -316,8 +316,7 @@ def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.A
     # the row kernels leave rows past sum(counts) unwritten: the Triton / Mosaic expert kernels read none of them
     on_kernels = backend == "triton" and q is None
     row_dispatch = on_kernels and "dispatch" in kernels.permute_kernels
-    if (on_kernels and kernels.fused("mgpu_dweighted")
-            and mgpu_takes("dx", slot.shape[0], w_down.shape[2], w_down.shape[1], x.dtype, kernels)):
+    if on_kernels and _weighted_takes(slot.shape[0], w_down, x.dtype, kernels):
         rows = (dispatch_rows_kernel if row_dispatch else dispatch_rows)(x, src, slot, k)
         valid = src >= 0
         row_w = jnp.where(valid, jnp.take(w.reshape(-1), jnp.where(valid, src, 0)), 0).astype(jnp.float32)
@@ -371,6 +370,12 @@ def _mgpu_swiglu_experts_bwd(kernels, res, g):
 
 
 _mgpu_swiglu_experts.defvjp(_mgpu_swiglu_experts_fwd, _mgpu_swiglu_experts_bwd)
+
+
+def _weighted_takes(m: int, w_down: jax.Array, dtype: Any, kernels: KernelsConfig) -> bool:
+    """Whether the local experts of ``m`` sorted rows run weighted: fusion "mgpu_dweighted" chosen and the down
+    projection's d(x) on the Mosaic-GPU kernel."""
+    return kernels.fused("mgpu_dweighted") and mgpu_takes("dx", m, w_down.shape[2], w_down.shape[1], dtype, kernels)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -219,15 +219,15 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
 
         # one microbatch on one device: nothing sums the gradients, they stay in the parameters' dtype (the h200
         # recipe's bf16 gradients copied to float32, 24.6 GB, and the optimizer's reads of it: 8.9 ms a step,
-        # bench/step_h200.md run 21)
+        # bench/step_h200.md)
         objective, grads, sums = optim.accumulate_gradients(loss_fn, trainable, micro, grad_shardings=grad_shardings,
                                                             accum_dtype=jnp.dtype(spec.optimizer.grad_accum_dtype),
                                                             single_dtype=None if spec.mesh.size == 1 else jnp.float32)
         # an unrolled stack's per-layer gradients are each materialised once inside the model
         # (layers.materialised_grad; re-derived in each reduction over them they cost 82 ms/step,
-        # step_h200.md run 7); the stacked leaves' concatenates fuse into the update, and the norm sums
+        # step_h200.md); the stacked leaves' concatenates fuse into the update, and the norm sums
         # each layer's gradient on its own (_norm_pieces)
-        # logged, and the clipping's and the finiteness check's (read once: bench/step_h200.md runs 22 and 29)
+        # logged, and the clipping's and the finiteness check's (read once: bench/step_h200.md)
         grad_norm = optim.global_norm(grads, optim.partition(_norm_pieces(spec), mask)[0])
         with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
             updates, opt_state = tx.update(grads, state["opt_state"], trainable, grad_norm=grad_norm)
