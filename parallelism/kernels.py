@@ -183,6 +183,16 @@ class KernelsConfig:
 
 
 DEFAULT_KERNELS = KernelsConfig()
+# the environment variables that once chose these kernels; only the MoE layer benchmark reads them now (as overrides)
+LEGACY_ENV = {"MOEVLM_MOE_FUSE": "fusions", "MOEVLM_PERMUTE_KERNELS": "permute_kernels",
+              "MOEVLM_GMM_MGPU": "mosaic_gpu", "MOEVLM_GMM_MGPU_TUNE": "mosaic_gpu_tiles",
+              "MOEVLM_GMM_TRITON_CONFIGS": "triton_tiles"}
+
+
+def ignored_environment(environ: Mapping[str, str]) -> list[str]:
+    """The legacy kernel variables set in ``environ``, each with the ``compute.moe.kernels`` key that replaces it
+    (a run ignores them: its kernels are its config's)."""
+    return [f"${var} (now compute.moe.kernels.{key})" for var, key in LEGACY_ENV.items() if var in environ]
 
 
 def load_triton_tiles(path: str) -> tuple[TritonTile, ...]:

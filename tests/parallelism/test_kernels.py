@@ -27,7 +27,8 @@ def recipe_path(tmp_path: Path) -> Path:
     rec = tmp_path / "r.yaml"
     rec.write_text(yaml.safe_dump({"name": "r", "model": str(model), "data": str(data),
                                    "layout": str(recipe.CONFIG_DIR / "layouts" / "fsdp.yaml"),
-                                   "train": {"steps": 2, "micro_batch_size": 1}}))
+                                   "train": {"steps": 2, "micro_batch_size": 1},
+                                   "optimizer": {"warmup_steps": 1}}))
     return rec
 
 
@@ -62,13 +63,13 @@ def test_a_runs_config_yaml_names_its_kernels(recipe_path, tmp_path):
 
 
 @pytest.mark.parametrize(("override", "expected"), [
-    ("compute.moe.kernels.fusion=[gather]", "unknown key 'compute.moe.kernels.fusion' (did you mean 'fusions'?)"),
-    ("compute.moe.kernel.fusions=[gather]", "unknown key 'compute.moe.kernel' (did you mean 'kernels'?)"),
+    ("compute.moe.kernels.fusion=[gather]", "unknown key 'compute.moe.kernels.fusion'; did you mean 'fusions'?"),
+    ("compute.moe.kernel.fusions=[gather]", "unknown key 'compute.moe.kernel'; did you mean 'kernels'?"),
     ("compute.moe.kernels.fusions=[gathr]", "compute.moe.kernels.fusions[0]: 'gathr' is not one of"),
     ("compute.moe.kernels.fusions=[swiglu_bwd]", "'swiglu_bwd' was removed"),
     ("compute.moe.kernels.mosaic_gpu=[fwd,dww]", "'dww' is not one of ['fwd', 'dx', 'dw']; did you mean 'dw'?"),
     ("compute.moe.kernels.mosaic_gpu_tiles.dw.seg_row=8192",
-     "unknown key 'compute.moe.kernels.mosaic_gpu_tiles.dw.seg_row' (did you mean 'seg_rows'?)"),
+     "unknown key 'compute.moe.kernels.mosaic_gpu_tiles.dw.seg_row'; did you mean 'seg_rows'?"),
     ("compute.moe.kernels.mosaic_gpu_tiles.fwd.epi_buffers=3", "epi_buffers must be 1 or 2"),
     ("compute.moe.kernels.triton_tiles=[{kernel: up}]", "triton tile kernel 'up' is not fwd, dx or dw"),
 ])
