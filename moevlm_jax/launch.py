@@ -68,6 +68,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
+
 log = logging.getLogger("moevlm_jax.launch")
 
 DEFAULT_MODULE = "moevlm_jax.train"
@@ -214,6 +216,7 @@ def child_env(
         env["XLA_FLAGS"] = merge_xla_flags(base.get("XLA_FLAGS"), plan.per_process)
         if "JAX_NUM_CPU_DEVICES" in base:
             env["JAX_NUM_CPU_DEVICES"] = str(plan.per_process)
+        ensure_collective_threads(env)  # each process's XLA:CPU pool: threads for its host devices' collectives
     return env
 
 

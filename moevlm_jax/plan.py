@@ -24,6 +24,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m moevlm_jax.plan", description=__doc__.split("\n\n")[0])
@@ -72,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         want = args.host_devices or args.devices
         if want and want <= 8 and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
             set_host_devices(want)
+    ensure_collective_threads()  # XLA:CPU host devices: pool threads for their collectives, before jax starts
     import dataclasses
 
     import jax

@@ -22,6 +22,7 @@ from typing import Any
 from moevlm_jax.config.run import add_arguments, from_args, help_config
 from moevlm_jax.data.config import DataError
 from moevlm_jax.config.schema import ConfigError
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
 from moevlm_jax.training import capture, distributed
 from moevlm_jax.training.faults import TrainingStopped
 
@@ -106,6 +107,7 @@ def print_error(e: BaseException) -> None:
 
 def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int:
     """CLI entry: parse, validate, train, print the summary table; 2 on a config error."""
+    ensure_collective_threads()  # XLA:CPU host devices: pool threads for their collectives, before jax starts
     parser = argparse.ArgumentParser(prog="python -m moevlm_jax.train", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)

@@ -32,10 +32,3 @@ ACTIVATION_AXES: tuple[str, ...] = (
     "act_norm_seq", "act_seq", "act_exp", "act_tokens", "act_patches", "act_vis_embed",
 )
 LOGICAL_AXES: tuple[str, ...] = PARAM_AXES + ACTIVATION_AXES
-
-# XLA:CPU host devices: enough pool threads for their collectives, set before the CPU client starts
-# (importing this package precedes the first device use in the train CLI, tools and tests; a pool of one
-# thread per device deadlocks the 3D layouts' steps on machines with fewer cores than devices).
-from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads  # noqa: E402
-
-ensure_collective_threads()

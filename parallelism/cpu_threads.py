@@ -23,9 +23,10 @@ keyed by op id, so any order completes given threads: the pool size is the cause
 
 :func:`ensure_collective_threads` sets ``PJRT_NPROC`` (read by XLA when the CPU client is created,
 before ``NPROC``) to at least ``THREADS_PER_DEVICE`` threads per host device, never fewer than the
-CPU count XLA would use anyway. It must run before the jax CPU backend starts: the ``parallelism``
-package calls it when imported (the train CLI, tools and benchmarks import it before their first
-device use). ``MOEVLM_CPU_THREADS_PER_DEVICE`` overrides the threads a device (0: XLA's pool as it
+CPU count XLA would use anyway. It must run before the jax CPU backend starts, so the entry points
+call it first (``moevlm_jax.train``, the planner CLI, the benchmark CLIs, ``moevlm_jax.launch`` for
+its CPU processes, the test suite's ``conftest.py``); importing a library module sets nothing.
+``MOEVLM_CPU_THREADS_PER_DEVICE`` overrides the threads a device (0: XLA's pool as it
 is, which the test suite keeps: ``tests/conftest.py`` says why).
 :func:`check_collective_threads` (called by ``Layout.make_mesh``) warns when a CPU mesh runs on a
 client that started with fewer threads.
@@ -160,6 +161,7 @@ def check_collective_threads(devices: int, platform: str = "cpu") -> bool:
     if (devices, have) not in _warned:
         _warned.add((devices, have))
         log.warning("XLA:CPU runs %d host devices on %d threads; their collectives need %d or they may deadlock "
-                    "(XLA aborts after its termination timeout): set %s=%d before jax starts, or import "
-                    "parallelism first (parallelism.cpu_threads)", devices, have, need, ENV, need)
+                    "(XLA aborts after its termination timeout): set %s=%d before jax starts, or call "
+                    "moevlm_jax.parallelism.cpu_threads.ensure_collective_threads() first", devices, have, need, ENV,
+                    need)
     return False

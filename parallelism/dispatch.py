@@ -49,6 +49,7 @@ from moevlm_jax.parallelism.permute import (
     sorted_experts,
     sorted_slots,
 )
+from moevlm_jax.parallelism.kernels import DEFAULT_KERNELS, KernelsConfig
 
 DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather")
 A2A_IMPLS: tuple[str, ...] = ("ragged", "dense")
@@ -66,6 +67,7 @@ class MoeOptions:
     a2a_impl: str
     overflow_backend: str | None = None  # "hybrid": the grouped-matmul backend of the overflow rows
     hybrid_overflow: float = 0.25  # "hybrid": static overflow rows, a fraction of the expected rows
+    kernels: KernelsConfig = DEFAULT_KERNELS  # the Triton backend's fusions, kernels and tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,13 +199,14 @@ def exchange_offsets(counts: jax.Array, me: jax.Array, local_experts: int) -> tu
 # ----------------------------------------------------------------------------- dispatchers
 
 
-def _ffn_padded(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, backend: str) -> jax.Array:
+def _ffn_padded(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, backend: str,
+                kernels: KernelsConfig = DEFAULT_KERNELS) -> jax.Array:
     """Experts on a padded ``[G, C, H]`` buffer (batched einsum, or uniform-group grouped matmul)."""
     if backend == "capacity":
         return capacity_ffn(rows, w_gate_up, w_down)
     g, c, h = rows.shape
     sizes = jnp.full((g,), c, jnp.int32)
-    return expert_ffn(rows.reshape(g * c, h), sizes, w_gate_up, w_down, backend).reshape(g, c, h)
+    return expert_ffn(rows.reshape(g * c, h), sizes, w_gate_up, w_down, backend, kernels=kernels).reshape(g, c, h)
 
 
 def _ffn_sorted(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, opts: MoeOptions,
@@ -211,10 +214,10 @@ def _ffn_sorted(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down:
     """Experts on expert-sorted rows: the grouped matmul, or 'hybrid' with a capacity of
     ``capacity_factor`` x the expected rows per expert (``expected_rows`` / experts here)."""
     if opts.backend != "hybrid":
-        return expert_ffn(rows, sizes, w_gate_up, w_down, opts.backend)
+        return expert_ffn(rows, sizes, w_gate_up, w_down, opts.backend, kernels=opts.kernels)
     cap = max(1, math.ceil(expected_rows / sizes.shape[0] * opts.capacity_factor))
     over_rows = min(rows.shape[0], hybrid_overflow_rows(expected_rows, opts.hybrid_overflow))
-    return hybrid_sorted_ffn(rows, sizes, w_gate_up, w_down, cap, over_rows, opts.overflow_backend)
+    return hybrid_sorted_ffn(rows, sizes, w_gate_up, w_down, cap, over_rows, opts.overflow_backend, opts.kernels)
 
 
 def _capacity(opts: MoeOptions, tokens: int, top_k: int, experts: int) -> int | None:
@@ -233,10 +236,10 @@ def local_experts(x, idx, w, w_gate_up, w_down, opts: MoeOptions) -> tuple[jax.A
     e, k, h = w_gate_up.shape[0], idx.shape[1], x.shape[1]
     if opts.backend == "hybrid":
         return local_hybrid(x, idx, w, w_gate_up, w_down, opts.capacity_factor, opts.hybrid_overflow,
-                            opts.overflow_backend), jnp.zeros((), jnp.int32)
+                            opts.overflow_backend, opts.kernels), jnp.zeros((), jnp.int32)
     plan, cap = _plan(idx, w, e, opts)
     if opts.backend != "capacity":
-        return sorted_experts(x, plan, w, w_gate_up, w_down, opts.backend), plan.dropped
+        return sorted_experts(x, plan, w, w_gate_up, w_down, opts.backend, opts.kernels), plan.dropped
     slot = padded_slots(plan, cap)
     src = inverse_slots(slot, e * cap)
     rows = dispatch_rows(x, src, slot, k).reshape(e, cap, h)
@@ -261,7 +264,7 @@ def _alltoall(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptio
         rows = dispatch_rows(x, src, slot, k)  # [P * El * C, H], destination-major
         recv = jax.lax.all_to_all(rows, axes, 0, 0, tiled=True)  # source-major
         recv = recv.reshape(p, el, cap, h).swapaxes(0, 1).reshape(el, p * cap, h)
-        y = _ffn_padded(recv, w_gate_up, w_down, opts.backend)
+        y = _ffn_padded(recv, w_gate_up, w_down, opts.backend, opts.kernels)
         y = y.reshape(el, p, cap, h).swapaxes(0, 1).reshape(p * el * cap, h)
         back = jax.lax.all_to_all(y, axes, 0, 0, tiled=True)
     else:  # dropless: ragged exchange of expert-sorted rows

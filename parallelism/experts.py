@@ -21,12 +21,15 @@ Options (all optional):
 - ``drop_policy``: ``"probs"`` (keep the highest routing weights) or ``"position"`` (earliest tokens).
 - ``a2a_impl``: ``"auto"`` (GPU: ragged, else dense), ``"ragged"`` (``jax.lax.ragged_all_to_all``;
   not implemented on XLA:CPU) or ``"dense"`` (fixed-size ``all_to_all``, worst-case buffers).
+- ``kernels``: the ``triton`` backend's fusions, GPU kernels and tiles
+  (:class:`~moevlm_jax.parallelism.kernels.KernelsConfig` or a mapping of its fields).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
@@ -44,6 +47,7 @@ from moevlm_jax.parallelism.dispatch import (
 from moevlm_jax.parallelism import fp8
 from moevlm_jax.parallelism.fp8 import Fp8Config
 from moevlm_jax.parallelism.grouped_matmul import GPU_PLATFORMS, resolve_backend
+from moevlm_jax.parallelism.kernels import KernelsConfig
 from moevlm_jax.parallelism.permute import DROP_POLICIES
 
 log = logging.getLogger(__name__)
@@ -61,8 +65,11 @@ class ExpertsConfig:
     drop_policy: Literal["probs", "position"] = "probs"  # which assignments a full expert keeps
     a2a_impl: Literal["auto", "ragged", "dense"] = "auto"  # auto (GPU: ragged_all_to_all, else fixed-size all_to_all)
     hybrid_overflow: float = 0.25  # hybrid only: the overflow buffer's rows as a fraction of the assignments
+    kernels: KernelsConfig = KernelsConfig()  # the triton backend's fusions, GPU kernels and tiles
 
     def __post_init__(self) -> None:
+        if isinstance(self.kernels, Mapping):
+            object.__setattr__(self, "kernels", KernelsConfig(**self.kernels))
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"compute.moe.capacity_factor must be null (dropless) or > 0, got {self.capacity_factor!r}")
         if not self.hybrid_overflow > 0:
@@ -71,8 +78,21 @@ class ExpertsConfig:
         if self.backend in ("capacity", "hybrid") and self.capacity_factor is None:
             raise ValueError(f"compute.moe.capacity_factor: backend '{self.backend}' needs one, e.g. 1.25")
 
+    def options(self) -> dict[str, Any]:
+        """Keyword options for :func:`experts_forward` (each field as it is; ``kernels`` stays a KernelsConfig)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-DEFAULT_OPTIONS: dict[str, Any] = dataclasses.asdict(ExpertsConfig())
+    def kernels_summary(self, platform: str) -> str:
+        """One line naming the kernels the experts run with on ``platform`` (logged once at the start of a run)."""
+        backend = self.backend
+        if backend not in ("capacity", "hybrid"):
+            backend = resolve_backend(backend, platform)
+        elif backend == "hybrid":
+            backend = resolve_backend("auto", platform)
+        return self.kernels.summary(backend, platform)
+
+
+DEFAULT_OPTIONS: dict[str, Any] = ExpertsConfig().options()
 
 
 def _platform(topo: ExpertTopology) -> str:
@@ -124,8 +144,13 @@ def resolve_options(topo: ExpertTopology, **options: Any) -> MoeOptions:
         raise ValueError(f"unknown a2a_impl {a2a!r}; choose one of {('auto',) + A2A_IMPLS}")
     if a2a == "ragged" and platform == "cpu" and dispatcher == "alltoall" and factor is None:
         raise ValueError("a2a_impl 'ragged' uses jax.lax.ragged_all_to_all, not implemented on XLA:CPU; use 'dense'")
+    kernels = o["kernels"]
+    if isinstance(kernels, Mapping):
+        kernels = KernelsConfig(**kernels)
+    if not isinstance(kernels, KernelsConfig):
+        raise TypeError(f"kernels must be a KernelsConfig or a mapping of its fields, got {kernels!r}")
     return MoeOptions(backend, dispatcher, None if factor is None else float(factor), o["drop_policy"], a2a, overflow,
-                      float(o["hybrid_overflow"]))
+                      float(o["hybrid_overflow"]), kernels)
 
 
 def _validate(x, topk_idx, topk_weights, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions) -> jax.Array:

@@ -15,27 +15,11 @@ whole window by its group's weight block and stores only its group's rows: each 
 shared memory through TMA boxes of 64, 32, ..., 1 rows (the row count's binary digits), since a TMA box has a static
 size. Rows past ``sum(group_sizes)`` are left unwritten, as ``gmm_triton.gmm`` does.
 
-Measured on one H200 (bench/moe_layer.md runs 13-14): the dense warp-specialised kernel runs at cuBLAS's speed at
-the experts' shapes (0.91-1.06x), where the Pallas-Triton kernels reach ~0.8 of it. Windows at aligned 128-row blocks
-(run 13: a block holding two groups' rows computed once per group, ~G extra tiles) took 0.93-1.01x the Triton
-kernels' time; windows at each group's start take 0.86-0.96x (run 14), outputs bitwise equal. What it leaves on the
-table: about G/2 partly used windows, and each epilogue slab waits for the previous slab's stores. :func:`tgmm`
-(the same pipeline, a dynamic number of row steps per group) took 0.88-0.96x the Triton d(w) kernel's time (run 14).
-Its variants (``TConfig``: rows streamed over segments of several groups, a swizzled epilogue, CTA pairs
-sharing the dy block) ran up to 2-9% faster per matmul but within +-1% in the layer and 0.6% slower in the proxy
-step (run 16); run 18 timed the streamed kernel at 16,384-row segments 1.5% (235B-A22B) and 0.9-1.8% (30B-A3B) faster
-in the layer and the same in the step: the default since (``CONFIGS``), with (run 19) one 128 x 128 epilogue slab per
-warpgroup, another 3-7% per d(w) matmul.
-
-Options that did not pay on the H200 (run 19; ``Config``): the tiles' pipelines chained (Pallas'
-``PipelinePipeline``: the next tile's first blocks load during this tile's epilogue) and one wgmma kept in flight.
-Options correct on the H200 that did not pay in the layer (run 20, opt-in): ``Config.wg_m``, the compute warpgroups on
-the tile's row halves, so that a group's last window, half used or less, leaves one warpgroup idle instead of
-computing rows nobody stores (+5% at the 235B-A22B shapes); SwiGLU in the gate_up forward's epilogue with its
-backward in the down projection's d(x) epilogue (:func:`gmm_dswiglu`), with or without the routing weights (+2-3% at
-235B-A22B, within the spread at 30B-A3B). Per matmul (run 20b) the fused forward was what cost (+0.05 / +0.86 ms at
-30B-A3B / 235B-A22B against the kernel and XLA's pass: removed on 2026-12-06) and the fused backward pays (-0.07 ms):
-``permute``'s FUSE "mgpu_dswiglu" / "mgpu_dweighted" take it.
+On an H200 the dense warp-specialised kernel runs at cuBLAS's speed at the experts' shapes, where the Pallas-Triton
+kernels reach about 0.8 of it; windows at each group's start beat windows at aligned row blocks (a block holding two
+groups' rows is computed once per group). :func:`tgmm` streams the rows of several groups through one pipeline
+(``TConfig.seg_rows``). :func:`gmm_dswiglu` puts SwiGLU's backward in the d(x) epilogue (``permute``'s fusions
+"mgpu_dswiglu" / "mgpu_dweighted"). Figures: bench/results/moe_layer.md.
 
 A step's kernels can be compiled ahead, beside the step's own compile (:func:`recording`, :class:`Recording`).
 """
@@ -46,7 +30,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 
@@ -67,37 +50,35 @@ class Config:
     written while the previous one is stored, where that one was a whole slab, i.e. one store); a group's row
     windows start at a multiple of ``align`` (:func:`block_table`)."""
 
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 64
-    max_concurrent_steps: int = 4
-    grid_tile_width: int = 8
-    epi_tile_m: int = 64
-    epi_tile_n: int = 64
-    align: int = 8
-    epi_buffers: int = 1
-    # 1: the output tiles' pipelines chained (Pallas' "pipeline of pipelines", ``PipelinePipeline``) where the K
-    # steps divide by ``max_concurrent_steps`` (:func:`chained`): the memory warpgroup loads the next tile's first K
-    # blocks while the compute warpgroups finish this tile and store it, where each tile's pipeline would otherwise
-    # fill after the store; the persistent loop then visits only the used tiles.
-    chain: int = 0
-    # 1: each compute warpgroup keeps one wgmma in flight (``wgmma_wait(1)``), its shared-memory blocks released a
-    # step later (BlockSpec ``delay_release``); not with ``chain`` (Pallas has no delayed release in chained pipelines)
-    delay_release: int = 0
-    # 1: the compute warpgroups split the tile's rows, not its columns: each owns ``tile_m / 2`` rows x ``2 * tile_n``
-    # columns (CUTLASS's cooperative split, m64n256 wgmmas at the defaults), and a warpgroup whose rows hold none of
-    # the group's (a group's last window, half used or less) issues no wgmma and stores nothing
-    wg_m: int = 0
+    tile_m: int = 128  # rows of a tile (a group's row window)
+    tile_n: int = 128  # columns of each compute warpgroup's accumulator (the CTA covers 2 * tile_n)
+    tile_k: int = 64  # contraction per pipeline step
+    max_concurrent_steps: int = 3  # pipeline steps in flight
+    grid_tile_width: int = 8  # output tiles along N visited before moving on in M
+    epi_tile_m: int = 64  # epilogue slab rows
+    epi_tile_n: int = 64  # epilogue slab columns
+    align: int = 8  # a group's row windows start at a multiple of this (divides tile_m; a multiple of 8)
+    epi_buffers: int = 2  # epilogue shared-memory buffers per warpgroup (1 or 2)
+
+    def __post_init__(self) -> None:
+        _check_tiles(self)
+        if self.tile_m % self.align or self.align % 8:
+            raise ValueError(f"gmm_mgpu.Config: align {self.align} must divide tile_m {self.tile_m} and be a "
+                             f"multiple of 8")
+        if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
+            raise ValueError(f"gmm_mgpu.Config: the epilogue slab {self.epi_tile_m} x {self.epi_tile_n} must divide "
+                             f"the tile {self.tile_m} x {self.tile_n}")
 
 
-TUNE_ENV = "MOEVLM_GMM_MGPU_TUNE"
-KINDS_ENV = "MOEVLM_GMM_MGPU"
-# the unfused matmuls of the Triton experts that run on these kernels instead (on a GPU, in bf16, where the shape
-# fits): "fwd" and "dx" (gmm), "dw" (tgmm); all three by default ($MOEVLM_GMM_MGPU= for none). The fused gate_up
-# forward (the Triton kernel's row gather, $MOEVLM_MOE_FUSE=gather) stays Triton.
-KINDS: frozenset[str] = frozenset(k for k in os.environ.get(KINDS_ENV, "fwd,dx,dw").split(",") if k)
-if KINDS - {"fwd", "dx", "dw"}:
-    raise ValueError(f"${KINDS_ENV}: {sorted(KINDS)}; the kinds are fwd, dx, dw")
+def _check_tiles(cfg: Config | TConfig) -> None:
+    """Every field a positive int (``seg_rows`` >= 0), ``epi_buffers`` 1 or 2."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        low = 0 if f.name == "seg_rows" else 1
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{type(cfg).__name__}.{f.name} must be an int >= {low}, got {v!r}")
+    if cfg.epi_buffers not in (1, 2):
+        raise ValueError(f"{type(cfg).__name__}.epi_buffers must be 1 or 2, got {cfg.epi_buffers}")
 
 
 def on_hopper() -> bool:
@@ -111,13 +92,6 @@ def supported(m: int, k: int, n: int, cfg: Config | None = None) -> bool:
     least one row tile."""
     cfg = cfg or Config()
     return k % cfg.tile_k == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
-
-
-def chained(k: int, cfg: Config) -> bool:
-    """Whether ``cfg`` chains the tiles' pipelines at contraction size ``k``: Pallas chains pipelines whose step
-    count is a multiple of ``max_concurrent_steps`` (each starts at buffer slot 0), without delayed release; a
-    ``chain`` config at another ``k`` runs its tiles' pipelines one by one."""
-    return bool(cfg.chain) and (k // cfg.tile_k) % cfg.max_concurrent_steps == 0 and not cfg.delay_release
 
 
 def block_table(group_sizes: jax.Array, m: int, tile_m: int, align: int | None = None
@@ -162,17 +136,14 @@ def _smem_transforms(plgpu, tile_k: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _ws_kernel(plgpu, kernel, out_type, num_sms: int | None, interpret=None, cluster: int = 1):
+def _ws_kernel(plgpu, kernel, out_type, num_sms: int | None, interpret=None):
     """``kernel`` launched persistent (one program per SM, grid axis "sm") with three warpgroups ("wg": two compute,
-    one memory), in warpgroup lowering. ``cluster`` 2: pairs of programs in a cluster (axis "cluster"), one program
-    per pair on grid axis "cluster_grid"."""
-    clusters = dict(grid_names=("cluster_grid",), cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 \
-        else dict(grid_names=("sm",))
+    one memory), in warpgroup lowering."""
     return plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=((num_sms or _num_sms()) // cluster,),
-        **clusters,
+        grid=(num_sms or _num_sms(),),
+        grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -298,50 +269,41 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                          f"and M % {cfg.tile_m} == 0")
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
     em, en, nbuf = cfg.epi_tile_m, cfg.epi_tile_n, cfg.epi_buffers
-    if nbuf not in (1, 2):
-        raise ValueError(f"gmm_mgpu: epi_buffers {nbuf}: 1 or 2")
     dswiglu = h is not None  # the product is d(act): SwiGLU's backward in the epilogue, d(h) out
-    if dswiglu and (cfg.wg_m or h.shape != (m, 2 * n) or h.dtype != x.dtype):
-        raise ValueError(f"gmm_mgpu: SwiGLU's backward needs h [{m}, {2 * n}] {x.dtype} (got {h.shape} {h.dtype}), "
-                         f"no wg_m")
+    if dswiglu and (h.shape != (m, 2 * n) or h.dtype != x.dtype):
+        raise ValueError(f"gmm_mgpu: SwiGLU's backward needs h [{m}, {2 * n}] {x.dtype} (got {h.shape} {h.dtype})")
     weighted = row_w is not None  # the backward of act scaled by each row's routing weight (dswiglu)
     if weighted and (not dswiglu or row_w.shape != (m,) or row_w.dtype != jnp.float32):
         raise ValueError(f"gmm_mgpu: row weights are float32 [{m}] (got {row_w.shape} {row_w.dtype}), for SwiGLU's "
                          f"backward in the epilogue (h) only")
     cta_n = 2 * tn
-    split_m = bool(cfg.wg_m)
-    # a compute warpgroup's block of the tile: its rows (from row wm0 of the window) and its columns
-    wm, wn = (tm // 2, cta_n) if split_m else (tm, tn)
+    # a compute warpgroup's block of the tile: all its rows, its half of the CTA's columns
+    wm, wn = tm, tn
     if wm % em or wn % en:
         raise ValueError(f"gmm_mgpu: a warpgroup's {wm} x {wn} block is not whole {em} x {en} epilogue slabs: {cfg}")
     group, row0, lo_rows, hi_rows = block_table(group_sizes, m, tm, cfg.align)
     n_tiles, n_iters, k_iters = group.shape[0], n // cta_n, k // tk
-    chain = chained(k, cfg)
-    n_used = jnp.sum(hi_rows > lo_rows, dtype=jnp.int32).reshape(1)  # used tiles come first (block_table)
     dtype = x.dtype
     transforms = _smem_transforms(plgpu, tk, dtype)
-    delay = cfg.delay_release
 
-    def get_pipeline(pipeline_body, compute_context, state=None):
+    def get_pipeline(pipeline_body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             pipeline_body,
             grid=(k_iters,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM,
-                                delay_release=delay),
+                plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((cta_n, tk) if trans_w else (tk, cta_n),
                                 (lambda kk: (0, kk)) if trans_w else (lambda kk: (kk, 0)),
-                                transforms=transforms, memory_space=plgpu.SMEM, delay_release=delay),
+                                transforms=transforms, memory_space=plgpu.SMEM),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
             max_concurrent_steps=cfg.max_concurrent_steps,
             compute_context=compute_context,
-            pipeline_state=state,
         )
 
-    def kernel(used_gmem, group_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, *refs):
+    def kernel(group_gmem, row0_gmem, lo_gmem, hi_gmem, a_gmem, b_gmem, *refs):
         refs = list(refs)  # inputs h, row_w; outputs out, the row sums (dswiglu, weighted)
         h_gmem = refs.pop(0) if dswiglu else None
         w_gmem = refs.pop(0) if weighted else None
@@ -365,26 +327,21 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                            collective_axes="wg", **epi)
         def scope(pipeline_allocs, out_smem, h_bar=None, w_smem=None, w_bar=None, sums_smem=None):
             wg = lax.axis_index("wg")
-            # chained: a loop over the used tiles only, so that every visited tile runs a pipeline
-            rows = used_gmem[0] if chain else n_tiles
-
-            @plgpu.nd_loop((rows * n_iters,), collective_axes="sm")
+            @plgpu.nd_loop((n_tiles * n_iters,), collective_axes="sm")
             def mn_loop(info):
                 (lin,) = info.index
-                t, ni = plgpu.planar_snake(lin, (rows, n_iters), 1, cfg.grid_tile_width)
+                t, ni = plgpu.planar_snake(lin, (n_tiles, n_iters), 1, cfg.grid_tile_width)
                 r0, r1, g = lo_gmem[t], hi_gmem[t], group_gmem[t]
 
                 @pl.when(r1 > r0)
                 def _():
                     start = pl.multiple_of(row0_gmem[t], cfg.align)
-                    wm0 = wg * wm if split_m else 0  # this warpgroup's first row in the window
-                    skip, count = r0 - start - wm0, r1 - r0  # the group's rows from this warpgroup's first
-                    col0 = ni * cta_n + (0 if split_m else wg * tn)
-                    mine = (skip + count > 0) & (skip < wm)  # this warpgroup's rows hold some of the group's
+                    skip, count = r0 - start, r1 - r0  # the group's rows from the window's first
+                    col0 = ni * cta_n + wg * tn
 
                     def load_weights():  # this warpgroup's rows' routing weights, while the product runs
                         if weighted:
-                            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(start + wm0, wm)], w_smem.at[wg], w_bar.at[wg])
+                            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(start, wm)], w_smem.at[wg], w_bar.at[wg])
 
                     def compute_context(eval_pipeline):
                         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
@@ -395,25 +352,16 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                                 for sl in range(min(2, n_slabs)):
                                     load_h(sl)
                             eval_pipeline(acc_ref)
-                            if delay:
-                                plgpu.wgmma_wait(0)  # the last step's wgmma
                             if dswiglu:
                                 store_dswiglu(acc_ref)
                                 return
-
-                            def store_acc() -> None:
-                                store(acc_ref[...].astype(dtype), out_gmem, col0)
-
-                            if split_m:
-                                pl.when(mine)(store_acc)
-                            else:
-                                store_acc()
+                            store(acc_ref[...].astype(dtype), out_gmem, col0)
 
                     n_slabs = (wm // em) * (wn // en)
 
                     def slab_at(sl):  # the rows (from the window's first) and columns of slab sl of this warpgroup
                         mi, nj = divmod(sl, wn // en)
-                        return wm0 + mi * em, col0 + nj * en
+                        return mi * em, col0 + nj * en
 
                     def load_h(sl):
                         r, c = slab_at(sl)
@@ -492,44 +440,20 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
                                 out_smem[wg, b] = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en]
                                 plgpu.commit_smem()
                                 prev = hi - lo
-                                store_rows(out_smem.at[wg, b], o_gmem, start + wm0 + mi * em, c0 + nj * en, lo, prev)
+                                store_rows(out_smem.at[wg, b], o_gmem, start + mi * em, c0 + nj * en, lo, prev)
                         return prev
 
-                    def mma_body(_, a_smem, b_smem, acc_ref):
-                        if split_m:  # this warpgroup's rows, all the columns
-                            a = a_smem.at[pl.ds(wg * wm, wm)]
-                            b = plgpu.transpose_ref(b_smem, (1, 0)) if trans_w else b_smem
-                        else:  # all the rows, this warpgroup's columns
-                            a = a_smem
-                            b = (plgpu.transpose_ref(b_smem.at[pl.ds(wg * tn, tn)], (1, 0)) if trans_w
-                                 else b_smem.at[:, pl.ds(wg * tn, tn)])
-
-                        def mma():
-                            plgpu.wgmma(acc_ref, a, b)
-                            plgpu.wgmma_wait(delay)
-
-                        if split_m:
-                            pl.when(mine)(mma)
-                        else:
-                            mma()
+                    def mma_body(_, a_smem, b_smem, acc_ref):  # all the rows, this warpgroup's columns
+                        b = (plgpu.transpose_ref(b_smem.at[pl.ds(wg * tn, tn)], (1, 0)) if trans_w
+                             else b_smem.at[:, pl.ds(wg * tn, tn)])
+                        plgpu.wgmma(acc_ref, a_smem, b)
+                        plgpu.wgmma_wait(0)
                         return acc_ref
 
                     cols = pl.ds(ni * cta_n, cta_n)
                     operands = (a_gmem.at[pl.ds(start, tm), :],
                                 b_gmem.at[g, cols, :] if trans_w else b_gmem.at[g, :, cols])
-                    if not chain:
-                        get_pipeline(mma_body, compute_context)(*operands, allocations=pipeline_allocs)
-                        return
-                    # this SM's first tile starts the chain (loads its first blocks), its last one ends it (waits
-                    # for the compute warpgroups' last releases); a lone tile is an unchained pipeline
-                    j, n_local = info.local_index, info.num_local_steps
-                    state = jnp.where(j == 0, int(plgpu.PipelinePipeline.START),
-                                      jnp.where(j == n_local - 1, int(plgpu.PipelinePipeline.STOP),
-                                                int(plgpu.PipelinePipeline.STEADY)))
-                    pl.when(n_local == 1)(lambda: get_pipeline(mma_body, compute_context)(
-                        *operands, allocations=pipeline_allocs))
-                    pl.when(n_local > 1)(lambda: get_pipeline(mma_body, compute_context, state)(
-                        *operands, allocations=pipeline_allocs))
+                    get_pipeline(mma_body, compute_context)(*operands, allocations=pipeline_allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -537,7 +461,7 @@ def _gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Array | None
     if dswiglu and weighted:  # per (warpgroup's column block, tile): the window's row sums
         out_type = (out_type, jax.ShapeDtypeStruct((n // tn, n_tiles, tm), jnp.float32))
     call = _ws_kernel(plgpu, kernel, out_type, num_sms, interpret)
-    out = call(n_used, group, row0, lo_rows, hi_rows, x, w, *(a for a in (h, row_w) if a is not None))
+    out = call(group, row0, lo_rows, hi_rows, x, w, *(a for a in (h, row_w) if a is not None))
     if dswiglu and weighted:
         return out[0], _row_sums(out[1], row0, lo_rows, hi_rows, m)
     return out
@@ -562,9 +486,8 @@ def gmm_dswiglu(dy: jax.Array, w: jax.Array, group_sizes: jax.Array, h: jax.Arra
     the output dtype (d(act) itself is never written), rows past ``sum(group_sizes)`` unwritten. Each compute
     warpgroup loads h's gate and up slabs of its output block by TMA (the first two while the block's product runs,
     two in flight), computes d(gate) and d(up) into those buffers and stores them from there. Saves SwiGLU's backward
-    pass, which reads h and d(act) and writes d(h) (bench/moe_layer.md: 0.23 / 0.48 ms a layer at the 30B-A3B /
-    235B-A22B shapes), less the loads the epilogue waits for: per matmul on the H200 0.07 ms under the kernel followed
-    by XLA's pass at both shape sets (run 20b; tested in the interpreter with ``trans_w=False``). ``row_w [M]``
+    pass, which reads h and d(act) and writes d(h), less the loads the epilogue waits for (figures:
+    bench/results/moe_layer.md; tested in the interpreter with ``trans_w=False``). ``row_w [M]``
     float32 (the backward of Megatron's weighted SwiGLU, ``act_w = silu(gate) * up * row_w`` as ``permute.swiglu``
     with ``row_w`` computes it; ``dy`` then the cotangent of ``act_w @ w``): the product is
     d(act_w), SwiGLU's backward takes ``d(act) = d(act_w) * row_w``, and the routing weights' gradient
@@ -582,39 +505,35 @@ class TConfig:
     K; the epilogue stores ``epi_tile_m x epi_tile_n`` slabs through ``epi_buffers`` shared-memory buffers per
     warpgroup (2: a slab is written while the previous one is still being stored)."""
 
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 64
-    max_concurrent_steps: int = 4  # run 14: 5-10% faster than 3 (2, 3 were slower than the Triton kernel)
-    grid_tile_width: int = 4  # run 14: 8 and 16 were 6-13% slower
-    epi_tile_m: int = 64
-    epi_tile_n: int = 64
-    epi_buffers: int = 2
-    # the epilogue's shared-memory slabs tiled and swizzled (wgmma's register layout stored without bank conflicts)
-    epi_swizzle: bool = False
-    # 2: CTA pairs in a cluster on neighbouring K blocks of one (group, N block) tile, the dy block loaded once for
-    # both (TMA multicast)
-    cluster_m: int = 1
-    # (cluster_m: the per-group kernel only)
-    # 0: one pipeline per (group, output tile), as above. > 0: the sorted rows cut at group boundaries into segments
-    # of about this many rows, one pipeline per (segment, output tile) streaming the segment's row blocks and storing
-    # each group's tile where the group ends (:func:`_tgmm_streamed`)
-    seg_rows: int = 0
+    tile_m: int = 128  # rows of the [K, N] gradient per compute warpgroup's tile
+    tile_n: int = 128  # columns of each compute warpgroup's accumulator (the CTA covers 2 * tile_n)
+    tile_k: int = 64  # sorted rows contracted per pipeline step
+    max_concurrent_steps: int = 3  # pipeline steps in flight
+    grid_tile_width: int = 4  # output tiles along N visited before moving on in K
+    epi_tile_m: int = 128  # epilogue slab rows
+    epi_tile_n: int = 128  # epilogue slab columns
+    epi_buffers: int = 1  # epilogue shared-memory buffers per warpgroup (1 or 2)
+    # 0: one pipeline per (group, output tile). > 0: the sorted rows cut at group boundaries into segments of about
+    # this many rows, one pipeline per (segment, output tile) streaming the segment's row blocks and storing each
+    # group's tile where the group ends (:func:`_tgmm_streamed`)
+    seg_rows: int = 16384
+
+    def __post_init__(self) -> None:
+        _check_tiles(self)
 
 
 def tsupported(m: int, k: int, n: int, cfg: TConfig | None = None) -> bool:
     """Whether :func:`tgmm` takes ``x [m, k]``, ``dy [m, n]``: whole output tiles, whole row steps."""
     cfg = cfg or CONFIGS["dw"]
-    return (k % (cfg.tile_m * cfg.cluster_m) == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_k == 0
-            and cfg.cluster_m in (1, 2) and not (cfg.seg_rows and cfg.cluster_m > 1)
+    return (k % cfg.tile_m == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_k == 0
             and cfg.tile_m % cfg.epi_tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
             and (cfg.tile_m // cfg.epi_tile_m * cfg.tile_n // cfg.epi_tile_n) % cfg.epi_buffers == 0)
 
 
 def _dw_pipeline(plgpu, cfg: TConfig, transforms, body, compute_context, steps, b0, mi, ni):
     """The d(w) kernels' pipeline over ``steps`` row blocks from block ``b0``: x's ``[tile_k, tile_m]`` block of output
-    tile row ``mi`` and dy's ``[tile_k, 2 * tile_n]`` block of tile column ``ni`` (with ``cluster_m`` 2 the dy block is
-    loaded once for the CTA pair: a collective BlockSpec), one memory and two compute warpgroups."""
+    tile row ``mi`` and dy's ``[tile_k, 2 * tile_n]`` block of tile column ``ni``, one memory and two compute
+    warpgroups."""
     tk, tm, cta_n = cfg.tile_k, cfg.tile_m, 2 * cfg.tile_n
     return plgpu.emit_pipeline_warp_specialized(
         body,
@@ -622,8 +541,7 @@ def _dw_pipeline(plgpu, cfg: TConfig, transforms, body, compute_context, steps, 
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((tk, tm), lambda s: (b0 + s, mi), transforms=transforms, memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((tk, cta_n), lambda s: (b0 + s, ni), transforms=transforms, memory_space=plgpu.SMEM,
-                            collective_axes=("cluster",) if cfg.cluster_m > 1 else ()),
+            plgpu.BlockSpec((tk, cta_n), lambda s: (b0 + s, ni), transforms=transforms, memory_space=plgpu.SMEM),
         ],
         wg_axis="wg",
         num_compute_wgs=2,
@@ -633,14 +551,8 @@ def _dw_pipeline(plgpu, cfg: TConfig, transforms, body, compute_context, steps, 
 
 
 def _dw_out_smem(plgpu, cfg: TConfig, dtype):
-    """The d(w) epilogue's shared-memory slabs, ``epi_buffers`` per compute warpgroup; with ``epi_swizzle`` in 8-row
-    tiles of one swizzle width, swizzled, as hopper_matmul_mgpu stores its output."""
-    shape = (2, cfg.epi_buffers, cfg.epi_tile_m, cfg.epi_tile_n)
-    if not cfg.epi_swizzle:
-        return plgpu.SMEM(shape, dtype)
-    swizzle = plgpu.find_swizzle(cfg.epi_tile_n * jnp.dtype(dtype).itemsize * 8)
-    return plgpu.SMEM(shape, dtype, transforms=(
-        plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)))
+    """The d(w) epilogue's shared-memory slabs, ``epi_buffers`` per compute warpgroup."""
+    return plgpu.SMEM((2, cfg.epi_buffers, cfg.epi_tile_m, cfg.epi_tile_n), dtype)
 
 
 def _store_dw_tile(plgpu, cfg: TConfig, out_smem, o_gmem, wg, acc, gi, mi, ni) -> None:
@@ -689,9 +601,8 @@ def _tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfi
     if dy.shape[0] != m or dy.dtype != x.dtype:
         raise ValueError(f"gmm_mgpu.tgmm: x {x.shape} {x.dtype} and dy {dy.shape} {dy.dtype} need the same rows, dtype")
     if not tsupported(m, k, n, cfg):
-        raise ValueError(f"gmm_mgpu.tgmm: x [{m}, {k}], dy [{m}, {n}] need K % {cfg.tile_m * cfg.cluster_m} == 0, "
-                         f"N % {2 * cfg.tile_n} == 0 and M % {cfg.tile_k} == 0 (and cluster_m 1 or 2; the streamed "
-                         f"kernel, seg_rows > 0, has no CTA pairs: {cfg})")
+        raise ValueError(f"gmm_mgpu.tgmm: x [{m}, {k}], dy [{m}, {n}] need K % {cfg.tile_m} == 0, "
+                         f"N % {2 * cfg.tile_n} == 0 and M % {cfg.tile_k} == 0 and whole epilogue slabs ({cfg})")
     if cfg.seg_rows:
         return _tgmm_streamed(x, dy, group_sizes, cfg, num_sms)
     tm, tn, tk = cfg.tile_m, cfg.tile_n, cfg.tile_k
@@ -705,7 +616,6 @@ def _tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfi
     dtype = x.dtype
     transforms = _smem_transforms(plgpu, tk, dtype)
     grid_m, grid_n = k // tm, n // cta_n
-    cl = cfg.cluster_m
     out_smem_type = _dw_out_smem(plgpu, cfg, dtype)
 
     def get_pipeline(pipeline_body, compute_context, steps, b0, mi, ni):
@@ -718,17 +628,15 @@ def _tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfi
         @functools.partial(pl.run_scoped, pipeline_allocs=allocs, out_smem=out_smem_type, collective_axes="wg")
         def scope(pipeline_allocs, out_smem):
             wg = lax.axis_index("wg")
-            cta = lax.axis_index("cluster") if cl > 1 else 0
 
             def store(acc, gi, mi, ni):
                 _store_dw_tile(plgpu, cfg, out_smem, o_gmem, wg, acc, gi, mi, ni)
 
-            @plgpu.nd_loop((g * grid_m // cl * grid_n,), collective_axes="cluster_grid" if cl > 1 else "sm")
+            @plgpu.nd_loop((g * grid_m * grid_n,), collective_axes="sm")
             def mn_loop(info):
                 (lin,) = info.index
-                gi = lin // (grid_m // cl * grid_n)
-                mc, ni = plgpu.planar_snake(lin % (grid_m // cl * grid_n), (grid_m // cl, grid_n), 1, cfg.grid_tile_width)
-                mi = mc * cl + cta
+                gi = lin // (grid_m * grid_n)
+                mi, ni = plgpu.planar_snake(lin % (grid_m * grid_n), (grid_m, grid_n), 1, cfg.grid_tile_width)
                 start, end, steps, b0 = starts_gmem[gi], ends_gmem[gi], steps_gmem[gi], first_gmem[gi]
 
                 @pl.when((steps == 0) & (wg < 2))
@@ -765,7 +673,7 @@ def _tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfi
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    call = _ws_kernel(plgpu, kernel, jax.ShapeDtypeStruct((g, k, n), dtype), num_sms, cluster=cl)
+    call = _ws_kernel(plgpu, kernel, jax.ShapeDtypeStruct((g, k, n), dtype), num_sms)
     return call(starts, ends, first, n_steps, x, dy)
 
 
@@ -913,44 +821,7 @@ def _tgmm_streamed(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, cfg: TCo
     return call(ends, g0, g1, b0s, steps_s, lo_s, hi_s, x, dy)
 
 
-def tuned(configs: dict, spec: str) -> dict:
-    """``configs`` with the overrides of ``spec`` (``$MOEVLM_GMM_MGPU_TUNE``), a comma-separated list of
-    ``kind.field=int``, e.g. ``fwd.epi_buffers=2,dw.grid_tile_width=2``: how a bench times a config in the whole
-    layer or step without editing the tables. Unknown kinds or fields are errors."""
-    out = dict(configs)
-    for item in (t.strip() for t in spec.split(",")):
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        kind, dot, field = key.partition(".")
-        if not (sep and dot) or kind not in out or field not in {f.name for f in dataclasses.fields(out[kind])}:
-            raise ValueError(f"${TUNE_ENV}: {item!r}: expected kind.field=int with kind in {sorted(out)} and a field "
-                             f"of {type(out.get(kind, Config())).__name__}")
-        out[kind] = dataclasses.replace(out[kind], **{field: int(value)})
-    return out
-
-
-# per kind, from bench/moe_layer.md run 14 (both shape sets, the row windows at each group's start): 3 K steps in
-# flight (235B gate_up forward 5.23 vs 5.48 ms with 4, d(x) 5.24 vs 5.50; the down projection's forward 2.69 vs
-# 2.63, the 30B shapes within 1%). grid_tile_width 4 / 16 were within +-3% of 8. Run 15: 2 epilogue buffers, faster
-# in 6 of the 8 per-matmul timings (forward 2-4% at every shape, 235B d(x) 2-4%, the 30B d(x) within 1%); the layer
-# the same within its resolution. d(w): TConfig's defaults (run 15: grid_tile_width 2 was 5% slower at the 235B gate_up).
-# Run 16: the streamed d(w) (seg_rows 8192) 2.4-5.4% faster per matmul at all four shapes, but in the layer +1.9-2.5%
-# at 30B-A3B and -1.3% / +0.1% at 235B-A22B, and the proxy step 0.6% slower (684.3 vs 680.3 ms): opt-in
-# ($MOEVLM_GMM_MGPU_TUNE=dw.seg_rows=8192).
-# Run 18: the streamed d(w) at seg_rows 16384 took 1.5% (235B-A22B) / 0.9-1.8% (30B-A3B) off the layer in one call
-# (28.675 / 7.894 ms against 29.075-29.117 / 7.968-8.040 as before; seg_rows 8192 -0.4% / ~0), and the proxy step
-# the same (671.0 vs 671.2 ms, bench/step_h200.md run 32): the default since.
-# Run 19: that kernel's epilogue as one 128 x 128 slab per warpgroup (one TMA store a tile instead of four 64 x 64
-# slabs, each waiting on the one before; 3 steps in flight to fit it in shared memory) took 3-7% off the d(w)
-# matmuls at both shapes (235B-A22B gate_up 5.547 vs 5.988 ms, down 2.700 vs 2.890; 30B-A3B 1.355 vs 1.401, 0.693 vs
-# 0.694) and 0.5 ms off the 235B layer (29.120 vs 29.772-29.835 ms; 30B 8.130 vs 8.177-8.300), the step the same
-# (686.9 vs 684.5 ms, within its spread): the default since. Chained tiles (``chain``) and one wgmma in flight
-# (``delay_release``) did not pay: per matmul -5%..+15% (chain at 4 steps in flight: down forward 235B -5%, gate_up
-# +3%), in the layer within its spread; opt-in.
-# $MOEVLM_GMM_MGPU_TUNE overrides any field (:func:`tuned`; `dw.seg_rows=0` for the per-group kernel, which CTA pairs
-# and the swizzled epilogue need).
-CONFIGS: dict[str, Config | TConfig] = tuned(
-    {"fwd": Config(max_concurrent_steps=3, epi_buffers=2), "dx": Config(max_concurrent_steps=3, epi_buffers=2),
-     "dw": TConfig(seg_rows=16384, max_concurrent_steps=3, epi_tile_m=128, epi_tile_n=128, epi_buffers=1)},
-    os.environ.get(TUNE_ENV, ""))
+# The tiles per kind: the class defaults, the fastest measured on an H200 (bench/results/moe_layer.md): fwd / dx with
+# 3 steps in flight and two epilogue buffers; d(w) the streamed kernel at 16,384-row segments with one 128 x 128
+# epilogue slab per warpgroup. A run sets its own in ``compute.moe.kernels.mosaic_gpu_tiles`` (``parallelism.kernels``).
+CONFIGS: dict[str, Config | TConfig] = {"fwd": Config(), "dx": Config(), "dw": TConfig()}

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from moevlm_jax.parallelism import gmm_mgpu, gmm_triton
+from moevlm_jax.parallelism.kernels import DEFAULT_KERNELS, KernelsConfig
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def preload(platform: str, backend: str | None = "auto") -> None:
     experts' backend is tokamax. Imported for the first time inside a trace, tokamax changes jax's
     tracing context (H200, jax 0.11.2: the train step compiled ahead with 50 context values, called
     with 56), so the step compiled ahead of time misses the jit cache and compiles again in its first
-    call (bench/step_h200.md run 1; gone with this preload, run 3). The Triton kernels need nothing."""
+    call; imported here first, it does not. The Triton kernels need nothing."""
     if platform in GPU_PLATFORMS and backend == "tokamax":
         import_tokamax()
 
@@ -99,7 +100,7 @@ def tokamax_available() -> bool:
 def default_backend(platform: str | None = None) -> str:
     """The grouped-matmul backend for ``platform`` (default: jax's default backend): on GPUs this
     project's Pallas-Triton kernels (Pallas ships with jax; on an H200 1.8x tokamax for the MoE layer,
-    bench/moe_layer.md run 6), elsewhere ``jax.lax.ragged_dot``."""
+    bench/results/moe_layer.md), elsewhere ``jax.lax.ragged_dot``."""
     platform = platform or jax.default_backend()
     return "triton" if platform in GPU_PLATFORMS else "ragged_dot"
 
@@ -195,52 +196,60 @@ def _tokamax_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
-def mgpu_takes(kind: str, m: int, k: int, n: int, dtype: Any) -> bool:
+def mgpu_takes(kind: str, m: int, k: int, n: int, dtype: Any, kernels: KernelsConfig = DEFAULT_KERNELS) -> bool:
     """Whether the experts' matmul of ``kind`` ("fwd" / "dx": ``[m, k] -> [m, n]``; "dw": ``x [m, k]``, ``dy [m, n]``)
-    runs on the Mosaic-GPU kernels (``parallelism.gmm_mgpu``): listed in ``$MOEVLM_GMM_MGPU``, bf16, on a Hopper GPU,
-    at a shape the kernel takes; else on the Triton kernels."""
-    if kind not in gmm_mgpu.KINDS or dtype != jnp.bfloat16 or gmm_triton._on_cpu() or not gmm_mgpu.on_hopper():
+    runs on the Mosaic-GPU kernels (``parallelism.gmm_mgpu``): listed in ``kernels.mosaic_gpu``, bf16, on a Hopper
+    GPU, at a shape the kernel takes with ``kernels.mosaic_gpu_tiles``; else on the Triton kernels."""
+    if kind not in kernels.mosaic_gpu or dtype != jnp.bfloat16 or gmm_triton._on_cpu() or not gmm_mgpu.on_hopper():
         return False
+    cfg = getattr(kernels.mosaic_gpu_tiles, kind)
     if kind == "dw":
-        return gmm_mgpu.tsupported(m, k, n)
-    return gmm_mgpu.supported(m, k, n, gmm_mgpu.CONFIGS[kind])
+        return gmm_mgpu.tsupported(m, k, n, cfg)
+    return gmm_mgpu.supported(m, k, n, cfg)
 
 
-def plain_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False) -> jax.Array:
+def plain_gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = False,
+              kernels: KernelsConfig = DEFAULT_KERNELS) -> jax.Array:
     """``gmm_triton.gmm`` without fusions, or the same product on the Mosaic-GPU kernel (``gmm_mgpu.gmm``) where
-    :func:`mgpu_takes`. Both leave the rows past ``sum(group_sizes)`` unwritten."""
-    n = w.shape[1] if trans_w else w.shape[2]
-    if w.dtype == x.dtype and mgpu_takes("dx" if trans_w else "fwd", x.shape[0], x.shape[1], n, x.dtype):
-        return gmm_mgpu.gmm(x, w, group_sizes, trans_w=trans_w)
-    return gmm_triton.gmm(x, w, group_sizes, trans_w=trans_w)
+    :func:`mgpu_takes`; the tiles from ``kernels``. Both leave the rows past ``sum(group_sizes)`` unwritten."""
+    kind = "dx" if trans_w else "fwd"
+    k, n = x.shape[1], (w.shape[1] if trans_w else w.shape[2])
+    if w.dtype == x.dtype and mgpu_takes(kind, x.shape[0], k, n, x.dtype, kernels):
+        return gmm_mgpu.gmm(x, w, group_sizes, trans_w=trans_w, config=getattr(kernels.mosaic_gpu_tiles, kind))
+    return gmm_triton.gmm(x, w, group_sizes, trans_w=trans_w, config=kernels.triton_config(kind, k, n))
 
 
-def plain_tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, out_dtype: Any = None) -> jax.Array:
+def plain_tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, out_dtype: Any = None,
+               kernels: KernelsConfig = DEFAULT_KERNELS) -> jax.Array:
     """The experts' d(w) ``[G, K, N]``: ``gmm_triton.tgmm``, or ``gmm_mgpu.tgmm`` where :func:`mgpu_takes` (and the
     gradient is wanted in bf16). Neither lets the rows past ``sum(group_sizes)`` into the result (the Mosaic kernel
     selects zeros there, so NaN there stays out)."""
+    k, n = x.shape[1], dy.shape[1]
     if (dy.dtype == x.dtype and out_dtype in (None, x.dtype)
-            and mgpu_takes("dw", x.shape[0], x.shape[1], dy.shape[1], x.dtype)):
-        return gmm_mgpu.tgmm(x, dy, group_sizes)
-    return gmm_triton.tgmm(x, dy, group_sizes, out_dtype=out_dtype)
+            and mgpu_takes("dw", x.shape[0], k, n, x.dtype, kernels)):
+        return gmm_mgpu.tgmm(x, dy, group_sizes, config=kernels.mosaic_gpu_tiles.dw)
+    return gmm_triton.tgmm(x, dy, group_sizes, out_dtype=out_dtype, config=kernels.triton_config("dw", k, n))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _triton_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tail: bool) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _triton_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tail: bool,
+                   kernels: KernelsConfig) -> jax.Array:
     """``tail``: zero the output's (and d(lhs)'s) rows past ``sum(group_sizes)``, which the kernels leave
     unwritten (and never read)."""
-    return _triton_fwd(lhs, rhs, group_sizes, tail)[0]
+    return _triton_fwd(lhs, rhs, group_sizes, tail, kernels)[0]
 
 
-def _triton_fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tail: bool) -> tuple[jax.Array, tuple]:
-    return zero_tail(plain_gmm(lhs, rhs, group_sizes), group_sizes, tail), (lhs, rhs, group_sizes)
+def _triton_fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, tail: bool,
+                kernels: KernelsConfig) -> tuple[jax.Array, tuple]:
+    out = zero_tail(plain_gmm(lhs, rhs, group_sizes, kernels=kernels), group_sizes, tail)
+    return out, (lhs, rhs, group_sizes)
 
 
-def _triton_bwd(tail: bool, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
+def _triton_bwd(tail: bool, kernels: KernelsConfig, res: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
     lhs, rhs, group_sizes = res
     g = g.astype(lhs.dtype)
-    dlhs = zero_tail(plain_gmm(g, rhs, group_sizes, trans_w=True), group_sizes, tail)
-    drhs = plain_tgmm(lhs, g, group_sizes, out_dtype=rhs.dtype)
+    dlhs = zero_tail(plain_gmm(g, rhs, group_sizes, trans_w=True, kernels=kernels), group_sizes, tail)
+    drhs = plain_tgmm(lhs, g, group_sizes, out_dtype=rhs.dtype, kernels=kernels)
     return dlhs, drhs, None
 
 
@@ -257,12 +266,13 @@ def _dense_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dt
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, backend: str | None = None,
-                   zero_tail_rows: bool = True) -> jax.Array:
+                   zero_tail_rows: bool = True, kernels: KernelsConfig = DEFAULT_KERNELS) -> jax.Array:
     """lhs ``[M, K]`` (rows sorted by group), rhs ``[G, K, N]``, group_sizes ``[G]`` -> ``[M, N]``.
 
     Rows past ``sum(group_sizes)`` are zero (in the output and in d(lhs)); ``zero_tail_rows=False`` lets the Triton
     backend leave them unwritten (any values, NaN included) for a caller that reads none of them: the
-    masking is a pass over ``[M, N]`` (at M = 360k rows and N = 2048, ~0.9 ms on an H200)."""
+    masking is a pass over ``[M, N]`` (at M = 360k rows and N = 2048, ~0.9 ms on an H200). ``kernels``: the
+    Triton backend's kernel choices and tiles (``compute.moe.kernels``)."""
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"grouped_matmul: lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
     if group_sizes.shape != (rhs.shape[0],):
@@ -276,7 +286,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, ba
     if backend == "tokamax":
         return _tokamax_matmul(lhs, rhs, group_sizes, out_dtype)
     if backend == "triton":
-        return _triton_matmul(lhs, rhs, group_sizes, zero_tail_rows)
+        return _triton_matmul(lhs, rhs, group_sizes, zero_tail_rows, kernels)
     return _dense_matmul(lhs, rhs, group_sizes, out_dtype)
 
 

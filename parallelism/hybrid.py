@@ -4,9 +4,9 @@ Each expert's first ``C`` assignments (``C`` from ``capacity_factor`` x the mean
 padded batched einsum ``[E, C, H] x [E, H, 2I]`` (the dense-matmul rate on the GPU), the overflow
 (rank >= C) through the grouped matmul on a small static buffer of ``B`` rows (``hybrid_overflow``
 x the assignments): one buffer ``[E*C + B, H]``, one gather in, one combine out, nothing dropped.
-The grouped kernel's time follows its static row count, not the rows in use (H200, 2026-11-30: the
+The grouped kernel's time follows its static row count, not the rows in use (H200: the
 overflow kernel over a full-size buffer cost ~45% of the whole dropless layer for ~10% of its rows,
-bench/moe_layer.md run 4), hence ``B``; a batch whose overflow exceeds ``B`` runs the plain grouped
+bench/moe_layer.md), hence ``B``; a batch whose overflow exceeds ``B`` runs the plain grouped
 matmul on all its rows (``hybrid_or_grouped``, a per-call ``lax.cond``), so the result never
 depends on the bound.
 """
@@ -32,6 +32,7 @@ from moevlm_jax.parallelism.permute import (
     route_plan,
     sorted_experts,
 )
+from moevlm_jax.parallelism.kernels import DEFAULT_KERNELS, KernelsConfig
 
 
 def hybrid_overflow_rows(rows: int, fraction: float) -> int:
@@ -89,16 +90,18 @@ def hybrid_slots(idx: jax.Array, w: jax.Array, experts: int, capacity_factor: fl
 
 
 def hybrid_buffer_ffn(rows: jax.Array, over_counts: jax.Array, cap: int, w_gate_up: jax.Array, w_down: jax.Array,
-                      backend: str) -> jax.Array:
+                      backend: str, kernels: KernelsConfig = DEFAULT_KERNELS) -> jax.Array:
     """Experts on a hybrid buffer ``[E*C + B, H]``: the padded einsum on the first ``E*C`` rows, the
-    grouped matmul (``backend``) on the ``B`` overflow rows after them."""
+    grouped matmul (``backend``, ``kernels``) on the ``B`` overflow rows after them."""
     e, h = w_gate_up.shape[0], rows.shape[-1]
     y_main = capacity_ffn(rows[: e * cap].reshape(e, cap, h), w_gate_up, w_down).reshape(e * cap, h)
-    return jnp.concatenate([y_main, expert_ffn(rows[e * cap:], over_counts, w_gate_up, w_down, backend)])
+    return jnp.concatenate([y_main, expert_ffn(rows[e * cap:], over_counts, w_gate_up, w_down, backend,
+                                                  kernels=kernels)])
 
 
 def local_hybrid(x: jax.Array, idx: jax.Array, w: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                 capacity_factor: float, overflow_fraction: float, backend: str) -> jax.Array:
+                 capacity_factor: float, overflow_fraction: float, backend: str,
+                 kernels: KernelsConfig = DEFAULT_KERNELS) -> jax.Array:
     """All experts on this device, x ``[T, H]``, idx/w ``[T, K]`` -> ``[T, H]``: the hybrid buffer
     built straight from the routing (one gather in, one combine out), or the grouped fallback."""
     lay = hybrid_slots(idx, w, w_gate_up.shape[0], capacity_factor, overflow_fraction)
@@ -106,15 +109,15 @@ def local_hybrid(x: jax.Array, idx: jax.Array, w: jax.Array, w_gate_up: jax.Arra
     def hybrid() -> jax.Array:
         src = inverse_slots(lay.slot, lay.size)
         rows = dispatch_rows(x, src, lay.slot, idx.shape[1])
-        y = hybrid_buffer_ffn(rows, lay.over_counts, lay.cap, w_gate_up, w_down, backend)
+        y = hybrid_buffer_ffn(rows, lay.over_counts, lay.cap, w_gate_up, w_down, backend, kernels)
         return combine_rows(y, w, lay.slot, src)
 
     return hybrid_or_grouped(jnp.sum(lay.over_counts), lay.over_rows, max(0, idx.size - lay.cap), hybrid,
-                             lambda: sorted_experts(x, lay.plan, w, w_gate_up, w_down, backend))
+                             lambda: sorted_experts(x, lay.plan, w, w_gate_up, w_down, backend, kernels))
 
 
 def hybrid_sorted_ffn(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, cap: int,
-                      over_rows: int, backend: str) -> jax.Array:
+                      over_rows: int, backend: str, kernels: KernelsConfig = DEFAULT_KERNELS) -> jax.Array:
     """Hybrid experts on expert-sorted rows ``[M, H]`` (group g: ``sizes[g]`` consecutive rows, rows
     past ``sum(sizes)`` padding): each group's first ``cap`` rows by the padded einsum, the rest by
     the grouped matmul in ``over_rows`` static rows (else the grouped matmul on all rows); rows back
@@ -129,8 +132,9 @@ def hybrid_sorted_ffn(rows: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w
 
     def hybrid() -> jax.Array:
         src = inverse_slots(slot, g * cap + over_rows)
-        y = hybrid_buffer_ffn(dispatch_rows(rows, src, slot, 1), over_sizes, cap, w_gate_up, w_down, backend)
+        y = hybrid_buffer_ffn(dispatch_rows(rows, src, slot, 1), over_sizes, cap, w_gate_up, w_down, backend,
+                              kernels)
         return dispatch_rows(y, slot, src, 1)  # the inverse gather: row r <- buffer row slot[r]
 
     return hybrid_or_grouped(jnp.sum(over_sizes), over_rows, max(0, m - cap), hybrid,
-                             lambda: expert_ffn(rows, sizes, w_gate_up, w_down, backend))
+                             lambda: expert_ffn(rows, sizes, w_gate_up, w_down, backend, kernels=kernels))

@@ -10,8 +10,12 @@ dispatcher only differs in how it computes ``slot``; moving rows is always
 :func:`combine_rows` (a gather times the routing weights summed over ``K``, whose backward is two
 gathers). Gathers need no atomics and are deterministic; the scatter-add alternative needs atomics
 on GPU and a separate weight multiply pass. On the Triton backend the local sorted experts move the rows with
-Pallas-Triton kernels instead (:data:`KERNELS`, ``parallelism/permute_triton.py``: the dispatch as a scatter of each
-token row to its unique slots, the combine's backward in one pass), same values.
+Pallas-Triton kernels instead (``compute.moe.kernels.permute_kernels``, ``parallelism/permute_triton.py``: the
+dispatch as a scatter of each token row to its unique slots, the combine's backward in one pass), same values.
+
+Which fusions and kernels the Triton experts use is a :class:`~moevlm_jax.parallelism.kernels.KernelsConfig`
+passed down from ``experts_forward`` (``compute.moe.kernels``); what each fusion does is in :func:`expert_ffn`,
+:func:`sorted_experts` and :func:`_fused_ffn`, and its measured effect in bench/results/moe_layer.md.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +31,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moevlm_jax.parallelism import fp8, gmm_mgpu, gmm_triton, permute_triton
-from moevlm_jax.parallelism.grouped_matmul import (capacity_matmul, grouped_matmul, mgpu_takes, plain_gmm,
-                                        plain_tgmm, zero_tail)
+from moevlm_jax.parallelism.grouped_matmul import capacity_matmul, grouped_matmul, mgpu_takes, plain_gmm, plain_tgmm
+from moevlm_jax.parallelism.kernels import DEFAULT_KERNELS, KernelsConfig
 
-MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE
-# "gather" the rows the gate_up kernel writes for d(w), with "gather_dw" the int32 row index: no rows are built)
+MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with the
+# "gather" fusion the rows the gate_up kernel writes for d(w))
 MOE_GATE_UP = "moe_gate_up"  # first grouped matmul's output (SwiGLU's input, needed by its backward)
 MOE_ACT = "moe_act"  # SwiGLU output (the down projection's input)
 MOE_EXPERT_OUT = "moe_expert_out"  # down projection output, before the combine (d(routing weights) needs it)
@@ -84,11 +87,11 @@ def route_plan(
         sorted_e, _, order = jax.lax.sort((expert, neg_w, iota), num_keys=3)
     else:  # stable by expert: the order a second key (iota) would give. One int32 key and a value: XLA:GPU's
         # SortRewriter makes it one CUB radix sort of pairs, where the two-key comparator was XLA's own sort (21
-        # kernels, 0.10 ms a layer at the 30B-A3B shapes, bench/moe_layer.md run 19's profile)
+        # kernels, 0.10 ms a layer at the 30B-A3B shapes in a profile)
         sorted_e, order = jax.lax.sort((expert, iota), num_keys=1, is_stable=True)
     # counts from the sorted ids by search: no scatter-add (atomics into E bins on GPU). compare_all: one fused
     # [E + 1, A] comparison; the default binary search is a while loop whose predicate goes back to the host
-    # every step (18 at A = 131,072: ~0.7 ms of idle device a layer on the H200, bench/moe_layer.md run 9)
+    # every step (18 at A = 131,072: ~0.7 ms of idle device a layer on the H200)
     bounds = jnp.searchsorted(sorted_e, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left",
                               method="compare_all")
     counts = jnp.diff(bounds).astype(jnp.int32)
@@ -126,7 +129,7 @@ def _take_rows(x: jax.Array, idx: jax.Array, valid: jax.Array) -> jax.Array:
     """Rows ``x[idx]`` (``[A, ...]``), zero where not ``valid``. The row index is computed once per row, behind an
     optimization barrier: fused into the gather, XLA:GPU recomputed it (e.g. the combine backward's signed
     ``src // K``, ~20 integer operations) for every element of every row, which bounded the gather by the integer
-    ALUs at ~1.3 TB/s (1.24 ms a layer at the proxy's MBS 11, bench/step_h200.md run 22)."""
+    ALUs at ~1.3 TB/s (1.24 ms a layer at the proxy's MBS 11 on an H200)."""
     rows = jax.lax.optimization_barrier(jnp.where(valid, idx, x.shape[0]))
     return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
 
@@ -136,7 +139,7 @@ def _sum_of_choices(x: jax.Array, slot: jax.Array, k: int) -> jax.Array:
     Written as ``k`` gathered ``[T, H]`` terms added one after another, an elementwise loop that reads each
     gathered row once. The ``[T, K, H]`` form summed over its middle axis made XLA:GPU write the gathered rows
     converted to float32 in a kernel of their own (twice the rows' bytes) and sum them in a second one:
-    12.3 ms a step in the proxy's dispatch backward at MBS 10 (bench/step_h200.md run 20's profile)."""
+    12.3 ms a step in the proxy's dispatch backward at MBS 10 on an H200."""
     idx = slot.reshape(-1, k)
     total = None
     for j in range(k):
@@ -190,16 +193,9 @@ def _combine_bwd(res, g):
 combine_rows.defvjp(_combine_fwd, _combine_bwd)
 
 
-# Triton kernels for the sorted experts' row movement (parallelism.permute_triton), from $MOEVLM_PERMUTE_KERNELS at
-# import (a comma list; "" for none, XLA's gathers): "dispatch" (dispatch_rows_kernel) and "combine_bwd"
-# (combine_rows_kernel); read when the experts are traced. Both leave the buffer's rows no assignment maps to unwritten,
-# so only for the Triton / Mosaic expert kernels (no row past sum(group_sizes) read) and not FP8 (whose scales are
-# maxima over every row).
-KERNELS_ENV = "MOEVLM_PERMUTE_KERNELS"
-KERNEL_KINDS = ("dispatch", "combine_bwd")
-KERNELS: frozenset[str] = frozenset(f for f in os.environ.get(KERNELS_ENV, ",".join(KERNEL_KINDS)).split(",") if f)
-if KERNELS - set(KERNEL_KINDS):
-    raise ValueError(f"${KERNELS_ENV}: unknown kernels {sorted(KERNELS - set(KERNEL_KINDS))}; known: {KERNEL_KINDS}")
+# The Triton row kernels (compute.moe.kernels.permute_kernels: "dispatch", "combine_bwd") leave the buffer's rows no
+# assignment maps to unwritten, so they serve only the Triton / Mosaic expert kernels (no row past sum(group_sizes)
+# read) and not FP8 (whose scales are maxima over every row).
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -239,7 +235,7 @@ FFN_SCOPE = "expert_ffn"  # the expert matmuls + SwiGLU in profiler traces (the 
 def swiglu(h: jax.Array, row_w: jax.Array | None = None) -> jax.Array:
     """``[..., 2I]`` (gate half first) -> ``[..., I]`` = silu(gate) * up, computed in float32 and rounded once.
     ``row_w [M]`` (``h [M, 2I]``): Megatron's weighted SwiGLU, each row times its routing weight before the rounding
-    (FUSE "mgpu_dweighted", whose backward ``gmm_mgpu.gmm_dswiglu`` with row weights computes)."""
+    (fusion "mgpu_dweighted", whose backward ``gmm_mgpu.gmm_dswiglu`` with row weights computes)."""
     gate, up = jnp.split(h, 2, axis=-1)
     act = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
     if row_w is not None:
@@ -258,24 +254,26 @@ def _fp8_gemm(matmul: Callable, lhs: jax.Array, rhs: jax.Array, q: fp8.ExpertsSc
 
 def expert_ffn(
     rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, backend: str | None,
-    zero_tail_rows: bool = True,
+    zero_tail_rows: bool = True, kernels: KernelsConfig = DEFAULT_KERNELS,
 ) -> jax.Array:
     """SwiGLU experts on expert-sorted rows ``[M, H]``; w_gate_up ``[G, H, 2I]``, w_down ``[G, I, H]``.
     ``zero_tail_rows=False``: the caller reads no output row past ``sum(group_sizes)`` and uses no gradient
     of those input rows, so the Triton kernels may leave them unwritten (no masking passes; see
-    :func:`grouped_matmul`); under an FP8 recipe they are zeroed anyway (its scales are maxima over all rows)."""
+    :func:`grouped_matmul`); under an FP8 recipe they are zeroed anyway (its scales are maxima over all rows).
+    ``kernels``: the Triton backend's choices. Fusion "mgpu_dswiglu" (the experts after the all-to-all / all-gather
+    dispatchers, or the local ones without "mgpu_dweighted"): where the down projection's d(x) runs on the Mosaic-GPU
+    kernel, SwiGLU's backward in that kernel's epilogue (:func:`_mgpu_swiglu_experts`)."""
     rows = checkpoint_name(rows, MOE_PERMUTED)
     q = fp8.experts_scope()  # the FP8 recipe of the experts being traced (parallelism.fp8.scope), or None
-    if _fused(backend, q, "swiglu"):
-        return _fused_ffn(rows, None, None, 0, group_sizes, w_gate_up, w_down, zero_tail_rows)
-    if (backend == "triton" and q is None and not zero_tail_rows and "mgpu_dswiglu" in FUSE
-            and mgpu_takes("dx", rows.shape[0], w_down.shape[2], w_down.shape[1], rows.dtype)):
+    if (backend == "triton" and q is None and not zero_tail_rows and kernels.fused("mgpu_dswiglu")
+            and mgpu_takes("dx", rows.shape[0], w_down.shape[2], w_down.shape[1], rows.dtype, kernels)):
         with jax.named_scope(FFN_SCOPE):
             y = _mgpu_swiglu_experts(rows, w_gate_up.astype(rows.dtype), w_down.astype(rows.dtype),
-                                     group_sizes.astype(jnp.int32))
+                                     group_sizes.astype(jnp.int32), None, kernels)
         return checkpoint_name(y, MOE_EXPERT_OUT)
     # FP8 scales each operand by its amax over every row: unwritten rows (any values, NaN included) would set it
-    gmm = functools.partial(grouped_matmul, backend=backend, zero_tail_rows=zero_tail_rows or q is not None)
+    gmm = functools.partial(grouped_matmul, backend=backend, zero_tail_rows=zero_tail_rows or q is not None,
+                            kernels=kernels)
     with jax.named_scope(FFN_SCOPE):
         h = checkpoint_name(_fp8_gemm(gmm, rows, w_gate_up, q, group_sizes), MOE_GATE_UP)
         act = checkpoint_name(swiglu(h), MOE_ACT)
@@ -295,82 +293,95 @@ def capacity_ffn(rows: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> ja
 
 
 def sorted_experts(x: jax.Array, plan: RoutePlan, w: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                   backend: str) -> jax.Array:
+                   backend: str, kernels: KernelsConfig = DEFAULT_KERNELS) -> jax.Array:
     """The grouped matmul on expert-sorted rows (``plan``'s kept assignments): sort once, gather
-    once, combine with the routing weights fused in; x ``[T, H]``, w ``[T, K]`` -> ``[T, H]``. With the
-    Triton kernels and FUSE "gather" / "gather_dw" the gather happens inside the first matmul's kernels.
-    The combine reads only the kept rows and the gather's backward only their gradients, so the expert
-    matmuls leave the rows past the kept ones unwritten (dropless: none; the masking of h and y cost
-    ~1.5 ms a layer at the proxy's MBS 11 on an H200, bench/step_h200.md run 22)."""
+    once, combine with the routing weights fused in; x ``[T, H]``, w ``[T, K]`` -> ``[T, H]``. The combine reads
+    only the kept rows and the gather's backward only their gradients, so the expert matmuls leave the rows past the
+    kept ones unwritten (dropless: none; masking h and y cost ~1.5 ms a layer at the proxy's MBS 11 on an H200).
+
+    On the Triton backend outside FP8, ``kernels`` chooses (in this order, the first that applies):
+    - fusion "mgpu_dweighted", where the down projection's d(x) runs on the Mosaic-GPU kernel (Hopper): Megatron's
+      weighted SwiGLU (the routing weights applied to act in XLA's SwiGLU pass), SwiGLU's backward and the weights'
+      gradient in that d(x) epilogue, and an unweighted combine whose backward is the dispatch of g (the combine
+      backward's read of the experts' output goes);
+    - fusion "gather", where the gate_up forward does not run on the Mosaic-GPU kernel (drop "fwd" from
+      ``kernels.mosaic_gpu`` to fuse it on Hopper too): the gate_up kernel reads the token rows through the row index
+      (:func:`_fused_ffn`; no dispatch gather);
+    - else the dispatch gather, the experts (:func:`expert_ffn`) and the weighted combine;
+    and the rows move by the Triton row kernels of ``kernels.permute_kernels``."""
     slot = sorted_slots(plan)
     src = inverse_slots(slot, slot.shape[0])
     k = w.shape[1]
     q = fp8.experts_scope()
     # the row kernels leave rows past sum(counts) unwritten: the Triton / Mosaic expert kernels read none of them
-    kernels = backend == "triton" and q is None
-    # "mgpu_dweighted": the routing weights applied to act, an unweighted combine
-    if kernels and "mgpu_dweighted" in FUSE and _weighted_takes(slot.shape[0], w_down, x.dtype):
-        rows = (dispatch_rows_kernel if "dispatch" in KERNELS else dispatch_rows)(x, src, slot, k)
+    on_kernels = backend == "triton" and q is None
+    row_dispatch = on_kernels and "dispatch" in kernels.permute_kernels
+    if on_kernels and _weighted_takes(slot.shape[0], w_down, x.dtype, kernels):
+        rows = (dispatch_rows_kernel if row_dispatch else dispatch_rows)(x, src, slot, k)
         valid = src >= 0
         row_w = jnp.where(valid, jnp.take(w.reshape(-1), jnp.where(valid, src, 0)), 0).astype(jnp.float32)
         with jax.named_scope(FFN_SCOPE):
             y = _mgpu_swiglu_experts(rows, w_gate_up.astype(x.dtype), w_down.astype(x.dtype),
-                                     plan.counts.astype(jnp.int32), row_w)
-        return sum_rows(checkpoint_name(y, MOE_EXPERT_OUT), src, slot, k, "dispatch" in KERNELS)
-    if _fused(backend, q, "gather") and (
-            FUSE_SET or not mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype)):
-        y = _fused_ffn(x, jnp.where(src >= 0, src // k, 0), slot, k, plan.counts, w_gate_up, w_down, False)
+                                     plan.counts.astype(jnp.int32), row_w, kernels)
+        return sum_rows(checkpoint_name(y, MOE_EXPERT_OUT), src, slot, k, row_dispatch)
+    if (on_kernels and kernels.fused("gather")
+            and not mgpu_takes("fwd", slot.shape[0], x.shape[1], w_gate_up.shape[2], x.dtype, kernels)):
+        y = _fused_ffn(x, jnp.where(src >= 0, src // k, 0), slot, k, plan.counts, w_gate_up, w_down, kernels)
     else:
-        dispatch = dispatch_rows_kernel if kernels and "dispatch" in KERNELS else dispatch_rows
-        y = expert_ffn(dispatch(x, src, slot, k), plan.counts, w_gate_up, w_down, backend, zero_tail_rows=False)
-    return (combine_rows_kernel if kernels and "combine_bwd" in KERNELS else combine_rows)(y, w, slot, src)
+        dispatch = dispatch_rows_kernel if row_dispatch else dispatch_rows
+        y = expert_ffn(dispatch(x, src, slot, k), plan.counts, w_gate_up, w_down, backend, zero_tail_rows=False,
+                       kernels=kernels)
+    combine_bwd = on_kernels and "combine_bwd" in kernels.permute_kernels
+    return (combine_rows_kernel if combine_bwd else combine_rows)(y, w, slot, src)
 
 
-@jax.custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _mgpu_swiglu_experts(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
-                         row_w: jax.Array | None = None) -> jax.Array:
+                         row_w: jax.Array | None, kernels: KernelsConfig) -> jax.Array:
     """The SwiGLU experts with SwiGLU's backward in the down projection's d(x) epilogue on the Mosaic-GPU kernel
     (``gmm_mgpu.gmm_dswiglu``: d(h) written, d(act) never), then d(x), d(w) of both matmuls; the forward: the gate_up
-    matmul, XLA's SwiGLU, the down projection (FUSE "mgpu_dswiglu"). ``row_w [M]`` (float32, FUSE "mgpu_dweighted"):
-    each row's routing weight applied to act in XLA's SwiGLU pass (:func:`swiglu` with ``row_w``),
+    matmul, XLA's SwiGLU, the down projection (fusion "mgpu_dswiglu"). ``row_w [M]`` (float32, fusion
+    "mgpu_dweighted"): each row's routing weight applied to act in XLA's SwiGLU pass (:func:`swiglu` with ``row_w``),
     ``y = (silu(gate) * up * row_w) @ w_down[g]``; the backward's d(x) kernel gives d(row_w) too and the down d(w)
     reads the weighted act saved. Rows past ``sum(group_sizes)`` unwritten (the caller reads none)."""
-    return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, row_w)[0]
+    return _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, row_w, kernels)[0]
 
 
-def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, row_w=None):
-    h = plain_gmm(x, w_gate_up, group_sizes)
+def _mgpu_swiglu_experts_fwd(x, w_gate_up, w_down, group_sizes, row_w, kernels):
+    h = plain_gmm(x, w_gate_up, group_sizes, kernels=kernels)
     act = swiglu(h, row_w)
-    y = plain_gmm(act, w_down, group_sizes)
+    y = plain_gmm(act, w_down, group_sizes, kernels=kernels)
     return y, (checkpoint_name(x, MOE_PERMUTED), w_gate_up, w_down, group_sizes, checkpoint_name(h, MOE_GATE_UP),
                checkpoint_name(act, MOE_ACT), row_w)
 
 
-def _mgpu_swiglu_experts_bwd(res, g):
+def _mgpu_swiglu_experts_bwd(kernels, res, g):
     x, w_gate_up, w_down, group_sizes, h, act, row_w = res
     g = g.astype(x.dtype)
+    tiles = kernels.mosaic_gpu_tiles.dx
     if row_w is None:
-        dh, d_row_w = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h), None
+        dh, d_row_w = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h, config=tiles), None
     else:
-        dh, d_row_w = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h, row_w)
-    dw_down = plain_tgmm(act, g, group_sizes, out_dtype=w_down.dtype)
-    dx = plain_gmm(dh, w_gate_up, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten (never read)
-    return dx, plain_tgmm(x, dh, group_sizes, out_dtype=w_gate_up.dtype), dw_down, None, d_row_w
+        dh, d_row_w = gmm_mgpu.gmm_dswiglu(g, w_down, group_sizes, h, row_w, config=tiles)
+    dw_down = plain_tgmm(act, g, group_sizes, out_dtype=w_down.dtype, kernels=kernels)
+    # rows past sum(group_sizes) unwritten (never read)
+    dx = plain_gmm(dh, w_gate_up, group_sizes, trans_w=True, kernels=kernels)
+    return dx, plain_tgmm(x, dh, group_sizes, out_dtype=w_gate_up.dtype, kernels=kernels), dw_down, None, d_row_w
 
 
 _mgpu_swiglu_experts.defvjp(_mgpu_swiglu_experts_fwd, _mgpu_swiglu_experts_bwd)
 
 
-def _weighted_takes(m: int, w_down: jax.Array, dtype: Any) -> bool:
-    """Whether the experts of ``m`` sorted rows run weighted (FUSE "mgpu_dweighted"): where the down projection's
-    d(x) runs on the Mosaic-GPU kernel."""
-    return mgpu_takes("dx", m, w_down.shape[2], w_down.shape[1], dtype)
+def _weighted_takes(m: int, w_down: jax.Array, dtype: Any, kernels: KernelsConfig) -> bool:
+    """Whether the local experts of ``m`` sorted rows run weighted: fusion "mgpu_dweighted" chosen and the down
+    projection's d(x) on the Mosaic-GPU kernel."""
+    return kernels.fused("mgpu_dweighted") and mgpu_takes("dx", m, w_down.shape[2], w_down.shape[1], dtype, kernels)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def sum_rows(y: jax.Array, src: jax.Array, slot: jax.Array, top_k: int, kernel: bool) -> jax.Array:
     """The unweighted combine: ``out[t] = sum_k y[slot[t*K + k]]`` (float32 sum), y ``[S, H]`` -> ``[T, H]``, for
-    experts whose output already carries the routing weights (FUSE "mgpu_dweighted"). It is :func:`dispatch_rows`'
+    experts whose output already carries the routing weights (fusion "mgpu_dweighted"). It is :func:`dispatch_rows`'
     transpose, and its backward that dispatch of g (``kernel``: the Triton row kernel, the buffer's rows no
     assignment maps to unwritten)."""
     return _sum_of_choices(y, slot, top_k).astype(y.dtype)
@@ -389,152 +400,51 @@ def _sum_rows_bwd(top_k, kernel, res, g):
 sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
 
 
-# ----------------------------------------------------------------------------- fused Triton experts
-
-# Which fusions the Triton experts use (outside FP8), from $MOEVLM_MOE_FUSE at import (a comma list, "" for
-# none; unset: "gather,mgpu_dweighted", the ones that paid: "gather" on an H200, bench/moe_layer.md run 10, except
-# where the gate_up forward runs on the Mosaic-GPU kernel instead, grouped_matmul.mgpu_takes: that kernel after an
-# XLA gather beat the fused Triton kernel by 0.6 / 0.06 ms at 235B-A22B / 30B-A3B, run 14; "mgpu_dweighted" on an
-# H100, run 21, and -4% in the layer on an H200, run 23, where it applies: on Hopper); read when the experts are traced.
-# - "gather": the local dropless experts (sorted_experts) pass the token rows x [T, H] and an int32 row index
-#   to the gate_up forward kernel, which reads the rows through it (no dispatch gather kernel) and, in the first
-#   column block's programs, writes the gathered rows [A, H] for the backward's d(w) (remat name moe_permuted,
-#   placed inside the forward rule). The gate_up d(x) kernel writes rows in the sorted layout, summed back per
-#   token as dispatch_rows' backward does. Not for the all-to-all / all-gather dispatchers, whose rows are
-#   exchanged or gathered first. Run 10: 0.1 ms (235B-A22B) / 0.2 ms (30B-A3B) off the layer's ~31.4 / ~9.4 ms.
-# - "gather_dw": as "gather", but the d(w) kernel also reads x through the index: the gathered rows are never
-#   built (moe_permuted names the int32 index; A x H fewer elements kept for the backward). Run 10: that d(w)
-#   kernel is ~30% slower (the row index is loaded inside its row loop), the layer 0.5 ms slower.
-# - "swiglu": SwiGLU in the gate_up forward kernel's epilogue (it writes h and act = silu(gate) * up, float32
-#   from h's rounded values, as swiglu()); its backward stays an XLA elementwise op. Every Triton expert_ffn. A
-#   recompute policy that saves moe_gate_up but not moe_act (recompute module "moe_act") then runs the gate_up
-#   kernel again for act in the backward. Run 10: slower (the two-accumulator forward costs more than the
-#   elementwise kernel it replaces).
-# - "swiglu_bwd": SwiGLU's backward in the down projection's d(x) kernel's epilogue (d(act) never leaves the
-#   kernel; it writes d(h)). Every Triton expert_ffn. Run 10: that kernel +1.7 ms at 235B-A22B against the 0.5 ms
-#   elementwise backward it replaces.
-# - "mgpu_dswiglu": in expert_ffn (the experts after the all-to-all / all-gather dispatchers, and the local ones
-#   without "mgpu_dweighted"), where the down projection's d(x) runs on the Mosaic-GPU kernel (Hopper,
-#   grouped_matmul.mgpu_takes), SwiGLU's backward in that kernel's epilogue (gmm_mgpu.gmm_dswiglu: it writes d(h)
-#   from h and its d(act); the elementwise pass that reads both and writes d(h) goes); the forward unfused (the
-#   gate_up matmul, then XLA's SwiGLU). Run 20b per matmul (bench/mgpu_probe_h200_run20b.txt): the fused backward
-#   0.07 ms under gmm + XLA's pass at both shape sets. Not yet timed in the layer. (SwiGLU in the gate_up forward's
-#   epilogue, with or without the routing weights, cost +0.05 / +0.86 ms per matmul at 30B-A3B / 235B-A22B and
-#   +2-3% in the 235B-A22B layer, run 20: removed on 2026-12-06.)
-# - "mgpu_dweighted": in the local dropless experts (sorted_experts), SwiGLU's backward in the down projection's d(x)
-#   epilogue as "mgpu_dswiglu", and the routing weights applied to act in XLA's SwiGLU pass (Megatron's weighted
-#   SwiGLU: act_w = silu(gate) * up * weight; swiglu with row_w: one more [A] read in the pass), so that the
-#   combine is an unweighted sum of each token's rows whose backward is the dispatch of g: the combine
-#   backward's read of the experts' output y ([A, H], ~0.5 GB a layer at the 30B-A3B shapes) goes; the weights'
-#   gradient (sum of d(act_w) * act per row) comes from the down projection's d(x) epilogue (gmm_mgpu.gmm_dswiglu
-#   with row weights). Run 21 (one H100, one call): the layer -0.3 / -0.4 ms at
-#   30B-A3B (0.68 -> 0.72 of the ceiling), -0.3 / -0.5 ms at 235B-A22B; the proxy step +0.6 / +0.8% and 0.46 GiB
-#   less memory (bench/step_h200.md run 34); on an H200 -4% at both shape sets (run 23). The default. Where it
-#   applies the rows are dispatched by the row kernel, so "gather" does not apply there.
-FUSE_ENV = "MOEVLM_MOE_FUSE"
-FUSIONS = ("gather", "gather_dw", "swiglu", "swiglu_bwd", "mgpu_dswiglu", "mgpu_dweighted")
-FUSE_SET = FUSE_ENV in os.environ  # else the default: "gather" unless the gate_up forward runs on gmm_mgpu
-FUSE: frozenset[str] = frozenset(f for f in os.environ.get(FUSE_ENV, "gather,mgpu_dweighted").split(",") if f)
-if FUSE - set(FUSIONS):
-    raise ValueError(f"${FUSE_ENV}: unknown fusions {sorted(FUSE - set(FUSIONS))}; known: {FUSIONS}")
+# ----------------------------------------------------------------------------- the "gather" fusion
 
 
-def _fused(backend: str | None, q: fp8.ExpertsScope | None, fusion: str) -> bool:
-    """Whether the expert matmuls on ``backend`` (FP8 recipe ``q``) take a fusion of kind ``fusion``."""
-    kinds = {"gather": ("gather", "gather_dw"), "swiglu": ("swiglu", "swiglu_bwd")}[fusion]
-    return backend == "triton" and q is None and any(f in FUSE for f in kinds)
-
-
-def _fused_ffn(x: jax.Array, index: jax.Array | None, slot: jax.Array | None, top_k: int, group_sizes: jax.Array,
-               w_gate_up: jax.Array, w_down: jax.Array, tail: bool = True) -> jax.Array:
-    """:func:`expert_ffn` on the Triton kernels with the fusions in :data:`FUSE`: rows ``x[index]`` (``index``
-    None: x's own rows, already named moe_permuted), ``slot`` / ``top_k`` as in :func:`dispatch_rows`;
-    ``tail``: rows past ``sum(group_sizes)`` zero (else unwritten, as ``expert_ffn``'s ``zero_tail_rows``)."""
+def _fused_ffn(x: jax.Array, index: jax.Array, slot: jax.Array, top_k: int, group_sizes: jax.Array,
+               w_gate_up: jax.Array, w_down: jax.Array, kernels: KernelsConfig) -> jax.Array:
+    """:func:`expert_ffn` on the Triton kernels for rows ``x[index]`` (``x [T, H]``, ``index [A]`` int32) without
+    building them first: the gate_up forward kernel reads the token rows through the index (no dispatch gather
+    kernel) and, in its first column block's programs, writes the gathered rows ``[A, H]`` for the backward's d(w)
+    (remat name moe_permuted, placed inside the forward rule). Its d(x) kernel writes rows in the sorted layout,
+    summed back per token by ``slot`` / ``top_k`` as :func:`dispatch_rows`' backward does. Rows past
+    ``sum(group_sizes)`` unwritten (the caller reads none)."""
     group_sizes = group_sizes.astype(jnp.int32)
     w_gate_up, w_down = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
-    keep_rows = "gather_dw" not in FUSE
-    if index is not None and not keep_rows:
-        index = checkpoint_name(index, MOE_PERMUTED)
-    fwd_swiglu = "swiglu" in FUSE
     with jax.named_scope(FFN_SCOPE):
-        out = _gate_up(x, w_gate_up, group_sizes, index, slot, top_k, fwd_swiglu, keep_rows, tail)
-        h = checkpoint_name(out[0] if fwd_swiglu else out, MOE_GATE_UP)
-        act = checkpoint_name(out[1] if fwd_swiglu else swiglu(h), MOE_ACT)
-        if fwd_swiglu or "swiglu_bwd" in FUSE:
-            y = _swiglu_down(h, act, w_down, group_sizes, "swiglu_bwd" in FUSE, tail)
-        else:
-            y = grouped_matmul(act, w_down, group_sizes, backend="triton", zero_tail_rows=tail)
+        h = checkpoint_name(_gate_up(x, w_gate_up, group_sizes, index, slot, top_k, kernels), MOE_GATE_UP)
+        act = checkpoint_name(swiglu(h), MOE_ACT)
+        y = grouped_matmul(act, w_down, group_sizes, backend="triton", zero_tail_rows=False, kernels=kernels)
     return checkpoint_name(y, MOE_EXPERT_OUT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _gate_up(x, w, group_sizes, index, slot, top_k: int, fwd_swiglu: bool, keep_rows: bool, tail: bool):
-    """The first expert matmul on the Triton kernels: ``h = x[index] @ w[g]`` (``index`` None: ``x @ w[g]``);
-    with ``fwd_swiglu`` ``(h, act)``, act's cotangent ignored: act goes only to :func:`_swiglu_down`, whose d(h)
-    holds SwiGLU's backward. ``keep_rows``: the forward rule has the kernel write ``x[index]`` for d(w) (else
-    d(w) reads x through the index). Rows past ``sum(group_sizes)``: zero in h with ``tail`` and without
-    ``fwd_swiglu``, else unwritten (no later kernel reads them)."""
-    return _gate_up_out(gmm_triton.gmm(x, w, group_sizes, rows=index, epilogue="swiglu" if fwd_swiglu else None),
-                        group_sizes, fwd_swiglu, tail)
+def _gate_up_config(x: jax.Array, w: jax.Array, kernels: KernelsConfig):
+    return kernels.triton_config("fwd", x.shape[1], w.shape[2])
 
 
-def _gate_up_out(out, group_sizes, fwd_swiglu, tail):
-    if fwd_swiglu:
-        return out
-    return zero_tail(out, group_sizes, tail)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gate_up(x, w, group_sizes, index, slot, top_k: int, kernels: KernelsConfig):
+    """The first expert matmul on the Triton kernels: ``h = x[index] @ w[g]``, the rows read through the index in
+    the kernel; the forward rule has the kernel write ``x[index]`` for d(w)."""
+    return gmm_triton.gmm(x, w, group_sizes, rows=index, config=_gate_up_config(x, w, kernels))
 
 
-def _gate_up_fwd(x, w, group_sizes, index, slot, top_k, fwd_swiglu, keep_rows, tail):
-    keep = index is not None and keep_rows
-    outs = gmm_triton.gmm(x, w, group_sizes, rows=index, gathered_out=keep, epilogue="swiglu" if fwd_swiglu else None)
-    if not keep:
-        return _gate_up_out(outs, group_sizes, fwd_swiglu, tail), (x, w, group_sizes, index, slot)
-    *outs, rows = outs  # x[index], named here: a remat policy that saves moe_permuted keeps this residual
-    out = _gate_up_out(tuple(outs) if fwd_swiglu else outs[0], group_sizes, fwd_swiglu, tail)
-    return out, (checkpoint_name(rows, MOE_PERMUTED), w, group_sizes, None, slot)
+def _gate_up_fwd(x, w, group_sizes, index, slot, top_k, kernels):
+    out, rows = gmm_triton.gmm(x, w, group_sizes, rows=index, gathered_out=True,
+                               config=_gate_up_config(x, w, kernels))
+    # x[index], named here: a remat policy that saves moe_permuted keeps this residual
+    return out, (checkpoint_name(rows, MOE_PERMUTED), w, group_sizes, slot)
 
 
-def _gate_up_bwd(top_k, fwd_swiglu, keep_rows, tail, res, g):
-    lhs, w, group_sizes, index, slot = res
-    dh = (g[0] if fwd_swiglu else g).astype(lhs.dtype)
-    drows = plain_gmm(dh, w, group_sizes, trans_w=True)  # rows past sum(group_sizes) unwritten
-    if slot is None:
-        dx = zero_tail(drows, group_sizes, tail)
-    else:  # back per token: slot reads only kept (written) rows
-        dx = _dispatch_bwd(top_k, slot, drows)[0]
-    if index is None:
-        dw = plain_tgmm(lhs, dh, group_sizes, out_dtype=w.dtype)
-    else:  # "gather_dw": x read through the row index inside the Triton kernel
-        dw = gmm_triton.tgmm(lhs, dh, group_sizes, rows=index, out_dtype=w.dtype)
+def _gate_up_bwd(top_k, kernels, res, g):
+    rows, w, group_sizes, slot = res
+    dh = g.astype(rows.dtype)
+    drows = plain_gmm(dh, w, group_sizes, trans_w=True, kernels=kernels)  # rows past sum(group_sizes) unwritten
+    dx = _dispatch_bwd(top_k, slot, drows)[0]  # back per token: slot reads only kept (written) rows
+    dw = plain_tgmm(rows, dh, group_sizes, out_dtype=w.dtype, kernels=kernels)
     return dx, dw, None, None, None
 
 
 _gate_up.defvjp(_gate_up_fwd, _gate_up_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _swiglu_down(h, act, w, group_sizes, fused_bwd: bool, tail: bool = True):
-    """The down projection ``act @ w[g]`` on the Triton kernels for ``act = swiglu(h)`` (rows past
-    ``sum(group_sizes)`` zero). Its backward returns SwiGLU's d(h), from the d(x) kernel's epilogue with
-    ``fused_bwd`` (rows past ``sum(group_sizes)`` unwritten) or XLA's, and no cotangent for act."""
-    return _swiglu_down_fwd(h, act, w, group_sizes, fused_bwd, tail)[0]
-
-
-def _swiglu_down_fwd(h, act, w, group_sizes, fused_bwd, tail):
-    y = zero_tail(plain_gmm(act, w, group_sizes), group_sizes, tail)
-    return y, (h, act, w, group_sizes)
-
-
-def _swiglu_down_bwd(fused_bwd, tail, res, g):
-    h, act, w, group_sizes = res
-    g = g.astype(act.dtype)
-    if fused_bwd:
-        dh = gmm_triton.gmm(g, w, group_sizes, trans_w=True, epilogue="swiglu_bwd", h=h)
-    else:
-        dact = zero_tail(plain_gmm(g, w, group_sizes, trans_w=True), group_sizes, tail)
-        dh = jax.vjp(swiglu, h)[1](dact)[0]
-    dw = plain_tgmm(act, g, group_sizes, out_dtype=w.dtype)
-    return dh, None, dw, None
-
-
-_swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)

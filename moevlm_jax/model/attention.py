@@ -56,7 +56,7 @@ def rows_within_bound(within: bool = True) -> Iterator[None]:
     path's ``max_segments`` (the trainer checks every batch on the host:
     ``training.trainer.segments_over_bound``), so the ragged kernel runs without its device-side dense-mask
     fallback, a ``lax.cond`` whose predicate the host reads (~96 us a call on the H200,
-    bench/step_h200.md run 11; 70 conds a proxy step); and, where the vision attention is XLA's, no image
+    bench/step_h200.md; 70 conds a proxy step); and, where the vision attention is XLA's, no image
     longer than its ``max_segment_len`` (:func:`windowed_attention`)."""
     token = _WITHIN_BOUND.set(within)
     try:

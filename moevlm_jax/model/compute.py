@@ -48,7 +48,7 @@ RECOMPUTE_MODULES = {
     "mlp": ("mlp_hidden", "mlp"),
     "moe": ("moe_router", "moe", "moe_permuted", "moe_gate_up", "moe_act", "moe_expert_out"),
     # not Megatron's: the expert matmuls' inputs/outputs (recompute both grouped matmuls in the backward,
-    # keeping only moe_act; ~3 GB less a layer at the proxy's MBS 8: bench/step_h200.md, after run 8)
+    # keeping only moe_act; ~3 GB less a layer at the proxy's MBS 8: bench/step_h200.md)
     "experts": ("moe_permuted", "moe_gate_up", "moe_expert_out"),
     # not Megatron's (its recompute modules predate the Gated DeltaNet): the GDN layer's mixer between its
     # projections (kept as qkv_proj) and out-projection (attn_out), as core_attn is attention's: the conv,
@@ -241,7 +241,7 @@ class ComputeConfig:
     @property
     def moe_options(self) -> dict[str, Any]:
         """Keyword options for ``parallelism.experts.experts_forward``."""
-        return dataclasses.asdict(self.moe)
+        return self.moe.options()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> ComputeConfig:

@@ -77,7 +77,7 @@ def bias_add(y: jax.Array, b: jax.Array) -> jax.Array:
     the materialised output gradient, in a reduction of its own. Autodiff fuses that column sum into
     the fusion that produces the gradient (the vision MLP's GELU backward, ~1 GB a layer), where
     XLA:GPU's column-reduction emitter runs the whole fusion at ~2x its bandwidth bound (bench/
-    step_h200.md run 14); split, the proxy's vision stack is ~4% faster (run 20)."""
+    step_h200.md); split, the proxy's vision stack is ~4% faster."""
     return _bias_add(b.ndim, y, b)
 
 

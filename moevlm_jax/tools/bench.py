@@ -62,6 +62,7 @@ from moevlm_jax.tools.bench_steps import (
     shape_key,
 )
 from moevlm_jax.tools.memory import is_oom, peak_device_bytes
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
 
 log = logging.getLogger("moevlm_jax.tools.bench")
 
@@ -284,7 +285,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         log.warning("%s: %d of %d updates skipped for non-finite gradients (grad norms %s)", name,
                     steps[-1]["skipped"], total, [round(s["grad_norm"], 3) for s in steps])
     result["steady"] = steady_rate(timed_steps, n_dev, peak)
-    if result["steady"]:  # a compiled shape's first run is ~0.25 s slower on the H200 (bench/step_h200.md run 5)
+    if result["steady"]:  # a compiled shape's first run is ~0.25 s slower on the H200 (bench/step_h200.md)
         log.warning("%s: %d timed steps were a compiled shape's first run: %.1f ms mean vs %.1f ms median step; "
                     "without them %s useful tokens/s", name, result["steady"]["first_runs"],
                     1e3 * result["steady"]["first_run_s"], 1e3 * result["step_time_s"],
@@ -441,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     from moevlm_jax.train import setup_logging
 
     args = parse_args(argv)
+    ensure_collective_threads()  # XLA:CPU host devices: pool threads for their collectives, before jax starts
     args.argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(logging.WARNING if args.quiet else logging.INFO)
     from moevlm_jax.training import capture

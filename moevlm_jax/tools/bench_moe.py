@@ -3,7 +3,7 @@
 Compares, at Qwen3-VL-30B-A3B and 235B-A22B expert shapes with Zipf-skewed routing:
 (a) the ceiling: the same FLOPs as one balanced batched einsum ``[E, T*K/E, H] x [E, H, 2I]``...,
 timed as XLA compiles it by default and with XLA's Triton GEMMs off (cuBLAS for every dot; on the GPU), the faster
-of the two being the ceiling (XLA's autotuner picks Triton or cuBLAS per process: bench/moe_layer.md run 18),
+of the two being the ceiling (XLA's autotuner picks Triton or cuBLAS per process: bench/moe_layer.md),
 (b) each grouped-matmul backend through ``experts_forward`` (tokamax, ragged_dot, capacity einsum,
 and the grouped backend with the same capacity factor, which must equal the capacity einsum),
 (c) Hugging Face transformers' ``Qwen3VLMoeTextSparseMoeBlock`` in torch with the ``grouped_mm``
@@ -15,23 +15,36 @@ synchronisation (the device time of a call, :func:`time_calls`; each synchronise
 
 GPU: ``python -m moevlm_jax.tools.bench_moe --out bench_moe.json`` (one H200), add ``--ep 2`` on two.
 CPU smoke run (tiny shapes): ``python -m moevlm_jax.tools.bench_moe --tiny --ep 2``.
+
+The triton backend's kernels are a ``compute.moe.kernels`` section (``moevlm_jax.parallelism.kernels``), given as
+``--kernels KEY=VALUE`` (e.g. ``--kernels fusions=[gather] --kernels mosaic_gpu_tiles.dw.seg_rows=8192``) and
+recorded in the JSON's ``meta.kernels``. These environment variables override it, read when the CLI starts:
+``MOEVLM_MOE_FUSE`` (fusions, comma list), ``MOEVLM_PERMUTE_KERNELS`` (permute_kernels), ``MOEVLM_GMM_MGPU``
+(mosaic_gpu), ``MOEVLM_GMM_MGPU_TUNE`` (``kind.field=int`` comma list: mosaic_gpu_tiles) and
+``MOEVLM_GMM_TRITON_CONFIGS`` (a JSON tile file: triton_tiles).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from moevlm_jax.config.schema import ConfigError, build, overrides_tree, parse_value, set_dotted, to_plain
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
+from moevlm_jax.parallelism.experts import ExpertsConfig
+from moevlm_jax.parallelism.kernels import KernelsConfig, load_triton_tiles
 
 SHAPES = {
     "30b-a3b": dict(hidden=2048, experts=128, top_k=8, inter=768),
@@ -60,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--paired", action="store_true",
                    help="also time each grouped backend in rounds alternating with the ceiling's (x ceiling from "
                         "the ceiling's rounds beside it; each switch of program costs the first calls of a round: "
-                        "biased against the layer at small shapes, bench/moe_layer.md run 18)")
+                        "biased against the layer at small shapes, bench/moe_layer.md)")
     p.add_argument("--slow-iters", type=int, default=2, help="iterations for jax.lax.ragged_dot on GPU")
     p.add_argument(
         "--slow-tokens",
@@ -74,6 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes and few iterations (CPU crash test)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--kernels", action="append", default=[], metavar="KEY=VALUE",
+                   help="a compute.moe.kernels setting (repeatable), e.g. fusions=[gather]; the MOEVLM_* variables "
+                        "of the module docstring override these")
     args = p.parse_args(argv)
     if args.tiny:
         args.shapes, args.tokens, args.iters, args.warmup, args.slow_iters = "tiny", 128, min(args.iters, 2), 1, 1
@@ -92,7 +108,7 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int, rounds: int =
     training step runs its layers (the host's dispatch overlaps the device's work): the device time of a
     call, like the CUDA-event span HF's side is timed by (``bench_moe_hf``). Synchronised: the median of
     ``iters`` calls each waited for, which adds the host's round trip between calls (~1 ms at the 235B-A22B
-    layer on the H200: bench/moe_layer.md run 10's profile, idle gaps between steps)."""
+    layer on the H200: bench/moe_layer.md, idle gaps between steps)."""
     out = None
     for _ in range(max(1, warmup)):
         out = jax.block_until_ready(fn(*args))
@@ -118,7 +134,7 @@ def time_paired(fn: Callable, args: tuple, ref: Callable, ref_args: tuple, iters
     rounds, and ``fn``'s last result. A drift of the device's speed over the run (clocks, power) reaches both
     sides alike, where :func:`time_calls` run once per side compares rounds taken at different times; but each round
     starts right after the other program's, which cost the 30B-A3B layer ~0.4 ms a call in rounds of 10 on the H200
-    (bench/moe_layer.md run 18): the ratio is biased at small shapes, and the unpaired figures stay the reported ones."""
+    (bench/moe_layer.md): the ratio is biased at small shapes, and the unpaired figures stay the reported ones."""
     out = None
     for _ in range(max(1, warmup)):
         jax.block_until_ready(ref(*ref_args))
@@ -183,6 +199,28 @@ def route(x: jax.Array, router: jax.Array, top_k: int, dtype: Any = None) -> tup
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     w, idx = jax.lax.top_k(probs, top_k)
     return idx, (w / jnp.sum(w, axis=-1, keepdims=True)).astype(dtype).astype(x.dtype)
+
+
+def kernels_config(items: list[str], environ: Mapping[str, str] | None = None) -> KernelsConfig:
+    """The ``compute.moe.kernels`` section from ``--kernels KEY=VALUE`` items, overridden by the environment
+    variables of the module docstring (``environ``, default ``os.environ``); checked as the train CLI checks it."""
+    env = os.environ if environ is None else environ
+    tree = overrides_tree(items)
+
+    def names(var: str) -> list[str]:
+        return [v for v in env[var].split(",") if v]
+
+    for var, key in (("MOEVLM_MOE_FUSE", "fusions"), ("MOEVLM_PERMUTE_KERNELS", "permute_kernels"),
+                     ("MOEVLM_GMM_MGPU", "mosaic_gpu")):
+        if var in env:
+            tree[key] = names(var)
+    if env.get("MOEVLM_GMM_MGPU_TUNE"):
+        for item in names("MOEVLM_GMM_MGPU_TUNE"):
+            key, _, value = item.strip().partition("=")
+            set_dotted(tree, f"mosaic_gpu_tiles.{key}", parse_value(value))
+    if env.get("MOEVLM_GMM_TRITON_CONFIGS"):
+        tree["triton_tiles"] = [dataclasses.asdict(t) for t in load_triton_tiles(env["MOEVLM_GMM_TRITON_CONFIGS"])]
+    return build(KernelsConfig, tree, "compute.moe.kernels")
 
 
 def layer_step(top_k: int, route_dtype: Any = None, **options: Any) -> Callable:
@@ -364,14 +402,14 @@ def bench_shape(name: str, shape: dict, args: argparse.Namespace, dtype: Any, re
                 lambda *a: experts_forward_with_stats(*a, capacity_factor=args.capacity_factor, backend="capacity")
             )(inp["x"], idx, w, inp["w_gate_up"], inp["w_down"])
             note = {"dropped_frac" if backend == "capacity" else "overflow_frac": int(stats["dropped"]) / (t * k)}
-        out = timed(backend, layer_step(k, backend=backend, **extra), xs, args.iters,
+        out = timed(backend, layer_step(k, backend=backend, kernels=args.kernels_config, **extra), xs, args.iters,
                     paired=args.paired and backend not in ("capacity", "hybrid"), **note)
         if out is not None:
             grouped = grouped or (backend if backend not in ("capacity", "hybrid") else None)
             if want is not None:
                 check(report, base, backend, out, want, dtype)
     if grouped is not None and "capacity" in backends:  # drop without padding, same drops as the einsum
-        step = layer_step(k, backend=grouped, capacity_factor=args.capacity_factor)
+        step = layer_step(k, backend=grouped, capacity_factor=args.capacity_factor, kernels=args.kernels_config)
         out = timed(f"{grouped} + capacity_factor {args.capacity_factor}", step, xs, args.iters)
         if out is not None and ref_cf is not None:
             check(report, base, f"{grouped}+cf", out, ref_cf, dtype)
@@ -468,7 +506,8 @@ def bench_ep(name: str, shape: dict, args: argparse.Namespace, dtype: Any, repor
     with logical.sharding_context(mesh, rules):
         for dispatcher, be in (("alltoall", backend), ("allgather", backend), ("alltoall", "hybrid")):
             variant, label = f"ep{n} {dispatcher} ({be})", f"{dispatcher}{' hybrid' * (be == 'hybrid')}"
-            opts = dict(backend=be, dispatcher=dispatcher, capacity_factor=args.capacity_factor if be == "hybrid" else None)
+            opts = dict(backend=be, dispatcher=dispatcher, capacity_factor=args.capacity_factor if be == "hybrid" else None,
+                        kernels=args.kernels_config)
 
             def go(opts=opts, variant=variant):
                 ms, out = time_jax(layer_step(k, **opts), xs, args.iters, args.warmup)
@@ -542,12 +581,17 @@ def bench_exchange(mesh: Any, xs: tuple, base: dict, args: argparse.Namespace, d
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every agreement check passed."""
     args = parse_args(argv)
+    try:
+        args.kernels_config = kernels_config(args.kernels)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
     JIT_OPTIONS.clear()
     if args.tiny:
         JIT_OPTIONS["xla_backend_optimization_level"] = 0
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave room for torch
     if args.ep > 1 and "host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.ep}"
+    ensure_collective_threads()  # XLA:CPU host devices: pool threads for their collectives, before jax starts
     dtype = jnp.dtype(args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
     shapes = TINY if args.tiny else SHAPES
     names = [s for s in args.shapes.split(",") if s]
@@ -561,8 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         platform=jax.default_backend(),
         devices=[str(d) for d in jax.devices()],
         dtype=jnp.dtype(dtype).name,
-        args=vars(args),
+        args={k: v for k, v in vars(args).items() if k != "kernels_config"},
+        kernels=to_plain(args.kernels_config),
     )
+    print(ExpertsConfig(backend="triton", kernels=args.kernels_config).kernels_summary(jax.default_backend()),
+          file=sys.stderr)
     report = Report(path=args.out, meta=meta)
     for name in names:
         bench_shape(name, shapes[name], args, dtype, report)

@@ -27,6 +27,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
+
 log = logging.getLogger(__name__)
 
 TOTAL = "total_bytes"
@@ -115,7 +117,7 @@ def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: i
     ``frozen`` / ``param_groups``: frozen parameter groups as ``Trainer.create`` takes them (no gradients
     or optimizer state for them: ``train.freeze_*``); ``bounded``: the batch within cuDNN's ragged bound
     (``compute.attention_options``: the step the trainer runs for such batches; False: the dense-mask
-    fallback's step, ~16 GiB more at MBS 8 on the H200's proxy, bench/step_h200.md run 7)."""
+    fallback's step, ~16 GiB more at MBS 8 on the H200's proxy, bench/step_h200.md)."""
     import jax
 
     from moevlm_jax.model.compute import ComputeConfig
@@ -210,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="compute settings, e.g. dtype=float32")
     args = p.parse_args(argv)
     set_host_devices(args.host_devices)
+    ensure_collective_threads()  # XLA:CPU host devices: pool threads for their collectives, before jax starts
     import jax
 
     from moevlm_jax.config.schema import overrides_tree

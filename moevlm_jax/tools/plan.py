@@ -42,7 +42,7 @@ PRESETS = ("fsdp", "tp", "ep", "tp_ep", "ep_etp", "cp", "folded", "pp", "pp_circ
 RECOMPUTE = (("none", ()), ("selective", ()), ("selective", ("core_attn",)), ("selective", ("core_attn", "experts")),
              ("full", ()))
 DTYPES = (("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"))  # (params, AdamW state)
-TRAINED_FRACTION = 0.437  # trained / all token slots of the proxy data (bench/step_h200.md run 17: 107,475 / 245,760)
+TRAINED_FRACTION = 0.437  # trained / all token slots of the proxy data (bench/step_h200.md: 107,475 / 245,760)
 
 
 # ----------------------------------------------------------------------------- candidates

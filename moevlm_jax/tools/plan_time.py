@@ -6,8 +6,8 @@ Rates (``H200``; ``measured`` says where a number comes from, ``assumed`` where 
 - dense GEMMs 780 TFLOP/s (bench/README.md, "Workload and reference figures": a large bf16 matmul
   on the H200 reaches ~780 of the datasheet's 989);
 - the experts' grouped matmuls, dropless (Triton) 382 TFLOP/s = 0.60 of the balanced batched
-  einsum's 633, drop-and-pad (capacity 1.25, counting every assignment) 393 (bench/moe_layer.md
-  run 7; the 235B-A22B shapes were measured with tokamax only: assumed the same);
+  einsum's 633, drop-and-pad (capacity 1.25, counting every assignment) 393 (bench/moe_layer.md;
+  the 235B-A22B shapes were measured with tokamax only: assumed the same);
 - decoder attention, cuDNN ragged (bound 2), forward + backward 423 TFLOP/s counted as 3.5 x the
   forward's causal FLOPs (bench/attention.md, second probe, MBS 8 x 4096); the model FLOPs count the
   training attention as 3 x the forward, so the time is ``3.5 / 3 x FLOPs / 423e12``;
@@ -16,8 +16,8 @@ Rates (``H200``; ``measured`` says where a number comes from, ``assumed`` where 
   (datasheet) over the bytes the step's tensors take (``MEMORY_PASSES`` passes over the
   activations of each layer, assumed; the optimizer reads and writes its shards once);
 - links: NVLink 900 GB/s per GPU (datasheet; 450 each way) at an assumed 0.8 for all-gather /
-  reduce-scatter; the MoE all-to-all at the measured rates (EP = 2 on one host, bench/moe_layer.md
-  run 1: fixed-size all_to_all ~220 GB/s, ragged ~80 GB/s: the dropless path is ragged); across
+  reduce-scatter; the MoE all-to-all at the measured rates (EP = 2 on one host, bench/moe_layer.md:
+  fixed-size all_to_all ~220 GB/s, ragged ~80 GB/s: the dropless path is ragged); across
   hosts 8 x 400 Gb/s InfiniBand per 8-GPU host (assumed unless ``--inter-host-gbps``), 0.8 of it.
 - overlap (assumed): FSDP gathers and gradient reductions hide behind the layers' compute up to
   ``OVERLAP`` of it (XLA's latency-hiding scheduler); TP, EP and the pipeline's hand-offs are on the
@@ -25,7 +25,7 @@ Rates (``H200``; ``measured`` says where a number comes from, ``assumed`` where 
 
 The sum is scaled by one factor measured end to end: the model's own estimate of recipe h200
 (proxy model, one H200, MBS 10, selective recompute, bf16 parameters and AdamW state) against its
-measured 716.5 ms a step (bench/step_h200.md run 17: 52,252 useful tokens/s, MFU 40.7%), so every
+measured 716.5 ms a step (bench/step_h200.md: 52,252 useful tokens/s, MFU 40.7%), so every
 estimate here is "what the measured step would take at this size", not a datasheet bound.
 """
 
@@ -66,9 +66,9 @@ class Hardware:
 
 H200 = Hardware()
 MEMORY_PASSES = 12  # passes over each layer's activations by memory-bound kernels, forward + backward (assumed)
-LAUNCH_S_PER_LAYER = 0.55e-3  # launch / idle per layer and microbatch (bench/step_h200.md run 14: ~20 ms idle, 35 layers)
+LAUNCH_S_PER_LAYER = 0.55e-3  # launch / idle per layer and microbatch (bench/step_h200.md: ~20 ms idle, 35 layers)
 OVERLAP = 0.8  # share of the compute FSDP / gradient collectives can hide behind (assumed)
-# the recipe-h200 point the scale factor is measured at (bench/step_h200.md run 17)
+# the recipe-h200 point the scale factor is measured at (bench/step_h200.md)
 REFERENCE = {"model": "proxy", "mbs": 10, "seq": 4096, "patches": 3136, "image_patches": 784,
              "step_s": 0.7165, "useful_tokens_per_s": 52252.0}
 FILL = REFERENCE["useful_tokens_per_s"] * REFERENCE["step_s"] / (REFERENCE["mbs"] * REFERENCE["seq"])  # 0.914
@@ -195,7 +195,7 @@ def _raw_time(model: Any, g: Geometry, knobs: Any, comm: Any, hw: Hardware, imag
 
 @functools.lru_cache(maxsize=1)
 def reference_scale() -> float:
-    """Measured / modelled step time of recipe h200 (one H200; bench/step_h200.md run 17)."""
+    """Measured / modelled step time of recipe h200 (one H200; bench/step_h200.md)."""
     from moevlm_jax.model.config import load_model_config
     from moevlm_jax.tools.plan_comm import step_communication
     from moevlm_jax.tools.plan_geometry import geometry
@@ -237,9 +237,9 @@ def sources(hw: Hardware = H200) -> str:
     """Which of the plan's numbers are measured (and where) and which are assumed."""
     return "\n".join([
         "Measured (bench/): dense GEMM {:.0f} TFLOP/s (README); experts dropless {:.0f}, capacity 1.25 {:.0f} "
-        "(moe_layer.md run 7); decoder attention {:.0f}, vision attention {:.0f} fwd+bwd at 3.5x forward "
-        "(attention.md, second probe); all-to-all {:.0f} GB/s fixed-size, {:.0f} ragged (moe_layer.md run 1, EP 2); "
-        "the whole step: recipe h200 716.5 ms (step_h200.md run 17; the scale factor {:.3f}); useful / all tokens "
+        "(moe_layer.md); decoder attention {:.0f}, vision attention {:.0f} fwd+bwd at 3.5x forward "
+        "(attention.md, second probe); all-to-all {:.0f} GB/s fixed-size, {:.0f} ragged (moe_layer.md, EP 2); "
+        "the whole step: recipe h200 716.5 ms (step_h200.md; the scale factor {:.3f}); useful / all tokens "
         "{:.3f} and trained / all {:.3f} (the proxy data, same run).".format(
             hw.dense_flops / 1e12, hw.experts_dropless_flops / 1e12, hw.experts_capacity_flops / 1e12,
             hw.attention_flops / 1e12, hw.vision_attention_flops / 1e12, hw.a2a_bytes / 1e9, hw.ragged_a2a_bytes / 1e9,

@@ -19,6 +19,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
+
 log = logging.getLogger("moevlm_jax.tools.sweep")
 BUILTIN_TOKENIZERS = ("qwen3", "qwen", "qwen3-vl", "qwen3.5", "qwen3_5", "qwen3.6")  # data.tokenizer.load_tokenizer's names
 
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m moevlm_jax.tools.sweep_point SPEC.json RESULT.json", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    ensure_collective_threads()  # XLA:CPU host devices: pool threads for their collectives, before jax starts
     spec = json.loads(Path(argv[0]).read_text())
     t0 = time.perf_counter()
     try:

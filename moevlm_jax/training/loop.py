@@ -78,8 +78,8 @@ def eval_record(result: dict[str, Any]) -> dict[str, float]:
 def apply_compilation_cache(path: str | None) -> Path | None:
     """Point JAX's persistent compilation cache at ``path`` (``train.compilation_cache_dir``, ``~``
     expanded, created): a later run of the same program on the same devices loads its compiled steps
-    instead of compiling them (unrolled layers take ~60 s a batch shape on the H200, bench/step_h200.md
-    run 10). The cache is re-checked, so this works in a process that compiled already. None: unchanged."""
+    instead of compiling them (unrolled layers take ~60 s a batch shape on the H200, bench/step_h200.md).
+    The cache is re-checked, so this works in a process that compiled already. None: unchanged."""
     if not path:
         return None
     from jax.experimental.compilation_cache import compilation_cache as cc

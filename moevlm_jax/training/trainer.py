@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -62,11 +63,23 @@ from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.objective import (ce_and_argmax, gather_trained, largest_capacity, loss_capacity,
                                           microbatch_objective, most_trained)
 from moevlm_jax.parallelism import gmm_mgpu, grouped_matmul, sharding
+from moevlm_jax.parallelism.kernels import ignored_environment
 from moevlm_jax.parallelism.layout import Layout, LayoutOptions
 from moevlm_jax.parallelism.logical import Rules, data_parallel_size, logical_to_spec, normalize_rules, sharding_context
 from moevlm_jax.parallelism.multihost import agreed_max, host_ids
 
 log = logging.getLogger(__name__)
+_kernels_logged: set[str] = set()
+
+
+def _log_kernels_once(line: str) -> None:
+    """The experts' kernels (``compute.moe.kernels`` on this platform): one info line per run, not per trainer."""
+    if line not in _kernels_logged:
+        _kernels_logged.add(line)
+        log.info("%s", line)
+        if ignored := ignored_environment(os.environ):
+            log.warning("ignored (the run's kernels are its config's): %s", ", ".join(ignored))
+
 
 PyTree = Any
 
@@ -219,15 +232,15 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
 
         # one microbatch on one device: nothing sums the gradients, they stay in the parameters' dtype (the h200
         # recipe's bf16 gradients copied to float32, 24.6 GB, and the optimizer's reads of it: 8.9 ms a step,
-        # bench/step_h200.md run 21)
+        # bench/step_h200.md)
         objective, grads, sums = optim.accumulate_gradients(loss_fn, trainable, micro, grad_shardings=grad_shardings,
                                                             accum_dtype=jnp.dtype(spec.optimizer.grad_accum_dtype),
                                                             single_dtype=None if spec.mesh.size == 1 else jnp.float32)
         # an unrolled stack's per-layer gradients are each materialised once inside the model
         # (layers.materialised_grad; re-derived in each reduction over them they cost 82 ms/step,
-        # step_h200.md run 7); the stacked leaves' concatenates fuse into the update, and the norm sums
+        # step_h200.md); the stacked leaves' concatenates fuse into the update, and the norm sums
         # each layer's gradient on its own (_norm_pieces)
-        # logged, and the clipping's and the finiteness check's (read once: bench/step_h200.md runs 22 and 29)
+        # logged, and the clipping's and the finiteness check's (read once: bench/step_h200.md)
         grad_norm = optim.global_norm(grads, optim.partition(_norm_pieces(spec), mask)[0])
         with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
             updates, opt_state = tx.update(grads, state["opt_state"], trainable, grad_norm=grad_norm)
@@ -334,6 +347,7 @@ class Trainer:
         if mesh is None:
             mesh = build_mesh(layout, devices)
         grouped_matmul.preload(mesh.devices.flat[0].platform, compute.moe_options.get("backend"))  # see docstring
+        _log_kernels_once(compute.moe.kernels_summary(mesh.devices.flat[0].platform))
         rules = normalize_rules(rules if rules is not None else layout.rules)
         groups = None if param_groups is None else tuple((k, tuple(v)) for k, v in sorted(param_groups.items()))
         spec = StepSpec(model=model, compute=compute, mesh=mesh, rules=rules, optimizer=optimizer,

@@ -8,8 +8,8 @@ train CLI and the tests on 8 host devices on 2 cores. The fix sets PJRT_NPROC be
 starts; these tests check the setting and run a program that deadlocks without it: two independent
 layer scans whose bodies all-gather their weights over an FSDP axis and all-reduce over a tensor axis,
 in a fresh process pinned to 2 CPUs (so that XLA's own pool would be the 8 threads that deadlock there,
-whatever this machine's core count), started the way the train CLI starts (importing ``parallelism``
-before the first device use).
+whatever this machine's core count), started the way the train CLI starts (``ensure_collective_threads()``
+before the first device use; importing the library sets nothing).
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ TIMEOUTS = "--xla_cpu_collective_call_warn_stuck_timeout_seconds=5 --xla_cpu_col
 PROGRAM = textwrap.dedent("""
     import os, sys
     os.sched_setaffinity(0, [int(c) for c in os.environ["PIN_CPUS"].split(",")])  # before XLA counts the CPUs
-    if os.environ.get("IMPORT_PARALLELISM", "1") == "1":
-        import moevlm_jax.parallelism as parallelism  # noqa: F401  - what the train CLI imports before its first device use
+    import moevlm_jax.parallelism  # noqa: F401  - importing the library leaves XLA's pool as it is
+    if os.environ.get("ENSURE_THREADS", "1") == "1":  # what the train CLI calls before its first device use
+        from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
+        ensure_collective_threads()
     import jax, jax.numpy as jnp, numpy as np
     from jax import lax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -65,12 +67,12 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
-def run_program(calls: int, *, import_parallelism: bool = True, cpus: int = 2, timeout: float = 120
+def run_program(calls: int, *, ensure_threads: bool = True, cpus: int = 2, timeout: float = 120
                 ) -> subprocess.CompletedProcess:
     """PROGRAM in a fresh process on 8 host devices, pinned to ``cpus`` CPUs, without PJRT_NPROC /
     NPROC from this process (the fresh process sets its own, as the CLI does)."""
     env = {k: v for k, v in os.environ.items() if k not in (*cpu_threads.ENV_NAMES, cpu_threads.PER_DEVICE_ENV)}
-    env.update(JAX_PLATFORMS="cpu", IMPORT_PARALLELISM="1" if import_parallelism else "0",
+    env.update(JAX_PLATFORMS="cpu", ENSURE_THREADS="1" if ensure_threads else "0",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES} {TIMEOUTS}",
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
     env.pop("JAX_NUM_CPU_DEVICES", None)
@@ -80,7 +82,7 @@ def run_program(calls: int, *, import_parallelism: bool = True, cpus: int = 2, t
 
 
 def test_the_suite_runs_the_clis_threads_and_the_opt_out_is_honoured():
-    """conftest.py imports the parallelism package before any test starts the CPU client, so the suite's
+    """conftest.py calls ensure_collective_threads() before any test starts the CPU client, so the suite's
     processes have the CLI's pool (THREADS_PER_DEVICE a host device, set as PJRT_NPROC); the opt-out
     (MOEVLM_CPU_THREADS_PER_DEVICE=0) sets nothing."""
     n = len(jax.devices())
@@ -120,9 +122,27 @@ def test_pjrt_nproc_from_the_device_count(monkeypatch):
 def test_collectives_of_concurrent_loops_do_not_deadlock_on_two_cores():
     """The deadlock's shape (a loop body's collectives and the entry computation's in flight at once
     on every device, 8 devices on 2 CPUs) in a fresh process started as the train CLI starts: it
-    completes (~3 s). Without ``import parallelism`` (XLA's pool of 8 threads there) the same run,
-    ``run_program(300, import_parallelism=False)``, aborted 10 times in 10 on a 2-core machine (SIGABRT
+    completes (~3 s). Without ``ensure_collective_threads()`` (XLA's pool of 8 threads there) the same run,
+    ``run_program(300, ensure_threads=False)``, aborted 10 times in 10 on a 2-core machine (SIGABRT
     after the termination timeout; 7 in 10 with 100 calls)."""
     result = run_program(300)
     assert result.returncode == 0 and " ok " in result.stdout, (result.returncode, result.stderr[-3000:])
     assert result.stdout.startswith(f"threads {max(cpu_threads.required_threads(DEVICES, {}), 2)} ")  # its default
+
+
+def test_importing_the_library_sets_nothing_the_entry_points_do(monkeypatch):
+    """No process-global side effect at import: a fresh process that imports the parallelism package and the
+    experts on 8 host devices has no PJRT_NPROC; the launcher's CPU processes get it in their environment."""
+    env = {k: v for k, v in os.environ.items() if k not in (*cpu_threads.ENV_NAMES, cpu_threads.PER_DEVICE_ENV)}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    code = ("import os, moevlm_jax.parallelism, moevlm_jax.parallelism.experts, moevlm_jax.model.compute; "
+            "print(os.environ.get('PJRT_NPROC'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "None", (out.stdout, out.stderr[-2000:])
+    from moevlm_jax import launch
+
+    monkeypatch.setattr(cpu_threads, "cpu_count", lambda: 2)
+    plan = launch.DevicePlan(platform="cpu", per_process=4, gpus=())
+    child = launch.child_env({"XLA_FLAGS": "--xla_foo=1"}, 0, 2, "127.0.0.1:1234", plan)
+    assert child["PJRT_NPROC"] == str(cpu_threads.THREADS_PER_DEVICE * 4)

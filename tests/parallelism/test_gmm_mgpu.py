@@ -2,7 +2,7 @@
 epilogue kernels in Pallas' GPU interpreter against per-group einsums and JAX's gradients (and against the XLA
 contracts that stand in for them in the layer tests), the layers' custom VJPs around them, and the shape checks.
 The d(x) form (w read transposed in shared memory) is not run here: the interpreter has no transposed wgmma operand
-(jax 0.10.2); on an H200 it was bitwise equal to the Triton kernel's (bench/moe_layer.md run 13)."""
+(jax 0.10.2); on an H200 it was bitwise equal to the Triton kernel's."""
 
 import dataclasses
 
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moevlm_jax.parallelism import gmm_mgpu
+from moevlm_jax.parallelism.kernels import KernelsConfig, MosaicGpuTiles
 
 
 def _by_group(x, w, group_sizes, spec):
@@ -74,15 +75,11 @@ def test_block_table_group_start_windows_hand_computed():
 
 
 # 2 simulated SMs where 4 add nothing but time (the interpreter's time grows with each): 4 where a program's tiles
-# change with them (align 128's lone tiles; chains of 2)
-@pytest.mark.parametrize("align,epi_buffers,extra,sms", [(128, 1, {}, 4), (8, 1, {}, 2), (8, 2, {}, 2),
-                                                         (8, 2, {"chain": 1}, 2), (8, 2, {"delay_release": 1}, 2),
-                                                         (8, 1, {"wg_m": 1, "chain": 1}, 4)])
-def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, epi_buffers, extra, sms):
-    """Also chained pipelines (2 K steps, 2 in flight; 7 used tiles over 2 programs: chains of 3 and 4; over 4
-    programs: lone tiles and chains of 2), one wgmma in flight, and the warpgroups on row halves (``wg_m``): g0's
-    second window (2 rows) and g3's (10) leave the second half idle, g4's last window, moved back to end at row 512
-    (rows 464-479 from 384), the first."""
+# change with them (align 128's lone tiles)
+@pytest.mark.parametrize("align,epi_buffers,sms", [(128, 1, 4), (8, 1, 2), (8, 2, 2)])
+def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, epi_buffers, sms):
+    """Windows at aligned row blocks and at each group's start, one and two epilogue buffers: g4's last window is
+    moved back to end at row 512."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     m, k, n = 512, 128, 256
@@ -92,8 +89,7 @@ def test_forward_kernel_in_the_gpu_interpreter_matches_per_group_einsum(align, e
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(jax.random.key(1), (len(sizes), k, n), jnp.float32) / 8).astype(jnp.bfloat16)
     cfg = gmm_mgpu.Config(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2, grid_tile_width=1,
-                          align=align, epi_buffers=epi_buffers, **extra)
-    assert gmm_mgpu.chained(k, cfg) == bool(extra.get("chain"))
+                          align=align, epi_buffers=epi_buffers)
     out = gmm_mgpu.gmm(x, w, jnp.asarray(sizes), config=cfg, interpret=InterpretGPUParams(), num_sms=sms)
     used = int(sizes.sum())
     gid = np.repeat(np.arange(len(sizes)), sizes)
@@ -212,26 +208,30 @@ def test_plain_gmm_routes_only_supported_bf16_gpu_matmuls_to_the_mosaic_kernel(m
     from moevlm_jax.parallelism import grouped_matmul as gmmod
 
     calls = []
-    monkeypatch.setattr(gmm_mgpu, "gmm", lambda x, w, s, trans_w=False: calls.append(("mgpu", trans_w)) or "mgpu")
-    monkeypatch.setattr(gmm_triton, "gmm", lambda x, w, s, trans_w=False: calls.append(("triton", trans_w)) or "triton")
+    monkeypatch.setattr(gmm_mgpu, "gmm", lambda x, w, s, trans_w=False, config=None: calls.append(
+        ("mgpu", trans_w, config)) or "mgpu")
+    monkeypatch.setattr(gmm_triton, "gmm", lambda x, w, s, trans_w=False, config=None: calls.append(
+        ("triton", trans_w)) or "triton")
     monkeypatch.setattr(gmm_triton, "_on_cpu", lambda: False)
     monkeypatch.setattr(gmm_mgpu, "on_hopper", lambda: True)
-    monkeypatch.setattr(gmm_mgpu, "KINDS", frozenset({"dx"}))
+    tiles = dataclasses.replace(gmm_mgpu.CONFIGS["dx"], grid_tile_width=2)
+    kernels = KernelsConfig(mosaic_gpu=("dx",), mosaic_gpu_tiles=MosaicGpuTiles(dx=tiles))
+    run = lambda *a, **kw: gmmod.plain_gmm(*a, kernels=kernels, **kw)  # noqa: E731
     s = jnp.asarray([128, 128])
     bf = jnp.bfloat16
     x, w = jnp.zeros((256, 128), bf), jnp.zeros((2, 128, 256), bf)
-    assert gmmod.plain_gmm(x, w, s) == "triton"  # fwd not listed
-    assert gmmod.plain_gmm(jnp.zeros((256, 256), bf), w, s, trans_w=True) == "triton"  # out 128 columns: not 256-wide
+    assert run(x, w, s) == "triton"  # fwd not listed
+    assert run(jnp.zeros((256, 256), bf), w, s, trans_w=True) == "triton"  # out 128 columns: not 256-wide
     wt = jnp.zeros((2, 256, 128), bf)  # d(x): [G, out 256, contract 128]
-    assert gmmod.plain_gmm(x, wt, s, trans_w=True) == "mgpu"
-    assert gmmod.plain_gmm(x.astype(jnp.float32), wt.astype(jnp.float32), s, trans_w=True) == "triton"  # not bf16
-    assert gmmod.plain_gmm(jnp.zeros((200, 128), bf), wt, jnp.asarray([100, 100]), trans_w=True) == "triton"  # rows
+    assert run(x, wt, s, trans_w=True) == "mgpu"
+    assert run(x.astype(jnp.float32), wt.astype(jnp.float32), s, trans_w=True) == "triton"  # not bf16
+    assert run(jnp.zeros((200, 128), bf), wt, jnp.asarray([100, 100]), trans_w=True) == "triton"  # rows
     monkeypatch.setattr(gmm_mgpu, "on_hopper", lambda: False)
-    assert gmmod.plain_gmm(x, wt, s, trans_w=True) == "triton"  # a GPU without wgmma (not sm_90)
+    assert run(x, wt, s, trans_w=True) == "triton"  # a GPU without wgmma (not sm_90)
     monkeypatch.setattr(gmm_triton, "_on_cpu", lambda: True)
-    assert gmmod.plain_gmm(x, wt, s, trans_w=True) == "triton"  # CPU: the Triton kernels' interpret mode
-    assert calls == [("triton", False), ("triton", True), ("mgpu", True), ("triton", True), ("triton", True),
-                     ("triton", True), ("triton", True)]
+    assert run(x, wt, s, trans_w=True) == "triton"  # CPU: the Triton kernels' interpret mode
+    assert calls == [("triton", False), ("triton", True), ("mgpu", True, tiles), ("triton", True), ("triton", True),
+                     ("triton", True), ("triton", True)]  # the Mosaic kernel with the configured tiles
 
 
 def test_plain_tgmm_routes_listed_bf16_hopper_weight_gradients_to_the_mosaic_kernel(monkeypatch):
@@ -240,38 +240,48 @@ def test_plain_tgmm_routes_listed_bf16_hopper_weight_gradients_to_the_mosaic_ker
     from moevlm_jax.parallelism import grouped_matmul as gmmod
 
     calls, real_tgmm = [], gmm_mgpu.tgmm
-    monkeypatch.setattr(gmm_mgpu, "tgmm", lambda x, dy, s: calls.append("mgpu") or "mgpu")
-    monkeypatch.setattr(gmm_triton, "tgmm", lambda x, dy, s, out_dtype=None: calls.append("triton") or "triton")
+    monkeypatch.setattr(gmm_mgpu, "tgmm", lambda x, dy, s, config=None: calls.append("mgpu") or "mgpu")
+    monkeypatch.setattr(gmm_triton, "tgmm", lambda x, dy, s, out_dtype=None, config=None: calls.append(
+        "triton") or "triton")
     monkeypatch.setattr(gmm_triton, "_on_cpu", lambda: False)
     monkeypatch.setattr(gmm_mgpu, "on_hopper", lambda: True)
     bf = jnp.bfloat16
     s = jnp.asarray([100, 156])
     x, dy = jnp.zeros((256, 128), bf), jnp.zeros((256, 256), bf)
-    monkeypatch.setattr(gmm_mgpu, "KINDS", frozenset({"fwd", "dx"}))
-    assert gmmod.plain_tgmm(x, dy, s) == "triton"  # dw not listed
-    monkeypatch.setattr(gmm_mgpu, "KINDS", frozenset({"dw"}))
-    assert gmmod.plain_tgmm(x, dy, s, out_dtype=bf) == "mgpu"
-    assert gmmod.plain_tgmm(x, dy, s, out_dtype=jnp.float32) == "triton"  # a float32 gradient
-    assert gmmod.plain_tgmm(x, dy[:, :128], s) == "triton"  # 128 columns: not a whole CTA block
-    assert gmmod.plain_tgmm(x[:200], dy[:200], s) == "triton"  # rows not whole 64-row steps
+    fwd_dx, dw = KernelsConfig(mosaic_gpu=("fwd", "dx")), KernelsConfig(mosaic_gpu=("dw",))
+    assert gmmod.plain_tgmm(x, dy, s, kernels=fwd_dx) == "triton"  # dw not listed
+    assert gmmod.plain_tgmm(x, dy, s, out_dtype=bf, kernels=dw) == "mgpu"
+    assert gmmod.plain_tgmm(x, dy, s, out_dtype=jnp.float32, kernels=dw) == "triton"  # a float32 gradient
+    assert gmmod.plain_tgmm(x, dy[:, :128], s, kernels=dw) == "triton"  # 128 columns: not a whole CTA block
+    assert gmmod.plain_tgmm(x[:200], dy[:200], s, kernels=dw) == "triton"  # rows not whole 64-row steps
     assert calls == ["triton", "mgpu", "triton", "triton", "triton"]
     assert gmm_mgpu.tsupported(256, 128, 256) and not gmm_mgpu.tsupported(256, 100, 256)
     with pytest.raises(ValueError, match="K % 128"):
         real_tgmm(jnp.zeros((256, 100), bf), dy, s)
 
 
-def test_tune_overrides_one_field_of_one_kind():
-    base = dict(gmm_mgpu.CONFIGS)
-    out = gmm_mgpu.tuned(base, "fwd.max_concurrent_steps=4, dw.grid_tile_width=2")
-    assert out["fwd"] == gmm_mgpu.Config(max_concurrent_steps=4, epi_buffers=2)
-    assert out["dw"] == dataclasses.replace(base["dw"], grid_tile_width=2)
+def test_tiles_override_one_field_of_one_kind():
+    """compute.moe.kernels.mosaic_gpu_tiles: a field given replaces that field of the tuned default (the defaults are
+    gmm_mgpu.CONFIGS, the classes' own); a bad tile is refused with the field's name."""
+    from moevlm_jax.config.schema import ConfigError, build
+
+    base = gmm_mgpu.CONFIGS
     assert base["dw"] == gmm_mgpu.TConfig(seg_rows=16384, max_concurrent_steps=3, epi_tile_m=128, epi_tile_n=128,
                                           epi_buffers=1)
-    assert out["dx"] == base["dx"] and base == gmm_mgpu.CONFIGS  # the table itself untouched
-    assert gmm_mgpu.tuned(base, "") == base
-    for bad in ("fwd.epi_buffers", "up.tile_m=64", "dw.align=8", "fwd=2"):
-        with pytest.raises(ValueError, match="MOEVLM_GMM_MGPU_TUNE"):
-            gmm_mgpu.tuned(base, bad)
+    assert base["fwd"] == base["dx"] == gmm_mgpu.Config(max_concurrent_steps=3, epi_buffers=2)
+    assert KernelsConfig().mosaic_gpu_tiles == MosaicGpuTiles(base["fwd"], base["dx"], base["dw"])
+    got = build(KernelsConfig, {"mosaic_gpu_tiles": {"fwd": {"max_concurrent_steps": 4}, "dw": {"grid_tile_width": 2}}},
+                "compute.moe.kernels").mosaic_gpu_tiles
+    assert got.fwd == dataclasses.replace(base["fwd"], max_concurrent_steps=4)
+    assert got.dw == dataclasses.replace(base["dw"], grid_tile_width=2) and got.dx == base["dx"]
+    direct = KernelsConfig(mosaic_gpu_tiles={"dw": {"seg_rows": 8192, "max_concurrent_steps": 4}})
+    assert direct.mosaic_gpu_tiles.dw == dataclasses.replace(base["dw"], seg_rows=8192, max_concurrent_steps=4)
+    for bad, message in (({"fwd": {"epi_buffers": 3}}, "epi_buffers must be 1 or 2"),
+                         ({"up": {"tile_m": 64}}, "unknown key 'compute.moe.kernels.mosaic_gpu_tiles.up'"),
+                         ({"dw": {"align": 8}}, "unknown key 'compute.moe.kernels.mosaic_gpu_tiles.dw.align'"),
+                         ({"fwd": {"align": 12}}, "align 12 must divide tile_m")):
+        with pytest.raises(ConfigError, match=message):
+            build(KernelsConfig, {"mosaic_gpu_tiles": bad}, "compute.moe.kernels")
 
 
 def test_streamed_segments_hand_computed():
@@ -316,32 +326,14 @@ def test_streamed_segments_give_every_group_to_one_segment_whose_blocks_hold_its
 def test_tgmm_options_checked():
     bf = jnp.bfloat16
     x, dy, s = jnp.zeros((256, 128), bf), jnp.zeros((256, 256), bf), jnp.asarray([100, 156])
-    assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(cluster_m=2))
-    assert not gmm_mgpu.tsupported(256, 128, 256, gmm_mgpu.TConfig(cluster_m=2))  # K: one 128-row block per CTA pair
-    # the streamed kernel has no CTA pairs: refused, not ignored (its epilogue may be swizzled since run 19)
-    assert not gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(cluster_m=2, seg_rows=1024))
-    assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_swizzle=True, seg_rows=1024))
-    assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_swizzle=True, cluster_m=2))
     # one 128 x 128 epilogue slab per warpgroup (the default): one buffer; two would leave half a round
     assert gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_tile_m=128, epi_tile_n=128, epi_buffers=1))
     assert not gmm_mgpu.tsupported(256, 256, 256, gmm_mgpu.TConfig(epi_tile_m=128, epi_tile_n=128, epi_buffers=2))
+    assert not gmm_mgpu.tsupported(256, 128, 256, gmm_mgpu.TConfig(tile_m=256))  # K: whole 256-row tiles
     with pytest.raises(ValueError, match="K % 256"):
-        gmm_mgpu.tgmm(x, dy, s, config=gmm_mgpu.TConfig(cluster_m=2))
-    with pytest.raises(ValueError, match="no CTA pairs"):
-        gmm_mgpu.tgmm(x, jnp.zeros((256, 512), bf), jnp.asarray([100, 156]),
-                      config=gmm_mgpu.TConfig(cluster_m=2, seg_rows=1024))
-    assert gmm_mgpu.tuned(dict(gmm_mgpu.CONFIGS), "dw.seg_rows=8192,dw.max_concurrent_steps=4")["dw"] == \
-        dataclasses.replace(gmm_mgpu.CONFIGS["dw"], seg_rows=8192, max_concurrent_steps=4)
-
-
-def test_chained_only_where_the_k_steps_divide_by_the_steps_in_flight():
-    chain3 = gmm_mgpu.Config(max_concurrent_steps=3, chain=1)
-    assert gmm_mgpu.chained(1536, chain3)  # 24 K steps of 64
-    assert not gmm_mgpu.chained(4096, chain3)  # 64 steps: the tiles' pipelines one by one
-    assert gmm_mgpu.chained(4096, gmm_mgpu.Config(max_concurrent_steps=4, chain=1))
-    assert not gmm_mgpu.chained(4096, gmm_mgpu.Config(max_concurrent_steps=4))  # not asked for
-    assert not gmm_mgpu.chained(4096, gmm_mgpu.Config(max_concurrent_steps=4, chain=1, delay_release=1))
-    assert gmm_mgpu.supported(131072, 4096, 3072, chain3)  # the kernel still takes the shape
+        gmm_mgpu.tgmm(x, dy, s, config=gmm_mgpu.TConfig(tile_m=256))
+    with pytest.raises(ValueError, match="seg_rows must be an int >= 0"):
+        gmm_mgpu.TConfig(seg_rows=-1)
 
 
 def test_call_sites_of_one_kernel_share_one_lowered_mosaic_module():
@@ -376,13 +368,13 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
     from moevlm_jax.parallelism import grouped_matmul as gmmod
     from moevlm_jax.parallelism import permute
 
-    def takes(kind, m, k, n, dtype):  # the hardware checks left out (lowering only)
-        cfg = gmm_mgpu.CONFIGS[kind]
-        return gmm_mgpu.tsupported(m, k, n) if kind == "dw" else gmm_mgpu.supported(m, k, n, cfg)
+    def takes(kind, m, k, n, dtype, kernels):  # the hardware checks left out (lowering only)
+        cfg = getattr(kernels.mosaic_gpu_tiles, kind)
+        return gmm_mgpu.tsupported(m, k, n, cfg) if kind == "dw" else gmm_mgpu.supported(m, k, n, cfg)
 
     monkeypatch.setattr(gmmod, "mgpu_takes", takes)
     monkeypatch.setattr(permute, "mgpu_takes", takes)
-    monkeypatch.setattr(permute, "FUSE", frozenset({fuse} - {""}))
+    kernels = KernelsConfig(fusions=tuple({fuse} - {""}))
     bf = jnp.bfloat16
     rows, s = jax.ShapeDtypeStruct((512, 256), bf), jax.ShapeDtypeStruct((4,), jnp.int32)
     wgu, wd = jax.ShapeDtypeStruct((4, 256, 512), bf), jax.ShapeDtypeStruct((4, 256, 256), bf)
@@ -391,8 +383,8 @@ def test_kernels_recorded_in_a_step_compile_alone_to_the_step_s_modules(monkeypa
 
     def layer(rows, s, wgu, wd):
         if fuse == "mgpu_dweighted":  # 256 tokens' top-2 rows: 512 sorted rows
-            return permute.sorted_experts(rows[:256], plan, jnp.full((256, 2), 0.5), wgu, wd, "triton")
-        return permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
+            return permute.sorted_experts(rows[:256], plan, jnp.full((256, 2), 0.5), wgu, wd, "triton", kernels)
+        return permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False, kernels=kernels)
 
     def step(rows, s, wgu, wd):
         def loss(rows, wgu, wd):  # two layers of the same shapes: every kernel called twice
@@ -428,7 +420,7 @@ def test_compile_ahead_compiles_each_recorded_function_in_threads():
 
 
 def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
-    """permute._mgpu_swiglu_experts (FUSE "mgpu_dswiglu"): the experts' output and gradients (SwiGLU's backward in
+    """permute._mgpu_swiglu_experts (fusion "mgpu_dswiglu"): the experts' output and gradients (SwiGLU's backward in
     the down projection's d(x) kernel) against the per-group einsums and SwiGLU differentiated by JAX, in float32 on
     the same bf16 values; the Mosaic kernel in Pallas' GPU interpreter (gmm_dswiglu on the down weights transposed
     beforehand: the interpreter has no transposed wgmma operand), the other matmuls on the Triton kernels
@@ -442,7 +434,7 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
     dswiglu = gmm_mgpu.gmm_dswiglu
     calls = []
 
-    def dswiglu_untransposed(dy, w, s, h):
+    def dswiglu_untransposed(dy, w, s, h, config=None):
         calls.append(dy.shape)
         return dswiglu(dy, jnp.swapaxes(w, 1, 2), s, h, trans_w=False, **run)
 
@@ -457,7 +449,7 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
     gid = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes))
 
     def fused(x, wgu, wd):
-        y = permute._mgpu_swiglu_experts(x, wgu, wd, jnp.asarray(sizes))
+        y = permute._mgpu_swiglu_experts(x, wgu, wd, jnp.asarray(sizes), None, KernelsConfig())
         return jnp.sum(y.astype(jnp.float32) * py)
 
     def reference(x, wgu, wd):
@@ -475,7 +467,7 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
 
 
 def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_expert_output(monkeypatch):
-    """permute.sorted_experts with FUSE "mgpu_dweighted" (the routing weights applied to act in XLA's SwiGLU pass after
+    """permute.sorted_experts with fusion "mgpu_dweighted" (the routing weights applied to act in XLA's SwiGLU pass after
     the gate_up matmul, an unweighted combine; their backward in the down projection's d(x) epilogue): the layer's
     output and its gradients for x, the routing weights and both expert weights against the dense per-expert
     reference in float32 on the same bf16 values; the Mosaic d(x) kernel stood in for by its contract
@@ -488,13 +480,14 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
 
     calls = []
 
-    def dswiglu_untransposed(dy, w, s, h, row_w=None):
+    def dswiglu_untransposed(dy, w, s, h, row_w=None, config=None):
         calls.append(("bwd", row_w is not None))
         return dswiglu_contract(dy, w, s, h, row_w)
 
     monkeypatch.setattr(gmm_mgpu, "gmm_dswiglu", dswiglu_untransposed)
-    monkeypatch.setattr(permute, "_weighted_takes", lambda m, wd, dtype: m % 128 == 0)
-    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_dweighted"}))
+    monkeypatch.setattr(permute, "_weighted_takes",
+                        lambda m, wd, dtype, kernels: kernels.fused("mgpu_dweighted") and m % 128 == 0)
+    kernels = KernelsConfig(fusions=("mgpu_dweighted",))
     t, hdim, inter, e, k = 128, 128, 256, 5, 2
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((t, e)) + np.array([2.0, 1.0, 0.0, -100.0, 0.5])  # expert 3 gets no token
@@ -509,7 +502,7 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
     plan = permute.route_plan(jnp.asarray(idx), topw, e)
 
     def fused(x, topw, wgu, wd):
-        return jnp.sum(permute.sorted_experts(x, plan, topw, wgu, wd, "triton").astype(jnp.float32) * py)
+        return jnp.sum(permute.sorted_experts(x, plan, topw, wgu, wd, "triton", kernels).astype(jnp.float32) * py)
 
     def reference(x, topw, wgu, wd):
         return jnp.sum(dense_reference(x, jnp.asarray(idx), topw, wgu, wd) * py)
@@ -523,14 +516,14 @@ def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_e
         a, b = np.asarray(a, np.float32), np.asarray(b)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, name  # bf16 h, act_w, d(h) against float32
     # the backward keeps no [A, H] expert output (the weighted combine's backward would read it)
-    _, vjp = jax.vjp(lambda x, w: permute.sorted_experts(x, plan, w, wgu, wd, "triton"), x, topw)
+    _, vjp = jax.vjp(lambda x, w: permute.sorted_experts(x, plan, w, wgu, wd, "triton", kernels), x, topw)
     kept = [leaf.shape for leaf in jax.tree.leaves(vjp) if hasattr(leaf, "shape")]
     assert (t * k, 2 * inter) in kept and (t * k, hdim) in kept  # h, and the dispatched rows for d(w_gate_up)
     assert kept.count((t * k, hdim)) == 1
 
 
 def test_expert_ffn_takes_the_fused_backward_only_with_the_fusion_asked_for_and_a_shape_it_takes(monkeypatch):
-    """permute.expert_ffn: FUSE "mgpu_dswiglu" + a down projection whose d(x) [m, H] -> [m, I] the Mosaic kernel
+    """permute.expert_ffn: fusion "mgpu_dswiglu" + a down projection whose d(x) [m, H] -> [m, I] the Mosaic kernel
     takes + tail rows left unwritten -> the experts with SwiGLU's backward fused (``_mgpu_swiglu_experts``; the same
     output as the unfused experts, stood in for here by the plain matmuls); otherwise the unfused path."""
     from moevlm_jax.parallelism import grouped_matmul as gmmod
@@ -538,7 +531,7 @@ def test_expert_ffn_takes_the_fused_backward_only_with_the_fusion_asked_for_and_
 
     calls = []
 
-    def stand_in(x, wgu, wd, s):
+    def stand_in(x, wgu, wd, s, row_w, kernels):
         calls.append(x.shape)
         h = gmmod.grouped_matmul(x, wgu, s, backend="triton", zero_tail_rows=False)
         return gmmod.grouped_matmul(permute.swiglu(h), wd, s, backend="triton", zero_tail_rows=False)
@@ -550,16 +543,16 @@ def test_expert_ffn_takes_the_fused_backward_only_with_the_fusion_asked_for_and_
     rows = jax.random.normal(ks[0], (m, hdim), jnp.float32).astype(jnp.bfloat16)
     wgu = (jax.random.normal(ks[1], (3, hdim, 2 * inter), jnp.float32) / 8).astype(jnp.bfloat16)
     wd = (jax.random.normal(ks[2], (3, inter, hdim), jnp.float32) / 8).astype(jnp.bfloat16)
-    monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: kind == "dx" and n == inter)
-    monkeypatch.setattr(permute, "FUSE", frozenset())
-    plain = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
+    monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype, kernels: kind == "dx" and n == inter)
+    plain = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False, kernels=KernelsConfig(fusions=()))
     assert calls == []
-    monkeypatch.setattr(permute, "FUSE", frozenset({"mgpu_dswiglu"}))
-    fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)
+    dswiglu = KernelsConfig(fusions=("mgpu_dswiglu",))
+    fused = permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False, kernels=dswiglu)
     assert calls == [(m, hdim)]
     np.testing.assert_array_equal(np.asarray(fused[:256]), np.asarray(plain[:256]))
-    permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=True)  # tail rows zeroed: the unfused path
-    permute.expert_ffn(rows, s, wgu[:, :, :192], wd[:, :96], "triton", zero_tail_rows=False)  # I = 96: not taken
-    monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: False)
-    permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False)  # no Mosaic d(x): the unfused experts
+    permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=True, kernels=dswiglu)  # tail rows zeroed: unfused
+    permute.expert_ffn(rows, s, wgu[:, :, :192], wd[:, :96], "triton", zero_tail_rows=False,
+                       kernels=dswiglu)  # I = 96: not taken
+    monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype, kernels: False)
+    permute.expert_ffn(rows, s, wgu, wd, "triton", zero_tail_rows=False, kernels=dswiglu)  # no Mosaic d(x): unfused
     assert calls == [(m, hdim)]

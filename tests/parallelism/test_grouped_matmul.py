@@ -198,28 +198,59 @@ def test_triton_kernels_match_per_group_einsum(sizes):
         jax.eval_shape(lambda a, b: gt.gmm(a, b, gs), huge, jax.ShapeDtypeStruct((g, 2**10, 16), jnp.bfloat16))
 
 
-def test_triton_configs_from_file(tmp_path, monkeypatch):
+def test_triton_tiles_from_config_and_file(tmp_path):
+    """compute.moe.kernels.triton_tiles entries over the built-in table (a shape's entry before its kind's), also
+    read from a tile sweep's JSON file; the built-in table itself untouched."""
     from moevlm_jax.parallelism import gmm_triton as gt
+    from moevlm_jax.parallelism.kernels import KernelsConfig, TritonTile, load_triton_tiles
 
-    monkeypatch.setattr(gt, "CONFIGS", dict(gt.CONFIGS))
+    before = dict(gt.CONFIGS)
     path = tmp_path / "cfg.json"
     path.write_text('{"dw": {"block_m": 32, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}}')
-    assert gt.load_configs(str(path))["dw"] == gt.Config(32, 64, 128, 4, 4)
+    kernels = KernelsConfig(triton_tiles=load_triton_tiles(str(path)))
+    assert kernels.triton_config("dw", 64, 64) == gt.Config(32, 64, 128, 4, 4)
+    assert kernels.triton_config("dw", 2048, 1536) == gt.CONFIGS["dw:2048x1536"]  # the built-in shape entry
     path.write_text('{"fwd:64x32": {"block_m": 16, "block_n": 32, "block_k": 64}}')
-    gt.load_configs(str(path))
-    assert gt.config_for("fwd", 64, 32) == gt.Config(16, 32, 64) and gt.config_for("fwd", 64, 64) == gt.CONFIGS["fwd"]
+    kernels = KernelsConfig(triton_tiles=load_triton_tiles(str(path)))
+    assert kernels.triton_config("fwd", 64, 32) == gt.Config(16, 32, 64)
+    assert kernels.triton_config("fwd", 64, 64) == gt.CONFIGS["fwd"] == gt.config_for("fwd", 64, 64)
+    assert gt.CONFIGS == before
     path.write_text('{"bwd": {}}')
     with pytest.raises(ValueError, match="unknown kernels"):
-        gt.load_configs(str(path))
+        load_triton_tiles(str(path))
+    with pytest.raises(ValueError, match="power of two"):
+        TritonTile(kernel="dw", block_m=48)
+    with pytest.raises(ValueError, match="names one kernel twice"):
+        KernelsConfig(triton_tiles=[{"kernel": "dw"}, {"kernel": "dw", "block_m": 32}])
+
+
+def test_triton_tiles_reach_the_kernels(monkeypatch):
+    """The grouped matmul's Triton kernels run with the configured tiles (forward, d(x), d(w)), and the result
+    stays the per-group reference's."""
+    from moevlm_jax.parallelism.kernels import KernelsConfig
+
+    seen = []
+    real_gmm, real_tgmm = gm.gmm_triton.gmm, gm.gmm_triton.tgmm
+    monkeypatch.setattr(gm.gmm_triton, "gmm", lambda *a, **kw: seen.append(("gmm", kw["config"])) or real_gmm(*a, **kw))
+    monkeypatch.setattr(gm.gmm_triton, "tgmm", lambda *a, **kw: seen.append(("tgmm", kw["config"])) or real_tgmm(
+        *a, **kw))
+    lhs, rhs = _inputs()
+    sizes = GROUP_SIZES["padding_rows"]
+    kernels = KernelsConfig(triton_tiles=[{"kernel": "fwd", "block_m": 16}, {"kernel": "dx", "block_m": 32},
+                                          {"kernel": "dw", "block_m": 64, "num_stages": 2}])
+    got = _value_and_grads(lambda a, b: gm.grouped_matmul(a, b, jnp.asarray(sizes), backend="triton",
+                                                          kernels=kernels), lhs, rhs)
+    assert_close(got[1], _value_and_grads(lambda a, b: per_group_reference(a, b, sizes), lhs, rhs)[1], what="grads")
+    assert [(kind, c.block_m) for kind, c in seen] == [("gmm", 16), ("gmm", 32), ("tgmm", 64)]
+    assert seen[2][1].num_stages == 2
 
 
 @pytest.mark.parametrize("sizes", [[37, 0, 90, 3, 70], [0, 0, 5, 0, 0]])
 def test_triton_fused_kernels_match_per_group_einsum(sizes):
-    """The kernels' fusions (interpret mode on CPU) against numpy in float32: rows of x [T, K] read through an
-    index (gmm / tgmm ``rows``), SwiGLU in the forward's epilogue (h and act) and its backward in the d(x) kernel's
-    (d(h) from d(act)), the gathered rows written for d(w) (``gathered_out``); uneven and empty groups, index
-    entries past sum(group_sizes) out of range and NaN in the padding rows of h and dy (none of which the kernels
-    may read)."""
+    """The kernels' fusion (interpret mode on CPU) against numpy in float32: rows of x [T, K] read through an
+    index (gmm ``rows``), the gathered rows written for d(w) (``gathered_out``), and d(w) of those rows; uneven and
+    empty groups, index entries past sum(group_sizes) out of range and NaN in the padding rows of dy (none of which
+    the kernels may read)."""
     from moevlm_jax.parallelism import gmm_triton as gt
 
     rng = np.random.default_rng(4)
@@ -229,41 +260,23 @@ def test_triton_fused_kernels_match_per_group_einsum(sizes):
     x = rng.standard_normal((t, k)).astype(np.float32)
     index = np.where(valid, rng.integers(0, t, m), 10**6).astype(np.int32)
     w = rng.standard_normal((g, k, 2 * i)).astype(np.float32) / np.sqrt(k)
-    w_down = rng.standard_normal((g, i, k)).astype(np.float32) / np.sqrt(i)
     dy = np.where(valid[:, None], rng.standard_normal((m, 2 * i)), np.nan).astype(np.float32)
-    dy_down = np.where(valid[:, None], rng.standard_normal((m, k)), np.nan).astype(np.float32)
     xr = x[np.minimum(index, t - 1)]
     starts = np.cumsum([0] + sizes[:-1])
     want_h, want_dw = np.zeros((m, 2 * i), np.float32), np.zeros((g, k, 2 * i), np.float32)
-    want_dact = np.zeros((m, i), np.float32)
     for e, (s0, c) in enumerate(zip(starts, sizes)):
         want_h[s0:s0 + c] = xr[s0:s0 + c] @ w[e]
         want_dw[e] = xr[s0:s0 + c].T @ dy[s0:s0 + c]
-        want_dact[s0:s0 + c] = dy_down[s0:s0 + c] @ w_down[e].T
-    gate, up = want_h[:, :i], want_h[:, i:]
-    want_act = gate / (1 + np.exp(-gate)) * up
-    want_dh = np.asarray(jax.vjp(lambda h: jax.nn.silu(h[:, :i]) * h[:, i:], jnp.asarray(want_h))[1](
-        jnp.asarray(want_dact))[0])
     gs, cfg = jnp.asarray(sizes, jnp.int32), gt.Config(block_m=16, block_n=16, block_k=16)
     args = (jnp.asarray(x), jnp.asarray(w), gs)
     h = np.asarray(gt.gmm(*args, rows=jnp.asarray(index), config=cfg))
-    h2, act, xg = (np.asarray(a) for a in gt.gmm(*args, rows=jnp.asarray(index), gathered_out=True,
-                                                   epilogue="swiglu", config=cfg))
     h3, xg3 = (np.asarray(a) for a in gt.gmm(*args, rows=jnp.asarray(index), gathered_out=True, config=cfg))
-    dw = np.asarray(gt.tgmm(jnp.asarray(x), jnp.asarray(dy), gs, rows=jnp.asarray(index), config=cfg))
-    h_nan = jnp.asarray(np.where(valid[:, None], want_h, np.nan))
-    dh = np.asarray(gt.gmm(jnp.asarray(dy_down), jnp.asarray(w_down), gs, trans_w=True, epilogue="swiglu_bwd",
-                           h=h_nan, config=cfg))
+    # d(w) of the gathered rows the forward wrote (the fusion's backward), their padding rows NaN-free or not read
+    dw = np.asarray(gt.tgmm(jnp.asarray(xg3), jnp.asarray(dy), gs, config=cfg))
     assert_close(h[valid], want_h[valid], atol=1e-4, rtol=1e-4, what="gmm rows")
-    assert_close(h2[valid], want_h[valid], atol=1e-4, rtol=1e-4, what="gmm rows + swiglu: h")
-    assert_close(act[valid], want_act[valid], atol=1e-4, rtol=1e-4, what="gmm rows + swiglu: act")
     assert_close(h3[valid], want_h[valid], atol=1e-4, rtol=1e-4, what="gmm rows + gathered_out: h")
-    for got in (xg, xg3):
-        np.testing.assert_array_equal(got[valid], xr[valid], err_msg="gathered_out: x[rows]")
-    assert_close(dw, want_dw, atol=1e-4, rtol=1e-4, what="tgmm rows")
-    assert_close(dh[valid], want_dh[valid], atol=1e-4, rtol=1e-4, what="gmm trans + swiglu_bwd")
-    with pytest.raises(ValueError, match="epilogue"):
-        gt.gmm(*args, epilogue="swiglu_bwd")
+    np.testing.assert_array_equal(xg3[valid], xr[valid], err_msg="gathered_out: x[rows]")
+    assert_close(dw, want_dw, atol=1e-4, rtol=1e-4, what="tgmm of the gathered rows")
     with pytest.raises(ValueError, match="gathered_out needs rows"):
         gt.gmm(*args, gathered_out=True)
 

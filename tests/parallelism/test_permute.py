@@ -11,6 +11,7 @@ import pytest
 from moevlm_jax.parallelism import permute
 from moevlm_jax.parallelism.hybrid import hybrid_slots
 from moevlm_jax.parallelism.experts import experts_forward, experts_forward_with_stats
+from moevlm_jax.parallelism.kernels import KernelsConfig
 from moevlm_jax.parallelism.permute import CHECKPOINT_NAMES, expert_capacity, route_plan
 from tests.parallelism.moe_reference import (
     assert_close,
@@ -205,8 +206,12 @@ def test_remat_names_are_on_the_expert_activations():
     assert_close(got[1], value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)[1])
 
 
-FUSIONS = [(), ("gather",), ("gather_dw",), ("swiglu",), ("swiglu_bwd",), ("gather", "swiglu"),
-           ("gather_dw", "swiglu", "swiglu_bwd")]
+FUSIONS = [(), ("gather",)]  # the fusions that apply on CPU (the mgpu_* ones need Hopper: test_gmm_mgpu.py)
+
+
+def _triton(fuse=("gather",), **opts):
+    """experts_forward on the Triton backend with the fusions ``fuse`` (compute.moe.kernels.fusions)."""
+    return lambda *a: experts_forward(*a, backend="triton", kernels=KernelsConfig(fusions=fuse), **opts)
 
 
 def _kernels(fn, *args, policy=None):
@@ -228,21 +233,17 @@ def _compiled_kernels(fn, args, policy):
 
 
 def _expected_kernels(fuse):
-    gather = "gather" in fuse or "gather_dw" in fuse
-    fwd = "gmm" + ("_gather" if gather else "") + ("_swiglu" if "swiglu" in fuse else "")
-    dx = "gmm_trans_swiglu_bwd" if "swiglu_bwd" in fuse else "gmm_trans"
-    return {fwd, "gmm", "gmm_trans", dx, "tgmm_gather" if "gather_dw" in fuse else "tgmm", "tgmm"}
+    return {"gmm_gather" if "gather" in fuse else "gmm", "gmm", "gmm_trans", "tgmm"}
 
 
 @pytest.mark.parametrize("routing", ["random", "skewed"])
-def test_fused_triton_experts_match_dense_reference(monkeypatch, routing):
-    """The Triton experts with each set of fusions (permute.FUSE): output and every gradient against the dense
-    float32 reference; 'skewed' routing leaves half the experts empty and the groups uneven."""
+def test_fused_triton_experts_match_dense_reference(routing):
+    """The Triton experts with each set of fusions (compute.moe.kernels.fusions): output and every gradient against
+    the dense float32 reference; 'skewed' routing leaves half the experts empty and the groups uneven."""
     x, idx, w, w_gate_up, w_down = make_problem(seed=5, routing=routing)
     want = value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down)
     for fuse in FUSIONS:
-        monkeypatch.setattr(permute, "FUSE", frozenset(fuse))
-        fn = lambda *a: experts_forward(*a, backend="triton")  # noqa: E731
+        fn = _triton(fuse)
         assert set(_kernels(fn, x, idx, w, w_gate_up, w_down)[0]) == _expected_kernels(fuse), fuse
         got = value_and_grads(fn, x, idx, w, w_gate_up, w_down)
         assert_close(got[0], want[0], what=f"fuse {fuse} forward")
@@ -250,32 +251,30 @@ def test_fused_triton_experts_match_dense_reference(monkeypatch, routing):
 
 
 def test_default_gather_fusion_gives_way_to_the_mosaic_forward(monkeypatch):
-    """$MOEVLM_MOE_FUSE unset: the gate_up forward fuses the row gather (Triton) unless it runs on the Mosaic-GPU
-    kernel (grouped_matmul.mgpu_takes; bench/moe_layer.md run 14), then the rows are gathered first; a fusion set
-    in the environment is used as set."""
+    """The default kernels: the gate_up forward fuses the row gather (Triton) unless it runs on the Mosaic-GPU
+    kernel (grouped_matmul.mgpu_takes), then the rows are gathered first; with "fwd" dropped from
+    compute.moe.kernels.mosaic_gpu the gather is fused again."""
     x, idx, w, w_gate_up, w_down = make_problem(seed=5)
-    fn = lambda *a: experts_forward(*a, backend="triton")  # noqa: E731
-    monkeypatch.setattr(permute, "FUSE", frozenset({"gather"}))
-    monkeypatch.setattr(permute, "mgpu_takes", lambda kind, m, k, n, dtype: kind == "fwd")
-    for fuse_set, fused in ((False, False), (True, True)):
-        monkeypatch.setattr(permute, "FUSE_SET", fuse_set)
-        kernels = set(_kernels(fn, x, idx, w, w_gate_up, w_down)[0])
-        assert kernels == _expected_kernels(("gather",) if fused else ()), (fuse_set, kernels)
-    monkeypatch.setattr(permute, "FUSE_SET", False)
+    monkeypatch.setattr(permute, "mgpu_takes",  # a Hopper GPU that takes every shape, as the kernels choose
+                        lambda kind, m, k, n, dtype, kernels: kind == "fwd" and kind in kernels.mosaic_gpu)
+    for kernels, fused in ((KernelsConfig(), False), (KernelsConfig(mosaic_gpu=("dx", "dw")), True)):
+        fn = lambda *a, kernels=kernels: experts_forward(*a, backend="triton", kernels=kernels)  # noqa: E731
+        got = set(_kernels(fn, x, idx, w, w_gate_up, w_down)[0])
+        assert got == _expected_kernels(("gather",) if fused else ()), (kernels.mosaic_gpu, got)
     monkeypatch.setattr(permute, "mgpu_takes", lambda *a: False)  # e.g. not on Hopper: the fusion as before
+    fn = lambda *a: experts_forward(*a, backend="triton")  # noqa: E731
     assert set(_kernels(fn, x, idx, w, w_gate_up, w_down)[0]) == _expected_kernels(("gather",))
 
 
-def test_fused_triton_experts_with_drops_and_in_bfloat16(monkeypatch):
+def test_fused_triton_experts_with_drops_and_in_bfloat16():
     """Rows past the kept assignments (a capacity drops: the sorted buffer has padding rows the kernels leave
     unwritten) and bfloat16: the fused layer equals the unfused Triton layer."""
     x, idx, w, w_gate_up, w_down = make_problem(seed=6, routing="skewed")
     for dtype, opts, tol in ((jnp.float32, dict(capacity_factor=0.5), 2e-5), (jnp.bfloat16, {}, 2e-2)):
         args = (x.astype(dtype), idx, w.astype(dtype), w_gate_up.astype(dtype), w_down.astype(dtype))
         want = None
-        for fuse in ((), ("gather", "swiglu", "swiglu_bwd"), ("gather_dw",)):
-            monkeypatch.setattr(permute, "FUSE", frozenset(fuse))
-            out, grads = value_and_grads(lambda *a: experts_forward(*a, backend="triton", **opts), *args)
+        for fuse in FUSIONS:
+            out, grads = value_and_grads(_triton(fuse, **opts), *args)
             got = [np.asarray(a, np.float32) for a in (out, *grads)]
             want = want or got  # the unfused layer's
             for name, a, b in zip(("out", "d_x", "d_w", "d_w_gate_up", "d_w_down"), got, want):
@@ -283,14 +282,12 @@ def test_fused_triton_experts_with_drops_and_in_bfloat16(monkeypatch):
                 assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b), f"{jnp.dtype(dtype).name} {opts} {fuse} {name}"
 
 
-@pytest.mark.parametrize("fuse", [("gather", "swiglu"), ("gather_dw", "swiglu_bwd")])
-def test_fused_triton_experts_under_remat_policies(monkeypatch, fuse):
-    """Every remat name is still placed (moe_permuted: the rows the gate_up kernel writes, or with "gather_dw" the
-    int32 row index); a policy that saves them all runs no kernel twice; the gradients are right whether the
-    policy saves one name or all of them."""
-    monkeypatch.setattr(permute, "FUSE", frozenset(fuse))
+def test_fused_triton_experts_under_remat_policies():
+    """Every remat name is still placed with the "gather" fusion (moe_permuted: the rows the gate_up kernel
+    writes); a policy that saves them all runs no kernel twice; the gradients are right whether the policy saves
+    one name or all of them."""
     x, idx, w, w_gate_up, w_down = make_problem(seed=7)
-    fn = lambda *a: experts_forward(*a, backend="triton")  # noqa: E731
+    fn = _triton(("gather",))
     _, text = _kernels(fn, x, idx, w, w_gate_up, w_down)
     for name in CHECKPOINT_NAMES:
         assert f"name={name}" in text
@@ -316,6 +313,8 @@ def test_option_errors_name_the_problem():
         (dict(dispatcher="alltoall"), "needs expert parallelism"),
         (dict(backend="cutlass"), "unknown grouped-matmul backend"),
         (dict(capacity=2), "unknown options"),
+        (dict(kernels={"fusions": ["swiglu"]}), "'swiglu' was removed"),
+        (dict(kernels={"permute_kernels": ["dispatc"]}), "did you mean 'dispatch'"),
     ]
     for opts, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -336,17 +335,16 @@ def _poisoned_gmm(gmm, fill=float("nan")):
     return run
 
 
-@pytest.mark.parametrize("fuse", [(), ("gather",), ("gather", "swiglu", "swiglu_bwd")])
+@pytest.mark.parametrize("fuse", FUSIONS)
 def test_sorted_experts_never_read_the_unwritten_rows(monkeypatch, fuse):
-    """The sorted experts leave the expert matmuls' rows past the kept assignments unwritten (no masking pass,
-    bench/step_h200.md run 22): with a capacity that drops, those rows made NaN in every kernel output, the layer's
-    output and all its gradients still equal the dense reference with the same drops."""
-    monkeypatch.setattr(permute, "FUSE", frozenset(fuse))
+    """The sorted experts leave the expert matmuls' rows past the kept assignments unwritten (no masking pass):
+    with a capacity that drops, those rows made NaN in every kernel output, the layer's output and all its
+    gradients still equal the dense reference with the same drops."""
     monkeypatch.setattr(permute.gmm_triton, "gmm", _poisoned_gmm(permute.gmm_triton.gmm))
     _, _, _, w_gate_up, w_down = make_problem(seed=3, t=6, h=8, e=3, i=4, k=2)
     x = jnp.asarray(np.random.default_rng(7).standard_normal((6, 8), np.float32))
     idx, w = jnp.asarray(HAND_IDX), jnp.asarray(HAND_W)
-    opts = dict(backend="triton", capacity_factor=0.5, drop_policy="position")
+    opts = dict(backend="triton", capacity_factor=0.5, drop_policy="position", kernels=KernelsConfig(fusions=fuse))
     got = value_and_grads(lambda *a: experts_forward(*a, **opts), x, idx, w, w_gate_up, w_down)
     want = value_and_grads(lambda *a: dense_reference(*a, keep=jnp.asarray(HAND_KEEP["position"])),
                            x, idx, w, w_gate_up, w_down)
@@ -366,8 +364,8 @@ def test_fp8_experts_zero_the_unwritten_rows(monkeypatch):
     x = jnp.asarray(np.random.default_rng(7).standard_normal((6, 8), np.float32))
     idx, w = jnp.asarray(HAND_IDX), jnp.asarray(HAND_W)
     cfg = fp8.Fp8Config(recipe="tensor")
-    opts = dict(backend="triton", capacity_factor=0.5, drop_policy="position", fp8_config=cfg)
-    monkeypatch.setattr(permute, "FUSE", frozenset())
+    opts = dict(backend="triton", capacity_factor=0.5, drop_policy="position", fp8_config=cfg,
+                kernels=KernelsConfig(fusions=()))
     want = value_and_grads(lambda *a: experts_forward(*a, **opts), x, idx, w, w_gate_up, w_down)
     monkeypatch.setattr(permute.gmm_triton, "gmm", _poisoned_gmm(permute.gmm_triton.gmm, 1e30))
     got = value_and_grads(lambda *a: experts_forward(*a, **opts), x, idx, w, w_gate_up, w_down)

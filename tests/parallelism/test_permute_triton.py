@@ -10,6 +10,7 @@ import pytest
 
 from moevlm_jax.parallelism import fp8, permute, permute_triton
 from moevlm_jax.parallelism.experts import experts_forward
+from moevlm_jax.parallelism.kernels import KernelsConfig
 from tests.parallelism.moe_reference import assert_close, dense_reference, make_problem, value_and_grads
 
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
@@ -84,19 +85,19 @@ def _row_kernels(fn, *args):
 
 
 @pytest.mark.parametrize("kernels", [(), ("dispatch",), ("combine_bwd",), ("dispatch", "combine_bwd")])
-def test_sorted_experts_on_the_row_kernels_match_dense_reference(monkeypatch, kernels):
+def test_sorted_experts_on_the_row_kernels_match_dense_reference(kernels):
     """The Triton experts without the gather fusion (the Mosaic forward's path on an H200) on each set of row kernels
-    ($MOEVLM_PERMUTE_KERNELS): the kernels are in the gradient's jaxpr as set, and with a capacity that drops (rows of
-    the sorted buffer mapped by nothing, left unwritten by the kernels) output and every gradient equal the dense
-    reference with the same drops."""
-    monkeypatch.setattr(permute, "FUSE", frozenset())
-    monkeypatch.setattr(permute, "KERNELS", frozenset(kernels))
+    (compute.moe.kernels.permute_kernels): the kernels are in the gradient's jaxpr as set, and with a capacity that
+    drops (rows of the sorted buffer mapped by nothing, left unwritten by the kernels) output and every gradient equal
+    the dense reference with the same drops."""
+    chosen = KernelsConfig(fusions=(), permute_kernels=kernels)
     x, idx, w, w_gate_up, w_down = make_problem(seed=4, t=24, routing="skewed")
-    fn = lambda *a: experts_forward(*a, backend="triton")  # noqa: E731
+    fn = lambda *a: experts_forward(*a, backend="triton", kernels=chosen)  # noqa: E731
     assert _row_kernels(fn, x, idx, w, w_gate_up, w_down) == set(kernels)
     assert_close(value_and_grads(fn, x, idx, w, w_gate_up, w_down),
                  value_and_grads(dense_reference, x, idx, w, w_gate_up, w_down), what=f"{kernels} dropless")
-    capped = lambda *a: experts_forward(*a, backend="triton", capacity_factor=0.5, drop_policy="position")  # noqa: E731
+    capped = lambda *a: experts_forward(*a, backend="triton", capacity_factor=0.5, drop_policy="position",  # noqa: E731
+                                        kernels=chosen)
     plan = permute.route_plan(idx, w, 8, capacity=permute.expert_capacity(24, 2, 8, 0.5), drop_policy="position")
     keep = (np.asarray(plan.expert) < 8).reshape(24, 2)
     assert 0 < keep.sum() < keep.size
@@ -107,14 +108,15 @@ def test_sorted_experts_on_the_row_kernels_match_dense_reference(monkeypatch, ke
                                       w_down), what=f"{kernels} with drops")
 
 
-def test_row_kernels_stay_out_of_fp8_and_other_backends(monkeypatch):
+def test_row_kernels_stay_out_of_fp8_and_other_backends():
     """FP8 scales are maxima over every row (unwritten rows would set them) and the other backends may read every
     row: neither takes the row kernels."""
-    monkeypatch.setattr(permute, "FUSE", frozenset())
+    unfused = KernelsConfig(fusions=())
     x, idx, w, w_gate_up, w_down = make_problem(seed=4, t=24)
     cfg = fp8.Fp8Config(recipe="tensor")
-    assert _row_kernels(lambda *a: experts_forward(*a, backend="triton", fp8_config=cfg), x, idx, w, w_gate_up,
+    assert _row_kernels(lambda *a: experts_forward(*a, backend="triton", fp8_config=cfg, kernels=unfused), x, idx, w,
+                        w_gate_up, w_down) == set()
+    assert _row_kernels(lambda *a: experts_forward(*a, backend="ragged_dot", kernels=unfused), x, idx, w, w_gate_up,
                         w_down) == set()
-    assert _row_kernels(lambda *a: experts_forward(*a, backend="ragged_dot"), x, idx, w, w_gate_up, w_down) == set()
-    assert _row_kernels(lambda *a: experts_forward(*a, backend="triton"), x, idx, w, w_gate_up, w_down) == {
-        "dispatch", "combine_bwd"}
+    assert _row_kernels(lambda *a: experts_forward(*a, backend="triton", kernels=unfused), x, idx, w, w_gate_up,
+                        w_down) == {"dispatch", "combine_bwd"}
