@@ -3,7 +3,7 @@
 A data config names a source (``source``: a tagged union on ``kind``: vqa | photos | arrayrecord |
 llava | image_folder | mock, each with its own keys) and the knobs of the pipeline around it:
 sequence length, rows per host, patch buckets, Qwen-VL image processing, tokenizer, workers, seed.
-The one config loader (``moevlm_jax.config``) builds it; ``load_data_config("vqa", ["seq_len=2048"])``
+The one config loader (``moevlm_jax.schema``) builds it; ``load_data_config("vqa", ["seq_len=2048"])``
 is that loader for the data section alone (the data CLIs).
 """
 
@@ -16,6 +16,8 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
+
+from moevlm_jax.schema import ConfigError, coerce_fields, load_typed
 
 DEFAULT_CONFIG = "vqa"
 # question types of the built-in VQA set, in the order eval batches index them (answer_type)
@@ -196,8 +198,6 @@ class DataConfig:
     cache_dir: str | None = None  # built-in datasets (null: $MOEVLM_DATA_CACHE or ~/.cache/moevlm_jax)
 
     def __post_init__(self) -> None:
-        from moevlm_jax.config.schema import coerce_fields
-
         coerce_fields(self, "data")  # types (as the loader checks them)
         validate(self)
 
@@ -276,10 +276,8 @@ def load_data_config(name_or_path: str | Mapping[str, Any] | DataConfig | None =
                      overrides: Iterable[str] = ()) -> DataConfig:
     """A data config from a preset name (``configs/data/NAME.yaml``; default ``vqa``), a YAML path or a
     mapping, with ``key=value`` overrides (dotted keys reach ``source.*`` and ``image.*``), by the one
-    config loader (``moevlm_jax.config``); a bad setting raises DataError naming the key."""
-    from moevlm_jax.config import ConfigError, load_section
-
+    config loader (``moevlm_jax.schema``); a bad setting raises DataError naming the key."""
     try:
-        return load_section("data", DEFAULT_CONFIG if name_or_path is None else name_or_path, overrides)
+        return load_typed(DataConfig, "data", DEFAULT_CONFIG if name_or_path is None else name_or_path, overrides)
     except ConfigError as e:
         raise DataError(str(e)) from None

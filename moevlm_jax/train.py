@@ -1,7 +1,7 @@
 """The main job: ``python -m moevlm_jax.train [--recipe R] [--model M] [--layout L] [--data D]
 [--steps N] [--run-dir DIR] [--resume] [key=value ...]`` (``--help-config``: every key).
 
-config (moevlm_jax.config, validated once) -> auto-fit (moevlm_jax.training.autofit: a run that
+config (moevlm_jax.config, validated once) -> auto-fit (moevlm_jax.plan.autofit: a run that
 does not fit the devices gets the planner's fastest fitting settings, said in words) -> mesh over all devices (the layout) -> sharded train
 state + compiled step (moevlm_jax.training.trainer) -> grain loader (this host's shard) -> loop:
 step, metrics (metrics.jsonl, TensorBoard, progress bar), held-out evaluation, async orbax
@@ -21,7 +21,7 @@ from typing import Any
 
 from moevlm_jax.config.run import add_arguments, from_args, help_config
 from moevlm_jax.data.config import DataError
-from moevlm_jax.config.schema import ConfigError
+from moevlm_jax.schema import ConfigError
 from moevlm_jax.training import capture, distributed
 from moevlm_jax.training.faults import TrainingStopped
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
         print_error(e)
         return 2
     try:
-        from moevlm_jax.training.autofit import auto_fit
+        from moevlm_jax.plan.autofit import auto_fit
         from moevlm_jax.training.loop import apply_compilation_cache, run
 
         cfg = from_args(args)

@@ -17,10 +17,11 @@ from typing import Literal
 import jax
 import numpy as np
 from flax.core import FrozenDict
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from moevlm_jax.parallelism.cpu_threads import check_collective_threads
-
+from moevlm_jax.parallelism.logical import normalize_rules
 
 MESH_AXES: tuple[str, ...] = ("stage", "data", "fsdp", "context", "expert", "tensor")
 HOST_AXES: tuple[str, ...] = ("stage", "data", "fsdp")  # may cross hosts; the others stay within one
@@ -76,7 +77,6 @@ class Layout:
     hosts: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
-        from moevlm_jax.parallelism.logical import normalize_rules
 
         unknown = [a for a in self.mesh if a not in MESH_AXES]
         if unknown:
@@ -133,7 +133,6 @@ class Layout:
             arr = _hybrid(shape, self.host_split(shape, len(groups)), [groups[h] for h in sorted(groups)])
         else:
             try:
-                from jax.experimental import mesh_utils
 
                 arr = mesh_utils.create_device_mesh(sizes, devices=devices)
             except Exception:  # noqa: BLE001 - CPU host devices or odd topologies: plain order

@@ -113,7 +113,7 @@ def run_sections(run_dir: str | Path) -> tuple[ModelConfig, ComputeConfig, DataC
     """The model, compute and data sections of a run's ``config.yaml`` (each section alone: no check
     against the devices of this process, so a run of any layout loads anywhere)."""
     from moevlm_jax.config import ConfigError, load_section
-    from moevlm_jax.config.schema import read_yaml
+    from moevlm_jax.schema import read_yaml
 
     file = Path(run_dir) / "config.yaml"
     if not file.exists():

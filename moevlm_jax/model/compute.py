@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from moevlm_jax.config.schema import build, coerce_fields
+from moevlm_jax.schema import build, coerce_fields
 from moevlm_jax.parallelism.experts import ExpertsConfig
 from moevlm_jax.parallelism.fp8 import Fp8Config
 

@@ -4,7 +4,7 @@
 YAML file in ``configs/models/`` has the structure of an HF ``config.json`` and
 :meth:`ModelConfig.from_hf_dict` / :meth:`ModelConfig.to_hf_dict` are a rename-free round trip (HF
 fields we read but do not model are kept in ``extra``). It is loaded by the one config loader
-(``moevlm_jax.config.schema.build``); HF's alternative spellings (``num_local_experts``,
+(``moevlm_jax.schema.build``); HF's alternative spellings (``num_local_experts``,
 ``rope_theta`` / ``rope_scaling``, ``num_attention_heads`` of the vision tower) are normalised
 first. All configs are frozen and hashable: they live inside Flax modules that go through
 ``jax.jit`` as static structure.
@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from flax.core import FrozenDict
 
-from moevlm_jax.config.schema import build, coerce_fields
+from moevlm_jax.schema import build, coerce_fields
 
 
 def freeze(value: Any) -> Any:
@@ -321,11 +320,3 @@ class ModelConfig:
     def replace_text(self, **changes: Any) -> ModelConfig:
         """A copy with text_config fields changed (e.g. ``num_hidden_layers=8``)."""
         return dataclasses.replace(self, text_config=dataclasses.replace(self.text_config, **changes))
-
-
-def load_model_config(name_or_path: str | Path) -> Any:
-    """A model config from ``configs/models/NAME.yaml``, a YAML/JSON file, or an HF model directory, of
-    whichever family its ``model_type`` names (``moevlm_jax.model.registry.load_model_config``)."""
-    from moevlm_jax.model.registry import load_model_config as load
-
-    return load(name_or_path)

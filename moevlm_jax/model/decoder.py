@@ -118,7 +118,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict | None]:
         """x ``[B, S, H]`` -> ``[B, S, H]`` and router stats (MoE layers) or None."""
-        with jax.named_scope("decoder_attention"):  # profiler trace labels (moevlm_jax.tools.bench --profile)
+        with jax.named_scope("decoder_attention"):  # profiler trace labels (bench.step --profile)
             attn = self.self_attn(checkpoint_name(self.input_layernorm(x), "layernorm"), cos, sin, segment_ids)
         x = constrain(x + attn, ACT)
         h = checkpoint_name(self.post_attention_layernorm(x), "layernorm")
@@ -169,7 +169,7 @@ class TextModel(nnx.Module):
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
         """input_ids ``[B, S]`` -> embeddings ``[B, S, H]`` in the compute dtype."""
-        with jax.named_scope("embed"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
+        with jax.named_scope("embed"):  # profiler trace labels (bench.trace_breakdown)
             rows = embed_lookup(self.embed_tokens[...], input_ids, ("vocab", "embed"), ACT)  # cast only the rows
             return constrain(rows.astype(dtype_of(self.compute.dtype)), ACT)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from moevlm_jax.config.schema import coerce_fields
+from moevlm_jax.schema import coerce_fields
 from moevlm_jax.training.optimizer import PARAM_GROUP_PATTERNS
 
 

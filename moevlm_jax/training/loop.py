@@ -20,9 +20,9 @@ from flax import nnx
 
 import moevlm_jax.data as data_lib
 from moevlm_jax.config.run import RunConfig, save_config
-from moevlm_jax.config.schema import ConfigError
+from moevlm_jax.schema import ConfigError
 from moevlm_jax.model.router import ExpertBias
-from moevlm_jax.tools import flops, memory
+from moevlm_jax.perf import flops, memory
 from moevlm_jax.training import capture
 from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.checkpoint import Checkpointer, resume_step

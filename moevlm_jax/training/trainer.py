@@ -229,7 +229,7 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
         # each layer's gradient on its own (_norm_pieces)
         # logged, and the clipping's and the finiteness check's (read once: bench/step_h200.md runs 22 and 29)
         grad_norm = optim.global_norm(grads, optim.partition(_norm_pieces(spec), mask)[0])
-        with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
+        with jax.named_scope("optimizer"):  # profiler trace labels (bench.trace_breakdown)
             updates, opt_state = tx.update(grads, state["opt_state"], trainable, grad_norm=grad_norm)
             params = optim.combine(optax.apply_updates(trainable, updates), frozen)
         load = sums.get("router_load")

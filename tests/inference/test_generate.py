@@ -216,7 +216,7 @@ def _run_cli(argv: list[str]) -> str:
 @pytest.fixture(scope="module")
 def qwen_vocab_hf(tmp_path_factory):
     """configs/models/tiny.yaml (the real Qwen3 vocabulary and special ids) as a random HF model, saved."""
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import load_model_config
 
     hf = build_hf(load_model_config("tiny").to_hf_dict(), seed=5)
     path = tmp_path_factory.mktemp("hf_tiny_qwen_vocab")

@@ -13,7 +13,7 @@ from transformers.vision_utils import (
     get_vision_position_ids,
 )
 
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.data.batch import (
     hf_inputs_to_batch,
     hf_labels_to_targets,

@@ -112,7 +112,7 @@ def test_traced_graph_does_not_grow_with_depth():
     (compute.vision_scan_layers), it grows with the decoder's depth alone."""
     import dataclasses
 
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import load_model_config
     from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 
     base = load_model_config("tiny-v512")

@@ -8,7 +8,8 @@ from transformers import Qwen3VLMoeConfig
 
 from moevlm_jax.config import find_config
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import ModelConfig, load_model_config
+from moevlm_jax.model.config import ModelConfig
+from moevlm_jax.model.registry import load_model_config
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-v512", "proxy", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"])

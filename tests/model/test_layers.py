@@ -17,7 +17,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 
 import moevlm_jax.parallelism as parallelism
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model.attention import dot_product_attention
 from moevlm_jax.model.layers import CHECKPOINT_NAMES, remat_policy
 from moevlm_jax.model.loss import lm_loss, load_balancing_loss, router_z_loss

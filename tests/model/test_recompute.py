@@ -24,7 +24,7 @@ from jax._src.ad_checkpoint import name_p, remat_p, saved_residuals
 
 from moevlm_jax.model.compute import RECOMPUTE_MODULES, ComputeConfig
 
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model.decoder import DecoderLayer
 from moevlm_jax.model.layers import remat_policy, run_stack, stack_modules
 from moevlm_jax.model.rotary import mrope_cos_sin

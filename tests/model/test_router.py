@@ -14,7 +14,9 @@ from flax import nnx
 
 from moevlm_jax.model.compute import ComputeConfig, RouterConfig
 
-from moevlm_jax.model.config import TextConfig, load_model_config
+from moevlm_jax.model.config import TextConfig
+
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model import router as R
 from moevlm_jax.model.moe import SparseMoeBlock
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe

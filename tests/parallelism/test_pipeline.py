@@ -23,7 +23,9 @@ from flax import nnx
 
 from moevlm_jax.model.compute import ComputeConfig
 
-from moevlm_jax.model.config import ModelConfig, load_model_config
+from moevlm_jax.model.config import ModelConfig
+
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.data.batch import hf_inputs_to_batch
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from moevlm_jax.training.config import OptimizerConfig

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.config import load_layout
 from moevlm_jax.parallelism.validate import LayoutError, validate_layout
 

@@ -11,9 +11,10 @@ import jax
 import numpy as np
 import pytest
 
+from moevlm_jax.perf import memory as perf_memory
 from moevlm_jax.tools import memory
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from moevlm_jax.config import load_layout
@@ -73,4 +74,4 @@ def test_abstract_batch_shapes_and_shardings():
     assert batch["pixel_values"].shape == (2, rows, 24, 1536) and batch["patch_rc"].shape == (2, rows, 24, 2)
     assert batch["positions"].shape == (2, 3, rows, 32)
     assert batch["input_ids"].sharding.shard_shape(batch["input_ids"].shape) == (2, 2, 32)  # rows over all devices
-    assert memory.default_patches(4096) == 3072 and memory.default_patches(130) == 96
+    assert perf_memory.default_patches(4096) == 3072 and perf_memory.default_patches(130) == 96

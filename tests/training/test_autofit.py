@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from moevlm_jax.config.run import load_config
-from moevlm_jax.tools.plan import fit
-from moevlm_jax.tools.plan_time import H200
+from moevlm_jax.plan.search import fit
+from moevlm_jax.plan.time import H200
 from moevlm_jax.train import main
 from moevlm_jax.training.metrics import read_metrics
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
@@ -87,7 +87,7 @@ def test_nothing_fits_stops_with_the_table_and_no_auto_fit_keeps_the_recipe(tmp_
 
     # --no-auto-fit: the recipe as written reaches the loop (which is not run here: the training
     # itself is what the test above checks), and nothing is planned or printed
-    import moevlm_jax.training.autofit as autofit
+    import moevlm_jax.plan.autofit as autofit
     import moevlm_jax.training.loop as loop
 
     seen = []

@@ -11,7 +11,7 @@ import pytest
 
 from moevlm_jax.model.compute import ComputeConfig
 
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from moevlm_jax.config import load_layout

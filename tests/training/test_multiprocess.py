@@ -51,7 +51,7 @@ def _env(devices: int) -> dict[str, str]:
 
 def test_two_processes_train_like_one_under_fsdp_ep_pp():
     from moevlm_jax.config import load_layout
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import load_model_config
     from tests.parallelism.test_layouts import METRICS, random_params, train
 
     child = Path(__file__).with_name("multiprocess_child.py")

@@ -313,7 +313,7 @@ def test_the_trainers_norm_pieces_are_the_unrolled_stacks_layers(scan):
     """The train step sums an unrolled stack's gradient per layer (its leaves' layer counts), nothing else."""
     from moevlm_jax.config import load_layout
     from moevlm_jax.model.compute import ComputeConfig
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import load_model_config
     from moevlm_jax.training import trainer as trainer_mod
     from moevlm_jax.parallelism.sharding import path_str
 

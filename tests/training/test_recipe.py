@@ -195,7 +195,7 @@ def test_resolved_config_round_trips(files, tmp_path):
 
 def test_help_config_lists_every_key_with_its_meaning():
     """--help-config: every key of every section with type, default and a one-line meaning."""
-    from moevlm_jax.config.schema import describe
+    from moevlm_jax.schema import describe
 
     rows = list(describe(recipe.RunConfig))
     keys = {r[0] for r in rows}
