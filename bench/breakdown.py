@@ -41,12 +41,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from moevlm_jax.training import optimizer as optim
 from moevlm_jax.model.layers import dtype_of, run_stack
 from moevlm_jax.model.loss import lm_loss
-from moevlm_jax.model.qwen3_vl_moe import scatter_visual_tokens
+from moevlm_jax.model.qwen3_vl_moe import scatter_visual_tokens, spread_placeholders
+from moevlm_jax.model.registry import family_of
 from moevlm_jax.model.rotary import mrope_cos_sin
-from moevlm_jax.training.objective import gather_trained, loss_capacity, most_trained
 from moevlm_jax.parallelism.dispatch import ExpertTopology
 from moevlm_jax.parallelism.experts import resolve_options
 from moevlm_jax.parallelism.hybrid import hybrid_buffer_ffn, hybrid_slots
@@ -61,8 +60,8 @@ from moevlm_jax.parallelism.permute import (
     route_plan,
     sorted_slots,
 )
-from moevlm_jax.model.registry import family_of
-from moevlm_jax.model.qwen3_vl_moe import spread_placeholders
+from moevlm_jax.training import optimizer as optim
+from moevlm_jax.training.objective import gather_trained, loss_capacity, most_trained
 
 COMPONENTS: tuple[tuple[str, str], ...] = (
     ("vision_encoder", "vision encoder: patch + position embedding, ViT blocks"),
@@ -250,15 +249,18 @@ def _components(model: Any, batch: Mapping[str, jax.Array], inter: Mapping[str, 
             return
         splits = [nnx.split(stack, _params(*paths), ...) if paths else (*nnx.split(stack), None) for stack, _ in sel]
         gds = [sp[0] for sp in splits]
-        diff = tuple((sp[1] if paths else None, tuple(rec[k] for k in xs_keys[:diff_xs])) for sp, (_, rec) in zip(splits, sel))
-        const = tuple((sp[2] if paths else sp[1], tuple(rec[k] for k in xs_keys[diff_xs:])) for sp, (_, rec) in zip(splits, sel))
+        diff = tuple((sp[1] if paths else None, tuple(rec[k] for k in xs_keys[:diff_xs]))
+                     for sp, (_, rec) in zip(splits, sel))
+        const = tuple((sp[2] if paths else sp[1], tuple(rec[k] for k in xs_keys[diff_xs:]))
+                      for sp, (_, rec) in zip(splits, sel))
 
         def fn(diff, const, b):
             side = (b["segment_ids"], *mrope_cos_sin(b["positions"], rot, tc.rope_theta, tc.mrope_section))
             total = None
             for gd, (p, dxs), (rest, cxs) in zip(gds, diff, const):
                 stack = nnx.merge(gd, p, rest) if paths else nnx.merge(gd, rest)
-                acc, _ = run_stack(stack, lambda layer, c, x, sd: (jax.tree.map(jnp.add, c, body(layer, *x, *sd)), None),
+                acc, _ = run_stack(stack, lambda layer, c, x, sd: (jax.tree.map(jnp.add, c, body(layer, *x, *sd)),
+                                                                   None),
                                    carry(dxs[0] if dxs else cxs[0]), (*dxs, *cxs), compute, side=side)
                 total = acc if total is None else jax.tree.map(jnp.add, total, acc)
             return total
@@ -419,7 +421,7 @@ def run_breakdown(trainer: Any, state: dict[str, Any], host: Mapping[str, np.nda
     # the whole step on the same batch under the same harness (no loader): the like-for-like reference
     device_batch = trainer.prepare(host)
     times = []
-    for i in range(iters + 1):
+    for _ in range(iters + 1):
         t0 = time.perf_counter()
         state, metrics = trainer.step(state, device_batch)
         jax.block_until_ready((state, metrics))
@@ -447,7 +449,8 @@ def format_breakdown(bd: Mapping[str, Any]) -> str:
     for c in bd["components"]:
         what = c["description"] if c["present"] else c["description"] + " (none in this model/batch)"
         lines.append(f"  {c['name']:<18} {c['seconds'] * 1e3:>9.2f} {100 * c['share']:>5.1f}%  {what}")
-    lines.append(f"  {'sum':<18} {bd['sum_s'] * 1e3:>9.2f}         vs the timed loop's median step {bd['step_time_s'] * 1e3:.2f} "
+    lines.append(f"  {'sum':<18} {bd['sum_s'] * 1e3:>9.2f}         vs the timed loop's median step "
+                 f"{bd['step_time_s'] * 1e3:.2f} "
                  f"ms: {bd['diff_pct']:+.1f}%")
     lines.append(f"  {'sum - input':<18} {bd['compute_sum_s'] * 1e3:>9.2f}         vs the step alone on this batch "
                  f"{bd['step_compute_s'] * 1e3:.2f} ms (same harness): {bd['compute_diff_pct']:+.1f}%")

@@ -195,7 +195,8 @@ def hf_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                 where = np.flatnonzero(pseg[r] == image)
                 h, w = (int(v) for v in hw[r, where[0]])
                 if h * w != len(where):
-                    raise ValueError(f"row {r} image {image}: {len(where)} patches but grid {h}x{w} (videos are not supported)")
+                    raise ValueError(f"row {r} image {image}: {len(where)} patches but grid {h}x{w} (videos are not "
+                                     "supported)")
                 pixels.append(np.asarray(batch["pixel_values"])[r, where])
                 grids.append((1, h, w))
         out["pixel_values"] = np.concatenate(pixels).astype(np.float32)
@@ -386,7 +387,8 @@ class Peer:
         return {"name": run["name"], "side": f"hf-{mode}", "mode": mode, "steps": len(times),
                 "step_times_s": times, "losses": losses, "timed": timed, "compiled_per_step": compiled,
                 # without the timed steps that compiled (real data's new shapes): ours' "steady" counterpart
-                "steady": steady_rate([{"time": times[i], "useful_tokens": run["useful_tokens"][i], "flops": run["flops"][i],
+                "steady": steady_rate([{"time": times[i], "useful_tokens": run["useful_tokens"][i],
+                                        "flops": run["flops"][i],
                                         "first_run": compiled[i]} for i in timed], 1, None),
                 "step_time_s": statistics.median(times[i] for i in timed), "timed_time_s": total,
                 "useful_tokens": useful, "trained_tokens": trained, "flops": flops,
@@ -408,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     compile_ = spec.get("compile", "auto")  # auto: torch.compile on CUDA only (CPU: no compiler toolchain needed)
     modes = ["eager", "compile"] if compile_ == "on" or (compile_ == "auto" and peer.cuda) else ["eager"]
-    info = {"device": peer.torch.cuda.get_device_name() if peer.cuda else "cpu", "dtype": str(peer.dtype).split(".")[-1],
+    info = {"device": peer.torch.cuda.get_device_name() if peer.cuda else "cpu",
+            "dtype": str(peer.dtype).split(".")[-1],
             "family": peer.family, "model_class": peer.model_class,
             "attention": "sdpa", "experts": peer.experts, "fused_adamw": peer.fused, "modes": modes, **peer.versions}
     if peer.gdn:  # Qwen3.5: which GDN code HF runs (fla's kernels or its PyTorch reference), and the packed-row caveat
@@ -431,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_hf: {run['name']} {mode}: out of memory", file=sys.stderr)
                 del e
                 peer.recover()
-            except Exception as e:  # a compiled run that fails is a result; the eager run (the loss check) is not caught
+            # a compiled run that fails is a result; the eager run (the loss check) is not caught
+            except Exception as e:
                 if mode == "eager":
                     raise
                 results.append({"name": run["name"], "side": f"hf-{mode}", "mode": mode, "status": "error",

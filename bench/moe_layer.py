@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.moe_layer", description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     p.add_argument("--tokens", type=int, default=16384, help="token rows per device")
-    p.add_argument("--backends", default="triton,tokamax,ragged_dot,capacity,hybrid", help="experts_forward backends to time")
+    p.add_argument("--backends", default="triton,tokamax,ragged_dot,capacity,hybrid",
+                   help="experts_forward backends to time")
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--zipf", type=float, default=0.2, help="router bias -s*log(rank+1): expert-load skew")
     p.add_argument("--iters", type=int, default=10)
@@ -117,8 +118,9 @@ def time_paired(fn: Callable, args: tuple, ref: Callable, ref_args: tuple, iters
     alternating rounds (``iters`` calls back to back, one wait, ``rounds`` of each): the median of each side's
     rounds, and ``fn``'s last result. A drift of the device's speed over the run (clocks, power) reaches both
     sides alike, where :func:`time_calls` run once per side compares rounds taken at different times; but each round
-    starts right after the other program's, which cost the 30B-A3B layer ~0.4 ms a call in rounds of 10 on the H200
-    (bench/moe_layer.md run 18): the ratio is biased at small shapes, and the unpaired figures stay the reported ones."""
+    starts right after the other program's, which cost the 30B-A3B layer ~0.4 ms a call in rounds of 10 on the
+    H200 (bench/moe_layer.md run 18): the ratio is biased at small shapes, and the unpaired figures stay the reported
+    ones."""
     out = None
     for _ in range(max(1, warmup)):
         jax.block_until_ready(ref(*ref_args))
@@ -468,7 +470,8 @@ def bench_ep(name: str, shape: dict, args: argparse.Namespace, dtype: Any, repor
     with logical.sharding_context(mesh, rules):
         for dispatcher, be in (("alltoall", backend), ("allgather", backend), ("alltoall", "hybrid")):
             variant, label = f"ep{n} {dispatcher} ({be})", f"{dispatcher}{' hybrid' * (be == 'hybrid')}"
-            opts = dict(backend=be, dispatcher=dispatcher, capacity_factor=args.capacity_factor if be == "hybrid" else None)
+            opts = dict(backend=be, dispatcher=dispatcher,
+                        capacity_factor=args.capacity_factor if be == "hybrid" else None)
 
             def go(opts=opts, variant=variant):
                 ms, out = time_jax(layer_step(k, **opts), xs, args.iters, args.warmup)

@@ -47,13 +47,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.step_report import (
-    compare_losses,
-    format_report,
-    ok,
-    steady_rate,
-    summary_line,
-)
+import moevlm_jax.data as data_lib
+from bench import trace_breakdown
+from bench.breakdown import run_breakdown
 from bench.step_loop import (
     COMPILES,
     listen_for_compiles,
@@ -61,19 +57,23 @@ from bench.step_loop import (
     run_steps,
     shape_key,
 )
-from moevlm_jax.perf.memory import is_oom, peak_device_bytes
-from moevlm_jax.hf import save_pretrained
-import moevlm_jax.data as data_lib
-from moevlm_jax.perf import flops
-from moevlm_jax.training import optimizer as optim
-from moevlm_jax.training.trainer import Trainer
+from bench.step_report import (
+    compare_losses,
+    format_report,
+    ok,
+    steady_rate,
+    summary_line,
+)
 from moevlm_jax.config.run import default_recipe, load_config
+from moevlm_jax.hf import save_pretrained
+from moevlm_jax.perf import flops
 from moevlm_jax.perf.flops import peak_flops
+from moevlm_jax.perf.memory import is_oom, peak_device_bytes
 from moevlm_jax.schema import ConfigError
 from moevlm_jax.train import setup_logging
 from moevlm_jax.training import capture
-from bench import trace_breakdown
-from bench.breakdown import run_breakdown
+from moevlm_jax.training import optimizer as optim
+from moevlm_jax.training.trainer import Trainer
 
 log = logging.getLogger("bench.step")
 
@@ -434,7 +434,8 @@ def run_with_peer(args: argparse.Namespace) -> dict[str, Any]:
         eager = next((p for p in hf if p["mode"] == "eager"), None)  # the loss check: eager from the initial weights
         rate = lambda x: (x.get("steady") or x)["tokens_per_s"]  # noqa: E731 - without compiles / first runs
         r["vs_hf"] = {"hf_best": best["side"], "tokens_per_s_ratio": r["tokens_per_s"] / best["tokens_per_s"],
-                      "steady_ratio": rate(r) / rate(best), "loss": None if eager is None else compare_losses(r, eager, strict)}
+                      "steady_ratio": rate(r) / rate(best), "loss": None if eager is None else compare_losses(r, eager,
+                                                                                                              strict)}
     return result
 
 

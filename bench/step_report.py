@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from bench.breakdown import format_breakdown
 
 LOSS_RTOL = {"float32": 1e-3, "bfloat16": 3e-2}  # ours vs HF cross-entropy, relative
@@ -47,9 +48,9 @@ def summary_line(r: dict[str, Any]) -> str:
         return f"{r.get('side', 'ours')} {r['name']}: {r['status']}: {r.get('message', '')[:300]}"
     mfu = None if r.get("mfu") is None else 100 * r["mfu"]
     gib = None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**30
-    return (f"{r.get('side', 'ours')} {r['name']}: {r['step_time_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} useful "
-            f"tokens/s, {r['tflops_per_device']:.1f} TFLOP/s/dev, MFU {_fmt(mfu, '.1f')}%, peak {_fmt(gib, '.1f')} GiB, "
-            f"compile {_fmt(r.get('compile_s'), '.0f')} s")
+    return (f"{r.get('side', 'ours')} {r['name']}: {r['step_time_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} "
+            f"useful tokens/s, {r['tflops_per_device']:.1f} TFLOP/s/dev, MFU {_fmt(mfu, '.1f')}%, peak "
+            f"{_fmt(gib, '.1f')} GiB, compile {_fmt(r.get('compile_s'), '.0f')} s")
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -87,13 +88,14 @@ def format_report(result: dict[str, Any]) -> str:
     for r in result["runs"]:
         if "vs_hf" in r and r["vs_hf"]["loss"] is None:
             lines.append(f"ours/HF ({r['name']}, HF best {r['vs_hf']['hf_best']}): useful tokens/s ratio "
-                         f"{r['vs_hf']['tokens_per_s_ratio']:.3f}{_steady(r)}; no HF eager run to check the losses against")
+                         f"{r['vs_hf']['tokens_per_s_ratio']:.3f}{_steady(r)}; no HF eager run to check the losses "
+                         "against")
         elif "vs_hf" in r:
             v, loss = r["vs_hf"], r["vs_hf"]["loss"]
             lines.append(f"ours/HF ({r['name']}, HF best {v['hf_best']}): useful tokens/s ratio "
-                         f"{v['tokens_per_s_ratio']:.3f}{_steady(r)}; cross-entropy step 1 ours {loss['ours'][0]:.6f} vs HF "
-                         f"{loss['hf'][0]:.6f} (rel {loss['first_rel_diff']:.1e}, all {len(loss['ours'])} steps max rel "
-                         f"{loss['max_rel_diff']:.1e}, rtol {loss['rtol']:.0e}: "
+                         f"{v['tokens_per_s_ratio']:.3f}{_steady(r)}; cross-entropy step 1 ours {loss['ours'][0]:.6f} "
+                         f"vs HF {loss['hf'][0]:.6f} (rel {loss['first_rel_diff']:.1e}, all {len(loss['ours'])} steps "
+                         f"max rel {loss['max_rel_diff']:.1e}, rtol {loss['rtol']:.0e}: "
                          f"{'agree' if loss['first_step_agrees'] else 'DISAGREE'})")
         if (r.get("skipped_per_step") or [0])[-1]:
             lines.append(f"WARNING: {r['name']}: {r['skipped_per_step'][-1]} of {len(r['skipped_per_step'])} optimizer "
@@ -106,7 +108,8 @@ def format_report(result: dict[str, Any]) -> str:
         if len(ours) > 1 and hf:
             a, b = max(ours, key=lambda r: r["tokens_per_s"]), max(hf, key=lambda p: p["tokens_per_s"])
             lines.append(f"best MBS, {label}: ours {a['tokens_per_s']:,.0f} useful tokens/s ({a['name']}) vs HF "
-                         f"{b['tokens_per_s']:,.0f} ({b['side']} {b['name']}): ratio {a['tokens_per_s'] / b['tokens_per_s']:.3f}")
+                         f"{b['tokens_per_s']:,.0f} ({b['side']} {b['name']}): ratio "
+                         f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}")
     for r in runs:
         if "breakdown" in r:
             lines += ["", f"breakdown of one step ({r['name']}):", format_breakdown(r["breakdown"])]

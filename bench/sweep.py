@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moevlm_jax.schema import overrides_tree
 from moevlm_jax.perf.memory import format_bytes
+from moevlm_jax.schema import overrides_tree
 from moevlm_jax.tools.memory import split_list
 
 POINT_KEYS = ("layout", "mbs", "recompute", "capture")

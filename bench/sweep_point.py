@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("bench.sweep")
-BUILTIN_TOKENIZERS = ("qwen3", "qwen", "qwen3-vl", "qwen3.5", "qwen3_5", "qwen3.6")  # data.tokenizer.load_tokenizer's names
+BUILTIN_TOKENIZERS = ("qwen3", "qwen", "qwen3-vl", "qwen3.5", "qwen3_5",
+                      "qwen3.6")  # data.tokenizer.load_tokenizer's names
 
 
 def classify(message: str) -> str:
@@ -32,9 +33,9 @@ def classify(message: str) -> str:
 
 def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     """Compile and time one point (see the module docstring); raises on failure."""
-    from moevlm_jax.training import capture
     from moevlm_jax.perf import memory
     from moevlm_jax.tools.memory import set_host_devices
+    from moevlm_jax.training import capture
 
     set_host_devices(spec.get("host_devices"))
     flags = capture.apply_capture(spec["capture"], spec.get("capture_scopes", ()))
@@ -42,14 +43,14 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     import moevlm_jax.data as data_lib
-    from moevlm_jax.perf import flops
     from moevlm_jax.config import load_layout
     from moevlm_jax.config.run import model_data_checks
     from moevlm_jax.model.compute import ComputeConfig
     from moevlm_jax.model.registry import data_tokenizer, load_model_config
+    from moevlm_jax.parallelism.validate import validate_layout
+    from moevlm_jax.perf import flops
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
-    from moevlm_jax.parallelism.validate import validate_layout
 
     mbs, steps, warmup = int(spec["mbs"]), int(spec["steps"]), int(spec["warmup"])
     if mbs < 1 or steps < 1 or warmup < 0:
@@ -140,7 +141,8 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": useful / seconds, "trained_tokens_per_s": trained / seconds,
         "tokens_per_s_per_device": useful / seconds / n_dev, "useful_tokens": useful, "trained_tokens": trained,
         "tokens": sum(b.counts["tokens"] for b in timed), "model_tflops_per_device": achieved / 1e12,
-        "mfu": achieved / peak if peak else None, "peak_bytes": device_peak if device_peak is not None else mem[memory.TOTAL],
+        "mfu": achieved / peak if peak else None,
+        "peak_bytes": device_peak if device_peak is not None else mem[memory.TOTAL],
         "peak_source": "device peak_bytes_in_use" if device_peak is not None else "compiled memory analysis",
         "compile_s": compile_s, "compiles": len(compiled), "loss": loss, "seq_len": seq_len, "rows": rows,
         "patch_buckets": sorted({int(h["pixel_values"].shape[1]) for h in hosts if "pixel_values" in h}),

@@ -7,8 +7,8 @@ it ran (``args.hlo_op``, ``args.hlo_module``); the compiled step's HLO text maps
 its ``op_name`` metadata, i.e. the JAX name stack, which carries the model's named scopes
 (``vision_encoder``, ``projector``, ``embed``, ``decoder_attention``, ``router``, ``experts`` with
 ``expert_ffn`` inside, ``lm_head``, ``optimizer``; Qwen3.5: ``decoder_gdn`` around a Gated DeltaNet
-layer with ``gated_delta_rule`` around its chunked rule inside, ``shared_expert``). Backward and recomputed ops keep the scope
-names (``transpose(jvp(decoder_attention))``), so each component's row is forward + backward.
+layer with ``gated_delta_rule`` around its chunked rule inside, ``shared_expert``). Backward and recomputed ops keep
+the scope names (``transpose(jvp(decoder_attention))``), so each component's row is forward + backward.
 Kernel time in no scope (residual adds, norms between blocks, casts, the loss gather) is "other";
 step time not covered by any kernel is "device idle" (launch gaps, host waits): the rows add up to
 the measured step by construction (an event whose ``hlo_op`` is unknown but whose ``tf_op`` / ``name``
@@ -115,7 +115,8 @@ def load_trace(path: str | Path) -> list[dict[str, Any]]:
 
 def device_events(events: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The complete (``ph == "X"``) events of the device kernels (see the module docstring)."""
-    procs = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    procs = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M"
+             and e.get("name") == "process_name"}
     threads = {(e["pid"], e.get("tid")): e["args"].get("name", "") for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     complete = [e for e in events if e.get("ph") == "X" and not str(e.get("name", "")).startswith("end: ")]
@@ -155,7 +156,10 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
             stack = next((str(args[k]) for k in ("tf_op", "name") if "/" in str(args.get(k, ""))), None)
         if stack is None:
             stack = by_kernel.get(str(e.get("name", "")))
-        component = UNATTRIBUTED if op is None and stack is None else UNMATCHED if stack is None else component_of(stack)
+        if stack is None:
+            component = UNATTRIBUTED if op is None else UNMATCHED
+        else:
+            component = component_of(stack)
         seconds[component] += dur
         kernel = str(e.get("name", ""))[:120]
         kinds[component][kernel_kind(kernel)] += dur
@@ -170,7 +174,8 @@ def attribute(events: Iterable[Mapping[str, Any]], hlo_texts: Iterable[str]) -> 
             by_component[component].append({"kernel": kernel, "op_name": stack, "s": dur})
     return {"seconds": dict(seconds), "other_modules_s": dict(other_modules),
             "kinds_s": {c: dict(k) for c, k in kinds.items()}, "top_per_component_s": dict(by_component),
-            "top_unscoped": [{"row": k[0], "kernel": k[1], "hlo_op": k[2], "op_name": k[3], "s": v} for k, v in largest],
+            "top_unscoped": [{"row": k[0], "kernel": k[1], "hlo_op": k[2], "op_name": k[3], "s": v}
+                             for k, v in largest],
             "span_s": max(0.0, span[1] - span[0]) if span[1] else 0.0}
 
 
@@ -247,7 +252,7 @@ def format_table(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.trace_breakdown", description=__doc__.splitlines()[0])
     p.add_argument("trace", help="perfetto_trace.json(.gz) or a directory holding one")
     p.add_argument("hlo", nargs="+", help="the compiled step's HLO text file(s) (bench --profile writes them)")
     p.add_argument("--steps", type=int, required=True, help="steps the trace holds")

@@ -252,18 +252,20 @@ def validate(cfg: DataConfig) -> None:
     if not buckets or buckets != sorted(set(buckets)) or any(b <= 0 or b % block for b in buckets):
         raise ValueError(f"data.patch_buckets {buckets} must be increasing positive multiples of merge_size**2={block}")
     if not 0 < img.min_pixels <= img.max_pixels:
-        raise ValueError(f"data.image.min_pixels: need 0 < min_pixels ({img.min_pixels}) <= max_pixels ({img.max_pixels})")
+        raise ValueError(f"data.image.min_pixels: need 0 < min_pixels ({img.min_pixels}) <= max_pixels "
+                         f"({img.max_pixels})")
     if img.max_pixels < img.factor**2:
-        raise ValueError(f"data.image.max_pixels {img.max_pixels} is below one merged patch ({img.factor}x{img.factor})")
+        raise ValueError(f"data.image.max_pixels {img.max_pixels} is below one merged patch "
+                         f"({img.factor}x{img.factor})")
     smallest = block * max(1, -(-img.min_pixels // img.factor**2))
     if smallest > cfg.max_patches and cfg.kind != "mock":
-        raise ValueError(f"data.patch_buckets: an image of min_pixels ({img.min_pixels}) needs >= {smallest} patches but "
-                         f"the largest patch bucket is {cfg.max_patches}")
+        raise ValueError(f"data.patch_buckets: an image of min_pixels ({img.min_pixels}) needs >= {smallest} patches "
+                         f"but the largest patch bucket is {cfg.max_patches}")
     if len(img.image_mean) != 3 or len(img.image_std) != 3 or min(img.image_std) <= 0:
         raise ValueError("data.image.image_mean / image_std need 3 values, std > 0")
     if cfg.workers < 0 or cfg.read_threads < 0 or cfg.read_buffer < 1 or cfg.worker_buffer < 1:
-        raise ValueError(f"data.workers ({cfg.workers}) / read_threads ({cfg.read_threads}) must be >= 0 and read_buffer / "
-                         f"worker_buffer >= 1")
+        raise ValueError(f"data.workers ({cfg.workers}) / read_threads ({cfg.read_threads}) must be >= 0 and "
+                         "read_buffer / worker_buffer >= 1")
     if cfg.num_shards is not None and cfg.num_shards < 1:
         raise ValueError(f"data.num_shards must be >= 1 or null, got {cfg.num_shards}")
     if cfg.pack_lookahead < 1:

@@ -65,7 +65,8 @@ def type_name(tp: Any) -> str:
         return " | ".join("None" if a is type(None) else type_name(a) for a in args)
     if origin is not None:
         inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
-        return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if args else getattr(origin, "__name__", str(origin))
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if args else getattr(origin, "__name__",
+                                                                                           str(origin))
     if dataclasses.is_dataclass(tp):
         return tp.__name__
     return "any" if tp is Any else getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
@@ -121,7 +122,8 @@ def convert(value: Any, tp: Any, where: str, errors: list[str], strict: bool = T
         return value
     if origin is Literal:
         if value not in args:
-            errors.append(f"{where}: {value!r} is not one of {list(args)}{near_miss(str(value), [str(a) for a in args])}")
+            errors.append(f"{where}: {value!r} is not one of "
+                          f"{list(args)}{near_miss(str(value), [str(a) for a in args])}")
         return value
     if dataclasses.is_dataclass(tp):
         return build(tp, value, where, errors, strict=strict)
@@ -253,7 +255,7 @@ def raise_errors(errors: Sequence[str]) -> Any:
 
 # ----------------------------------------------------------------------------- documentation
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """``{field: meaning}`` from the class source: the comment on the field's line(s), else the
     comment lines just above it."""

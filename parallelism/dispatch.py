@@ -314,7 +314,8 @@ def _allgather(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOpti
         slot = jnp.where(is_local, offsets[local, source] + rank, -1)
         src = inverse_slots(slot, sources * a)
         rows = dispatch_rows(x, src, slot, k)
-        y = _ffn_sorted(rows, jnp.sum(mine, axis=0), w_gate_up, w_down, opts, expected_rows=sources * a * el // (el * topo.ep))
+        y = _ffn_sorted(rows, jnp.sum(mine, axis=0), w_gate_up, w_down, opts,
+                        expected_rows=sources * a * el // (el * topo.ep))
     out = combine_rows(y, w, slot, src)
     if gather:
         out = jax.lax.psum_scatter(out, gather, scatter_dimension=0, tiled=True)

@@ -110,7 +110,8 @@ def supported(m: int, k: int, n: int, cfg: Config | None = None) -> bool:
     """Whether the kernel takes ``x [m, k]`` to ``[m, n]`` columns: whole K steps, whole CTA column blocks, at
     least one row tile."""
     cfg = cfg or Config()
-    return k % cfg.tile_k == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
+    return (k % cfg.tile_k == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_m == 0
+            and cfg.tile_n % cfg.epi_tile_n == 0)
 
 
 def chained(k: int, cfg: Config) -> bool:
@@ -727,7 +728,8 @@ def _tgmm(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *, config: TConfi
             def mn_loop(info):
                 (lin,) = info.index
                 gi = lin // (grid_m // cl * grid_n)
-                mc, ni = plgpu.planar_snake(lin % (grid_m // cl * grid_n), (grid_m // cl, grid_n), 1, cfg.grid_tile_width)
+                mc, ni = plgpu.planar_snake(lin % (grid_m // cl * grid_n), (grid_m // cl, grid_n), 1,
+                                            cfg.grid_tile_width)
                 mi = mc * cl + cta
                 start, end, steps, b0 = starts_gmem[gi], ends_gmem[gi], steps_gmem[gi], first_gmem[gi]
 
@@ -934,7 +936,8 @@ def tuned(configs: dict, spec: str) -> dict:
 # flight (235B gate_up forward 5.23 vs 5.48 ms with 4, d(x) 5.24 vs 5.50; the down projection's forward 2.69 vs
 # 2.63, the 30B shapes within 1%). grid_tile_width 4 / 16 were within +-3% of 8. Run 15: 2 epilogue buffers, faster
 # in 6 of the 8 per-matmul timings (forward 2-4% at every shape, 235B d(x) 2-4%, the 30B d(x) within 1%); the layer
-# the same within its resolution. d(w): TConfig's defaults (run 15: grid_tile_width 2 was 5% slower at the 235B gate_up).
+# the same within its resolution. d(w): TConfig's defaults (run 15: grid_tile_width 2 was 5% slower at the 235B
+# gate_up).
 # Run 16: the streamed d(w) (seg_rows 8192) 2.4-5.4% faster per matmul at all four shapes, but in the layer +1.9-2.5%
 # at 30B-A3B and -1.3% / +0.1% at 235B-A22B, and the proxy step 0.6% slower (684.3 vs 680.3 ms): opt-in
 # ($MOEVLM_GMM_MGPU_TUNE=dw.seg_rows=8192).

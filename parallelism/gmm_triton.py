@@ -274,7 +274,8 @@ def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, trans_w: bool = F
         grid=(tile_n // cfg.block_n, group.shape[0]),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
-        name=("gmm_trans" if trans_w else "gmm") + ("_gather" if rows is not None else "") + (f"_{epilogue}" if epilogue else ""),
+        name=("gmm_trans" if trans_w else "gmm") + ("_gather" if rows is not None else "")
+        + (f"_{epilogue}" if epilogue else ""),
     )(*operands, *((h,) if epilogue == "swiglu_bwd" else ()))
 
 

@@ -40,7 +40,8 @@ class PipelineOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.stage_layers, Mapping):  # hashable
-            object.__setattr__(self, "stage_layers", FrozenDict({str(k): tuple(v) for k, v in self.stage_layers.items()}))
+            object.__setattr__(self, "stage_layers", FrozenDict({str(k): tuple(v)
+                                                                 for k, v in self.stage_layers.items()}))
 
     def stage_layers_by_axis(self) -> dict[str, tuple[int, ...]]:
         """``{stack axis: per-chunk layer counts}`` (a bare list is the decoder's ``layers`` axis)."""
@@ -178,8 +179,7 @@ def resolve_mesh_shape(mesh: dict[str, int], num_devices: int, name: str = "layo
         shape[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(
-            f"layout.mesh of '{name}': axes {{{', '.join(f'{a}: {n}' for a, n in shape.items() if n > 1)}}} "
-            f"multiply to {fixed} devices but {num_devices} are available; use -1 on one axis "
-            f"to fill the rest"
+            f"layout.mesh of '{name}': axes {{{', '.join(f'{a}: {n}' for a, n in shape.items() if n > 1)}}} multiply "
+            f"to {fixed} devices but {num_devices} are available; use -1 on one axis to fill the rest"
         )
     return shape

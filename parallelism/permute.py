@@ -28,8 +28,14 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moevlm_jax.parallelism import fp8, gmm_mgpu, gmm_triton, permute_triton
-from moevlm_jax.parallelism.grouped_matmul import (capacity_matmul, grouped_matmul, mgpu_takes, plain_gmm,
-                                        plain_tgmm, zero_tail)
+from moevlm_jax.parallelism.grouped_matmul import (
+    capacity_matmul,
+    grouped_matmul,
+    mgpu_takes,
+    plain_gmm,
+    plain_tgmm,
+    zero_tail,
+)
 
 MOE_PERMUTED = "moe_permuted"  # token rows in the experts' layout (the first grouped matmul's input; with FUSE
 # "gather" the rows the gate_up kernel writes for d(w), with "gather_dw" the int32 row index: no rows are built)

@@ -17,7 +17,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model.registry import model_config_type
 from moevlm_jax.parallelism.layout import Layout
-from moevlm_jax.schema import CONFIG_DIR, KIND_OF_SECTION, find_config, load_typed, resolve_reference, section_mapping
+from moevlm_jax.schema import CONFIG_DIR, find_config, load_typed, resolve_reference, section_mapping
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
 
 __all__ = ["CONFIG_DIR", "REFERENCED", "SECTION_TYPES", "find_config", "load_layout", "load_section",

@@ -34,34 +34,32 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import yaml
 
-from moevlm_jax.data.config import DataConfig
 from moevlm_jax.config.files import CONFIG_DIR, REFERENCED, find_config, resolve_reference
+from moevlm_jax.data.config import DataConfig, DataError
+from moevlm_jax.data.sources import dataset_source
+from moevlm_jax.data.tokenizer import load_tokenizer
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import ModelConfig
+from moevlm_jax.model.registry import model_config_type
+from moevlm_jax.parallelism.layout import Layout
+from moevlm_jax.parallelism.logical import axis_size, data_parallel_size, mesh_axes_for
+from moevlm_jax.parallelism.validate import LayoutError, validate_layout
 from moevlm_jax.schema import (
     ConfigError,
     build,
-    raise_errors,
     describe,
     format_help,
     near_miss,
     parse_override,
+    raise_errors,
     read_yaml,
     set_dotted,
     to_plain,
 )
-from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import ModelConfig
-from moevlm_jax.model.registry import model_config_type
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
-from moevlm_jax.parallelism.layout import Layout
-from moevlm_jax.parallelism.logical import axis_size, mesh_axes_for
-from moevlm_jax.data.tokenizer import load_tokenizer
-from moevlm_jax.data.config import DataError
-from moevlm_jax.parallelism.logical import data_parallel_size
-from moevlm_jax.parallelism.validate import LayoutError, validate_layout
-from moevlm_jax.data.sources import dataset_source
-import jax
 
 __all__ = ["CONFIG_DIR", "ConfigError", "RunConfig", "add_arguments", "build_run_config", "default_recipe",
            "from_args", "help_config", "load_config", "resolve_raw", "save_config"]
@@ -135,7 +133,7 @@ def resolve_batch(tr: TrainConfig, dp: int, errors: list[str]) -> TrainConfig:
         if gbs % (dp * accum):
             errors.append(f"train.global_batch_size={gbs} does not divide over data-parallel size {dp} x grad_accum "
                           f"{accum}; make it a multiple of {dp * accum} or use a layout with a data-parallel size "
-                          f"that divides it")
+                          "that divides it")
             return tr
         mbs = gbs // (dp * accum)
     elif accum is None:
@@ -208,8 +206,9 @@ def _experts_checks(compute: ComputeConfig, layout: Layout, shape: Mapping[str, 
     ep = axis_size(shape, mesh_axes_for("exp", layout.rules))
     dispatcher = compute.moe.dispatcher
     if dispatcher in ("alltoall", "allgather") and ep == 1:
-        return [f"compute.moe.dispatcher '{dispatcher}' needs expert parallelism, but layout '{layout.name}' maps 'exp' "
-                f"to no mesh axis of size > 1; use 'auto' or 'local', or a layout with EP (ep, tp_ep, ep_etp, pp_ep)"]
+        return [f"compute.moe.dispatcher '{dispatcher}' needs expert parallelism, but layout '{layout.name}' maps "
+                "'exp' to no mesh axis of size > 1; use 'auto' or 'local', or a layout with EP (ep, tp_ep, ep_etp, "
+                "pp_ep)"]
     return []
 
 

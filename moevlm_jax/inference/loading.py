@@ -167,7 +167,8 @@ def restore_run(run_dir: str | Path, step: int | None = None) -> tuple[Any, Comp
         raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir / 'checkpoints'}; have {steps}")
     abstract = nnx.eval_shape(lambda: build_model(model_cfg, compute, nnx.Rngs(0)))
     abstract_params = nnx.to_pure_dict(nnx.state(abstract, (nnx.Param, ExpertBias)))  # the train state's params
-    return model_cfg, compute, data, step, restore_params(run_dir / "checkpoints" / str(step) / "state", abstract_params)
+    return model_cfg, compute, data, step, restore_params(run_dir / "checkpoints" / str(step) / "state",
+                                                          abstract_params)
 
 
 def load_run(run_dir: str | Path, step: int | None = None, *, dtype: str | None = None,

@@ -140,7 +140,8 @@ class TextConfig:
             _check(0 < self.num_experts_per_tok <= self.num_experts,
                    f"model.text_config.num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                    f"1..num_experts ({self.num_experts})")
-        _check(self.hidden_act == "silu", f"model.text_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+        _check(self.hidden_act == "silu",
+               f"model.text_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
 
     @property
     def rope_theta(self) -> float:
@@ -209,7 +210,8 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         _freeze_fields(self, "model.vision_config")
-        _check_sizes(self, "model.vision_config", ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+        _check_sizes(self, "model.vision_config", ("depth", "hidden_size", "intermediate_size", "num_heads",
+                                                   "in_channels",
                                                    "patch_size", "spatial_merge_size", "temporal_patch_size",
                                                    "out_hidden_size", "num_position_embeddings"), ())
         _check(self.hidden_size % self.num_heads == 0,
@@ -221,7 +223,8 @@ class VisionConfig:
                f"model.vision_config.num_position_embeddings ({self.num_position_embeddings}) must be a square")
         ds = self.deepstack_visual_indexes
         _check(len(set(ds)) == len(ds) and all(0 <= i < self.depth for i in ds),
-               f"model.vision_config.deepstack_visual_indexes {list(ds)} must be distinct block indexes < depth {self.depth}")
+               f"model.vision_config.deepstack_visual_indexes {list(ds)} must be distinct block indexes < depth "
+               f"{self.depth}")
         _check(self.hidden_act in _ACTS, f"model.vision_config.hidden_act {self.hidden_act!r} not in {sorted(_ACTS)}")
 
     @property
@@ -282,8 +285,8 @@ class ModelConfig:
                f"model.vision_config.out_hidden_size ({v.out_hidden_size}) must equal text_config.hidden_size "
                f"({t.hidden_size})")
         _check(len(v.deepstack_visual_indexes) <= t.num_hidden_layers,
-               f"model.vision_config.deepstack_visual_indexes: {len(v.deepstack_visual_indexes)} deepstack features but "
-               f"only {t.num_hidden_layers} decoder layers")
+               f"model.vision_config.deepstack_visual_indexes: {len(v.deepstack_visual_indexes)} deepstack features "
+               f"but only {t.num_hidden_layers} decoder layers")
         _check(0 <= self.image_token_id < t.vocab_size,
                f"model.image_token_id {self.image_token_id} is outside the vocabulary (model.text_config.vocab_size "
                f"{t.vocab_size})")

@@ -31,10 +31,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moevlm_jax.schema import ConfigError, near_miss, read_yaml
 from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
-from moevlm_jax.schema import find_config
+from moevlm_jax.schema import ConfigError, find_config, near_miss, read_yaml
 
 DEFAULT_MODEL_TYPE = "qwen3_vl_moe"
 

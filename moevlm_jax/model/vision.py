@@ -16,10 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from moevlm_jax.model.compute import ComputeConfig
-
-from moevlm_jax.model.config import VisionConfig
 from moevlm_jax.model.attention import dot_product_attention
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import VisionConfig
 from moevlm_jax.model.layers import (
     LayerNorm,
     Linear,

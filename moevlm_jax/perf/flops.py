@@ -213,7 +213,8 @@ def text_params_per_token(m: ModelShape) -> int:
     shared = 3 * h * m.shared_expert_intermediate_size + (h if m.shared_expert_intermediate_size else 0)
     moe = h * m.num_experts + m.num_experts_per_tok * 3 * h * m.moe_intermediate_size + shared
     dense = 3 * h * m.intermediate_size
-    mixers = m.num_attention_layers * attn + m.num_linear_layers * (gdn_params_per_token(m) if m.num_linear_layers else 0)
+    mixers = m.num_attention_layers * attn + m.num_linear_layers * (gdn_params_per_token(m) if m.num_linear_layers
+                                                                    else 0)
     return mixers + moe_layers * moe + dense_layers * dense + h * m.vocab_size
 
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import jax
 
-from moevlm_jax.schema import ConfigError
 from moevlm_jax.parallelism.multihost import host_ids
 from moevlm_jax.plan.fit import fit
 from moevlm_jax.plan.report import format_table
+from moevlm_jax.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from pathlib import Path
 import jax
 
 from moevlm_jax.config import load_section
-from moevlm_jax.schema import overrides_tree
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.perf.memory import default_patches
@@ -36,6 +35,7 @@ from moevlm_jax.plan import fit as planfit
 from moevlm_jax.plan import report as plan_report
 from moevlm_jax.plan import search as planner
 from moevlm_jax.plan.time import H200, sources
+from moevlm_jax.schema import overrides_tree
 from moevlm_jax.tools.memory import set_host_devices
 
 
@@ -109,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hw = H200 if args.inter_host_gbps is None else dataclasses.replace(H200, inter_host_gbps=args.inter_host_gbps)
 
     compute = ComputeConfig.from_dict(overrides_tree(args.overrides, prefix="compute")) if args.overrides else None
-    fraction = 0.437 if args.trained_fraction is None else (None if args.trained_fraction >= 1 else args.trained_fraction)
+    fraction = 0.437 if args.trained_fraction is None else (None if args.trained_fraction >= 1
+                                                            else args.trained_fraction)
     w = planner.Workload(model=model, devices=devices, hosts=args.hosts, seq=seq,
                          global_batch=args.global_batch or 8 * devices, patches=patches, image_patches=image_patches,
                          device_memory_gib=memory, hw=hw, platform=args.platform, trained_fraction=fraction,

@@ -90,7 +90,8 @@ def cross_host_fraction(shape: Mapping[str, int], axes: Sequence[str], devices_p
 
 
 @functools.lru_cache(maxsize=4096)
-def _cross_host_fraction(shape_items: tuple[tuple[str, int], ...], axes: tuple[str, ...], devices_per_host: int) -> float:
+def _cross_host_fraction(shape_items: tuple[tuple[str, int], ...], axes: tuple[str, ...],
+                         devices_per_host: int) -> float:
 
     shape = dict(shape_items)
     sizes = [int(shape.get(a, 1)) for a in MESH_AXES]

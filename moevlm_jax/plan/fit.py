@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 
 def compiled_memory(c: Candidate, w: Workload, devices: Sequence[Any] | None = None, *, compute: Any = None,
-                    optimizer: Any = None, patches: int | None = None, compiler_options: Mapping[str, Any] | None = None,
+                    optimizer: Any = None, patches: int | None = None, compiler_options: Mapping[str,
+                                                                                                 Any] | None = None,
                     ) -> dict[str, Any]:
     """XLA's compiled memory analysis of the candidate's train step (``memory_report``) on ``devices``
     (default: all; their count must be the workload's), plus the analytic estimate for the same backend."""
@@ -184,7 +185,8 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     used = compiled_total if compiled_total is not None else current.memory.total
     why = (f"does not fit: {used / GIB:.1f} GiB {'compiled' if compiled_total is not None else 'estimated'} "
            f"> {w.limit_bytes / GIB:.1f} GiB usable; largest parts (estimate): "
-           + ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(current.memory.parts.items(), key=lambda kv: -kv[1])[:3]))
+           + ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(current.memory.parts.items(),
+                                                               key=lambda kv: -kv[1])[:3]))
     for e in fitting[: max(top, 1) * 4]:
         if in_doubt(e):
             try:

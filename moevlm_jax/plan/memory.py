@@ -115,20 +115,23 @@ class MemoryKnobs:
 
     @classmethod
     def from_compute(cls, compute: Any, *, state_dtype: str = "float32", frozen: Any = (), grad_accum: int = 1,
-                     platform: str = "cpu", loss_capacity: int | None = None, accum_dtype: str = "float32") -> MemoryKnobs:
+                     platform: str = "cpu", loss_capacity: int | None = None,
+                     accum_dtype: str = "float32") -> MemoryKnobs:
         """From a ComputeConfig (+ the optimizer's state dtype, frozen groups, accumulation, the platform
         whose attention path ``compute.attention: auto`` resolves to)."""
         attention = compute.attention if compute.attention != "auto" else ("cudnn" if platform == "gpu" else "xla")
         moe = compute.moe
         cf = moe.capacity_factor if moe.backend != "hybrid" else None
-        return cls(dtype=compute.dtype, param_dtype=compute.param_dtype, state_dtype=state_dtype, accum_dtype=accum_dtype,
+        return cls(dtype=compute.dtype, param_dtype=compute.param_dtype, state_dtype=state_dtype,
+                   accum_dtype=accum_dtype,
                    recompute=compute.recompute, recompute_modules=tuple(compute.recompute_modules),
                    vision_recompute=compute.vision_recompute,
                    vision_recompute_modules=None if compute.vision_recompute_modules is None
                    else tuple(compute.vision_recompute_modules),
                    offload=tuple(compute.offload), frozen=frozenset(frozen), grad_accum=int(grad_accum),
                    capacity_factor=cf, loss_chunk=compute.loss_chunk_size, attention=attention,
-                   expert_bias=compute.router.expert_bias, scan_layers=compute.stack_scan("text"), loss_capacity=loss_capacity,
+                   expert_bias=compute.router.expert_bias, scan_layers=compute.stack_scan("text"),
+                   loss_capacity=loss_capacity,
                    residual_upcast=platform == "cpu" and compute.scan_layers and compute.dtype != "float32",
                    all_reduce_scatter=platform == "cpu",
                    dense_grouped_matmul=platform == "cpu" and moe.backend in ("auto", "ragged_dot"))

@@ -40,7 +40,8 @@ def row(e: Any, i: int) -> dict[str, Any]:
     """One table row as plain values (CSV / JSON)."""
     c = e.candidate
     parts = {name: sum(e.memory.parts.get(k, 0.0) for k in keys) / GIB for name, keys in PART_COLUMNS}
-    out = {"rank": i, "fits": e.fits, "layout": c.preset, "mesh": c.mesh_label(), "mbs": c.mbs, "grad_accum": c.grad_accum,
+    out = {"rank": i, "fits": e.fits, "layout": c.preset, "mesh": c.mesh_label(), "mbs": c.mbs,
+           "grad_accum": c.grad_accum,
            "recompute": c.recompute_label(), "dtypes": _dtypes(c), "vision": "frozen" if c.freeze_vision else "trained",
            "experts": _experts(c), "step_s": e.time.step_s, "tokens_per_s": e.tokens_per_s,
            "memory_gib": e.memory.total / GIB, **{f"{k}_gib": v for k, v in parts.items()},
@@ -193,7 +194,8 @@ def recommendation(estimates: Sequence[Any], w: Any) -> str:
         least = min(estimates, key=lambda e: e.memory.total) if estimates else None
         tail = (f" The smallest candidate, {least.candidate.preset} [{least.candidate.mesh_label()}] MBS "
                 f"{least.candidate.mbs} {least.candidate.recompute_label()} {_dtypes(least.candidate)}, needs "
-                f"{least.memory.total / GIB:.1f} GiB a device against {w.limit_bytes / GIB:.1f} usable." if least else "")
+                f"{least.memory.total / GIB:.1f} GiB a device against {w.limit_bytes / GIB:.1f} usable." if least
+                else "")
         return ("Nothing fits: more devices (FSDP, EP and PP divide the parameters, gradients and optimizer state), "
                 "a shorter sequence, or a smaller model." + tail)
     # the headline keeps the training the same: dropless experts, the vision tower trained (the table ranks all)
@@ -208,10 +210,12 @@ def recommendation(estimates: Sequence[Any], w: Any) -> str:
     if best.memory.total > 0.95 * w.limit_bytes:
         lines.append("  (within 5% of the usable memory: confirm with --compile, or on the machine: XLA's compiled "
                      "memory analysis decides)")
-    capped = next((e for e in fitting if e.candidate.capacity_factor is not None and not e.candidate.freeze_vision), None)
+    capped = next((e for e in fitting if e.candidate.capacity_factor is not None and not e.candidate.freeze_vision),
+                  None)
     if capped is not None and capped.tokens_per_s > best.tokens_per_s:
         lines.append(f"- Drop-and-pad experts (capacity {capped.candidate.capacity_factor:g}; they drop assignments, "
-                     f"~10% on the proxy data: bench/sweep_h200.md) would be {_pct(capped.tokens_per_s, best.tokens_per_s)}"
+                     "~10% on the proxy data: bench/sweep_h200.md) would be "
+                     f"{_pct(capped.tokens_per_s, best.tokens_per_s)}"
                      f": {capped.candidate.preset} [{capped.candidate.mesh_label()}] MBS {capped.candidate.mbs} "
                      f"{capped.candidate.recompute_label()}, {capped.memory.total / GIB:.1f} GiB.")
     fsdp = next((e for e in exact or fitting if e.candidate.preset == "fsdp"), None)
@@ -244,8 +248,8 @@ def recommendation(estimates: Sequence[Any], w: Any) -> str:
                        e.candidate.mesh.get("expert", 1) * e.candidate.mesh.get("tensor", 1) <= dph), None)
         lines.append(f"- EP within the NVLink domain: this EP group spans hosts ({c.mesh.get('expert')} x tensor "
                      f"{c.mesh.get('tensor', 1)} > {dph} GPUs a host); its all-to-alls cross InfiniBand"
-                     + (f"; the best EP within a host is {inside.candidate.preset} [{inside.candidate.mesh_label()}] at "
-                        f"{inside.tokens_per_s:,.0f} tokens/s ({_pct(inside.tokens_per_s, best.tokens_per_s)})."
+                     + (f"; the best EP within a host is {inside.candidate.preset} [{inside.candidate.mesh_label()}] "
+                        f"at {inside.tokens_per_s:,.0f} tokens/s ({_pct(inside.tokens_per_s, best.tokens_per_s)})."
                         if inside else "; no EP layout within a host fits."))
     elif c.mesh.get("expert", 1) > 1:
         lines.append(f"- EP within the NVLink domain: expert {c.mesh['expert']} stays within a host of {dph} GPUs.")
@@ -261,17 +265,20 @@ def recommendation(estimates: Sequence[Any], w: Any) -> str:
                      f"nearest here {pts}. Measure: python -m bench.sweep --model "
                      f"{getattr(w.model, 'name', 'MODEL')} --layout {c.preset} --mbs {mbs} --recompute {rc} "
                      "--capture none,step,scopes")
-    frozen = next((e for e in fitting if e.candidate.freeze_vision and e.candidate.capacity_factor == c.capacity_factor),
+    frozen = next((e for e in fitting if e.candidate.freeze_vision
+                   and e.candidate.capacity_factor == c.capacity_factor),
                   None)
     if frozen is not None:
         f = frozen.candidate
-        lines.append(f"- Freeze the vision stack for decoder-focused work (train.freeze_vision_model=true): no gradients, "
-                     f"optimizer state or residuals for the tower; best frozen {f.preset} [{f.mesh_label()}] MBS {f.mbs} "
-                     f"{f.recompute_label()}: {frozen.tokens_per_s:,.0f} tokens/s at {frozen.memory.total / GIB:.1f} GiB "
-                     f"({_pct(frozen.tokens_per_s, best.tokens_per_s)}; trained: {best.memory.total / GIB:.1f} GiB).")
+        lines.append("- Freeze the vision stack for decoder-focused work (train.freeze_vision_model=true): no "
+                     f"gradients, optimizer state or residuals for the tower; best frozen {f.preset} "
+                     f"[{f.mesh_label()}] MBS {f.mbs} {f.recompute_label()}: {frozen.tokens_per_s:,.0f} tokens/s at "
+                     f"{frozen.memory.total / GIB:.1f} GiB ({_pct(frozen.tokens_per_s, best.tokens_per_s)}; trained: "
+                     f"{best.memory.total / GIB:.1f} GiB).")
     elif w.patches:
-        lines.append("- Freeze the vision stack for decoder-focused work (train.freeze_vision_model=true): no gradients, "
-                     "optimizer state or residuals for the tower (plan with --freeze-vision both to see the gain).")
+        lines.append("- Freeze the vision stack for decoder-focused work (train.freeze_vision_model=true): no "
+                     "gradients, optimizer state or residuals for the tower (plan with --freeze-vision both to see "
+                     "the gain).")
     return "\n".join(lines)
 
 
@@ -290,4 +297,5 @@ def write(estimates: Sequence[Any], w: Any, out: Path, *, title: str, top: int) 
                         "Per host (best of each layout):\n" + format_per_host(estimates, w.devices_per_host),
                         sources(w.hw)])
     (out / "plan.txt").write_text(text + "\n")
-    return {"json": out / "results.json", "csv": out / "results.csv", "plot": out / "plan.png", "text": out / "plan.txt"}
+    return {"json": out / "results.json", "csv": out / "results.csv", "plot": out / "plan.png",
+            "text": out / "plan.txt"}

@@ -147,7 +147,8 @@ def _with_mesh(layout: Any, mesh: Mapping[str, int], name: str, *, kv_null: bool
         rules = tuple((n, None if n in ("kv_heads", "act_kv_heads") else a) for n, a in rules)
     options = layout.options
     if options.pipeline is not None and microbatches is not None:
-        options = dataclasses.replace(options, pipeline=dataclasses.replace(options.pipeline, microbatches=microbatches))
+        options = dataclasses.replace(options, pipeline=dataclasses.replace(options.pipeline,
+                                                                            microbatches=microbatches))
     if options.pipeline is not None and schedule is not None:
         options = dataclasses.replace(options, pipeline=dataclasses.replace(
             options.pipeline, schedule=schedule[0], repeats=schedule[1] if schedule[0] == "circular" else None))
@@ -158,7 +159,8 @@ def _with_mesh(layout: Any, mesh: Mapping[str, int], name: str, *, kv_null: bool
 
 
 def fitted_layouts(model: Any, devices: int, hosts: int = 1, *, presets: Iterable[str] = PRESETS,
-                   pin: Mapping[str, int] | None = None, pipeline: tuple[str, int] | None = None) -> list[tuple[str, Any]]:
+                   pin: Mapping[str, int] | None = None, pipeline: tuple[str, int] | None = None) -> list[tuple[str,
+                                                                                                                Any]]:
     """(preset, Layout) pairs with the presets' axis sizes fitted to ``devices`` over ``hosts``: tensor 2 / 4 / 8
     within a host, expert over the power-of-two divisors of the expert count, context 2 / 4, pipeline 2 / 4
     stages (dividing the decoder's layers), FSDP over the rest and, across hosts, also HSDP (data over the
@@ -330,7 +332,7 @@ def loss_capacity(fraction: float | None, mbs: int, seq: int) -> int | None:
     if fraction is None:
         return None
 
-    return capacity(int(math.ceil(fraction * mbs * seq)), mbs * seq)
+    return capacity(math.ceil(fraction * mbs * seq), mbs * seq)
 
 
 def candidate_compute(c: Candidate, w: Workload, compute: Any = None) -> Any:

@@ -71,7 +71,8 @@ class Hardware:
 
 H200 = Hardware()
 MEMORY_PASSES = 12  # passes over each layer's activations by memory-bound kernels, forward + backward (assumed)
-LAUNCH_S_PER_LAYER = 0.55e-3  # launch / idle per layer and microbatch (bench/step_h200.md run 14: ~20 ms idle, 35 layers)
+# launch / idle per layer and microbatch (bench/step_h200.md run 14: ~20 ms idle, 35 layers)
+LAUNCH_S_PER_LAYER = 0.55e-3
 OVERLAP = 0.8  # share of the compute FSDP / gradient collectives can hide behind (assumed)
 # the recipe-h200 point the scale factor is measured at (bench/step_h200.md run 17)
 REFERENCE = {"model": "proxy", "mbs": 10, "seq": 4096, "patches": 3136, "image_patches": 784,
@@ -202,7 +203,8 @@ def reference_scale() -> float:
 
 
     model = load_model_config(REFERENCE["model"])
-    g = geometry(model, load_layout("fsdp").rules, {"fsdp": 1}, mbs=REFERENCE["mbs"], seq=REFERENCE["seq"], patches=REFERENCE["patches"])
+    g = geometry(model, load_layout("fsdp").rules, {"fsdp": 1}, mbs=REFERENCE["mbs"], seq=REFERENCE["seq"],
+                 patches=REFERENCE["patches"])
     knobs = MemoryKnobs(param_dtype="bfloat16", state_dtype="bfloat16", recompute="selective", recompute_modules=(),
                         attention="cudnn")
     comm = step_communication(model, g, knobs, 8)
@@ -242,8 +244,8 @@ def sources(hw: Hardware = H200) -> str:
             hw.dense_flops / 1e12, hw.experts_dropless_flops / 1e12, hw.experts_capacity_flops / 1e12,
             hw.attention_flops / 1e12, hw.vision_attention_flops / 1e12, hw.a2a_bytes / 1e9, hw.ragged_a2a_bytes / 1e9,
             reference_scale(), FILL, 0.437),
-        "Datasheet: {:.0f} GiB HBM ({:.0%} usable, assumed), {:.1f} TB/s HBM, 989 TFLOP/s bf16, NVLink 900 GB/s "
-        "per GPU.".format(hw.memory_gib, hw.usable_fraction, hw.hbm_bytes / 1e12),
+        "Datasheet: {:.0f} GiB HBM ({:.0%} usable, assumed), {:.1f} TB/s HBM, 989 TFLOP/s bf16, NVLink 900 GB/s per "
+        "GPU.".format(hw.memory_gib, hw.usable_fraction, hw.hbm_bytes / 1e12),
         "Assumed: NVLink collectives at 0.8 of 450 GB/s each way; across hosts {:.0f} Gb/s per {}-GPU host at {:.0%}; "
         "FSDP / gradient collectives hidden behind up to {:.0%} of the compute, TP / EP / PP exposed, CP half; {} "
         "memory-bound passes over each layer's activations; {:.2f} ms launch / idle a layer; balanced experts; one "

@@ -16,9 +16,9 @@ from typing import Any
 
 import jax
 
-from moevlm_jax.schema import overrides_tree
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.perf.memory import TOTAL, format_bytes, memory_report
+from moevlm_jax.schema import overrides_tree
 from moevlm_jax.training.capture import CaptureError, backend_started, merge_flags
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,8 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     cols += [c for c in ("host_temp_bytes", "host_argument_bytes", "host_output_bytes")
              if any(r.get(c) for r in rows)]
     cols.append(TOTAL)
-    head = ["layout", "mbs", "recompute", "modules", "offload"] + [c.removesuffix("_bytes") for c in cols] + ["compile s"]
+    head = ["layout", "mbs", "recompute", "modules", "offload"] + [c.removesuffix("_bytes")
+                                                                   for c in cols] + ["compile s"]
     body = []
     for r in rows:
         modules = ",".join(r["recompute_modules"]) if r["recompute"] == "selective" else "-"

@@ -45,7 +45,7 @@ def param_counts(config: Any) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: print the parameter counts of ``--model`` (a name in configs/models or a path)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moevlm_jax.tools.params", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="configs/models/NAME.yaml, a YAML/JSON file or an HF dir")
     args = parser.parse_args(argv)
     config = load_model_config(args.model)

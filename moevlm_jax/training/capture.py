@@ -153,8 +153,7 @@ def recipe_compute(recipe: str | os.PathLike | None, overrides: Iterable[str] = 
     against the backend once jax has started."""
     from pathlib import Path
 
-    from moevlm_jax.schema import find_config
-    from moevlm_jax.schema import build, parse_override, read_yaml, set_dotted
+    from moevlm_jax.schema import build, find_config, parse_override, read_yaml, set_dotted
 
     if resume and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists():
         recipe = Path(run_dir) / "config.yaml"

@@ -19,14 +19,12 @@ import pytest
 import yaml
 
 from bench import step as bench
-
 from bench import step_report as bench_report
-
-from moevlm_jax.perf import flops
-from bench.hf_step import hf_batch, load_steps, text_positions
 from bench.breakdown import COMPONENTS
-from moevlm_jax.model.registry import load_model_config
+from bench.hf_step import hf_batch, load_steps, text_positions
 from moevlm_jax.config import CONFIG_DIR
+from moevlm_jax.model.registry import load_model_config
+from moevlm_jax.perf import flops
 
 SEQ_LEN, WARMUP, STEPS = 60, 1, 2
 
@@ -56,7 +54,8 @@ def run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # our side's process: unoptimised XLA:CPU code compiles ~2x faster
         mp.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0")
         rc = bench.main(["--recipe", recipe, "--mock-data", mock, "--devices", "1", "--data", "real,mock",
-                         "--warmup", str(WARMUP), "--steps", str(STEPS), "--peer", "hf", "--breakdown", "--breakdown-iters", "1",
+                         "--warmup", str(WARMUP), "--steps", str(STEPS), "--peer", "hf", "--breakdown",
+                         "--breakdown-iters", "1",
                          "--profile", str(tmp / "profile"), "--work-dir", str(tmp / "work"), "--out", str(out),
                          "--quiet"])
     return rc, json.loads(out.read_text()), tmp
@@ -209,7 +208,8 @@ def test_hf_inputs_of_a_packed_row():
 
 
 def test_data_variants_route_overrides():
-    args = bench.parse_args(["--data", "real,mock", "data.image.max_pixels=1", "mock.source.turns=[2,2]", "train.seq_len=8"])
+    args = bench.parse_args(["--data", "real,mock", "data.image.max_pixels=1", "mock.source.turns=[2,2]",
+                             "train.seq_len=8"])
     real, mock = bench.variants(args, "cpu-default")
     assert (real.data, mock.data) == (None, "mock_small")
     assert real.overrides == ["data.image.max_pixels=1", "train.seq_len=8"]

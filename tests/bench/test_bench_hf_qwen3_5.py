@@ -19,10 +19,10 @@ import pytest
 import torch
 import yaml
 
-from moevlm_jax.config import CONFIG_DIR
 from bench import hf_step as bench_hf
 from bench import step as bench
 from bench.hf_step import load_steps
+from moevlm_jax.config import CONFIG_DIR
 
 SEQ_LEN, WARMUP, STEPS = 48, 0, 2
 
@@ -30,7 +30,8 @@ SEQ_LEN, WARMUP, STEPS = 48, 0, 2
 def _recipe(tmp) -> str:
     data = yaml.safe_load((CONFIG_DIR / "data" / "vqa.yaml").read_text())
     data.pop("description")
-    data["source"] = {**data["source"], "num_train": 16, "num_heldout": 4, "image_size": [128, 128], "aspect": [1.0, 1.0]}
+    data["source"] = {**data["source"], "num_train": 16, "num_heldout": 4, "image_size": [128, 128], "aspect": [1.0,
+                                                                                                                1.0]}
     data.update(image={"min_pixels": 4096, "max_pixels": 16384}, patch_buckets=[64], cache_dir=str(tmp / "cache"),
                 tokenizer="qwen3.5")
     recipe = {"name": "bench-qwen35-test", "model": "qwen3.5-tiny", "layout": "fsdp", "data": data,
@@ -87,7 +88,8 @@ def test_the_gdn_code_hf_ran_is_recorded(run):
     rule = info["gdn_functions"]["torch_chunk_gated_delta_rule"]
     assert rule["package_installed"] == fla and rule["kind"] == info["gdn"]
     if not fla:
-        assert rule["implementation"] == "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.torch_chunk_gated_delta_rule"
+        assert rule["implementation"] == ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe."
+                                          "torch_chunk_gated_delta_rule")
     conv = info["gdn_functions"]["causal_conv1d_fn"]
     assert conv["kind"] == ("causal_conv1d" if find_spec("causal_conv1d") else "torch")
     assert "packed" in info["packed_rows"]

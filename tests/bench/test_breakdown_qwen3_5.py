@@ -76,8 +76,8 @@ def test_trace_rows_of_a_qwen3_5_gdn_layer(tiny35, tmp_path):
     router and the experts each get their own row (the model's named scopes reach the compiled HLO)."""
     from flax import nnx
 
-    from moevlm_jax.model.qwen3_5_decoder import Qwen35DecoderLayer
     from bench import trace_breakdown as tb
+    from moevlm_jax.model.qwen3_5_decoder import Qwen35DecoderLayer
 
     model, _ = tiny35  # qwen3.5-tiny's layer shapes (the model's eager init ops are compiled already)
     text = model.config.text_config
@@ -103,5 +103,6 @@ def test_trace_rows_of_a_qwen3_5_gdn_layer(tiny35, tmp_path):
                 "experts (matmuls + SwiGLU)"):
         assert rows.get(row, 0) > 0, (row, rows)
     assert "decoder attention" not in rows  # a GDN layer has no attention
-    assert tb.component_of("jit(f)/transpose(jvp(decoder_gdn))/gated_delta_rule/while/body/dot") == "GDN delta rule (chunked)"
+    assert (tb.component_of("jit(f)/transpose(jvp(decoder_gdn))/gated_delta_rule/while/body/dot")
+            == "GDN delta rule (chunked)")
     assert tb.component_of("jit(f)/jvp(decoder_gdn)/conv") == "GDN layer (projections, conv, gates, norm)"

@@ -57,7 +57,8 @@ def test_device_kernels_are_attributed_and_add_up_to_the_step(tmp_path):
     events = _meta(1, "/device:GPU:0", 7, "Stream #7(Compute)") + _meta(2, "/host:CPU", 3, "python3")
     for step in range(2):
         t = step * 100
-        events += [_ev(1, 7, t, 10, "fusion.1"), _ev(1, 7, t + 10, 20, "custom-call.2"), _ev(1, 7, t + 30, 5, "gather.3"),
+        events += [_ev(1, 7, t, 10, "fusion.1"), _ev(1, 7, t + 10, 20, "custom-call.2"), _ev(1, 7, t + 30, 5,
+                                                                                             "gather.3"),
                    _ev(1, 7, t + 35, 3, "add.4"), _ev(1, 7, t + 38, 2, "fusion.5"), _ev(1, 7, t + 40, 1, None),
                    _ev(1, 7, t + 41, 7, "fusion.9", module="jit_prefetch"), _ev(2, 3, t, 50, "fusion.1")]
         named = _ev(1, 7, t + 48, 4, None)  # no hlo_op, but the name stack as an argument

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from moevlm_jax.data.mrope import mrope_position_ids
 from moevlm_jax import inference
+from moevlm_jax.data.mrope import mrope_position_ids
 from moevlm_jax.hf import load_pretrained
 from moevlm_jax.inference import Prompt, generate_ids
 from moevlm_jax.model.compute import ComputeConfig
@@ -271,10 +271,10 @@ def test_cli_run_dir_restores_params_only(tmp_path):
     import jax
     from flax import nnx
 
+    from moevlm_jax.config import load_config, save_config
     from moevlm_jax.data.config import VqaConfig
     from moevlm_jax.data.records import decode_record
     from moevlm_jax.data.vqa import make_record
-    from moevlm_jax.config import load_config, save_config
     from moevlm_jax.training.checkpoint import Checkpointer
     from moevlm_jax.training.trainer import Trainer
 

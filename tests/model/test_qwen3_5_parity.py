@@ -38,8 +38,8 @@ from moevlm_jax.model.qwen3_5_config import (
     Qwen35TextConfig,
     Qwen35VisionConfig,
 )
-from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model.qwen3_5_moe import jit_forward
+from moevlm_jax.model.registry import load_model_config
 from tests.model.hf_reference import IMAGE, V_END, V_START, HFBatch, make_batches
 from tests.model.qwen3_5_reference import build_hf, config_dicts, hf_forward
 

@@ -27,13 +27,15 @@ from moevlm_jax.parallelism import cpu_threads
 REPO = Path(__file__).resolve().parents[2]
 DEVICES = 8
 # a deadlock aborts in seconds, not after XLA's default 40 s
-TIMEOUTS = "--xla_cpu_collective_call_warn_stuck_timeout_seconds=5 --xla_cpu_collective_call_terminate_timeout_seconds=15"
+TIMEOUTS = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=5 "
+            "--xla_cpu_collective_call_terminate_timeout_seconds=15")
 
 PROGRAM = textwrap.dedent("""
     import os, sys
     os.sched_setaffinity(0, [int(c) for c in os.environ["PIN_CPUS"].split(",")])  # before XLA counts the CPUs
     if os.environ.get("IMPORT_PARALLELISM", "1") == "1":
-        import moevlm_jax.parallelism as parallelism  # noqa: F401  - what the train CLI imports before its first device use
+        # what the train CLI imports before its first device use
+        import moevlm_jax.parallelism as parallelism  # noqa: F401
     import jax, jax.numpy as jnp, numpy as np
     from jax import lax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

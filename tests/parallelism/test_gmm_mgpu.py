@@ -6,11 +6,10 @@ The d(x) form (w read transposed in shared memory) is not run here: the interpre
 
 import dataclasses
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from moevlm_jax.parallelism import gmm_mgpu
 

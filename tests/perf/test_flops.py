@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import yaml
 
-from moevlm_jax.perf import flops
 from moevlm_jax.config import CONFIG_DIR
+from moevlm_jax.perf import flops
 
 SMALL = flops.ModelShape(
     hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=4,

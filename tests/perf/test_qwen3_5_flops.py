@@ -14,8 +14,8 @@ from flax import nnx
 from moevlm_jax.hf import abstract_model
 from moevlm_jax.model.qwen3_5_gdn import GDN_CHUNK_SIZE
 from moevlm_jax.model.registry import load_model_config
-from moevlm_jax.perf.flops import flops_shape
 from moevlm_jax.perf import flops
+from moevlm_jax.perf.flops import flops_shape
 
 SMALL = flops.ModelShape(
     hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=4, vocab_size=10,
@@ -58,7 +58,8 @@ def test_shape_from_config_matches_the_model(name):
     # stacked parameters hold every layer's weights; a token runs each layer once
     matmul = sum(math.prod(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(decoder)[0]
                  if not any(s in jax.tree_util.keystr(p) for s in ("norm", "A_log", "dt_bias", "embed_tokens")))
-    inactive = t.num_hidden_layers * (t.num_experts - t.num_experts_per_tok) * 3 * t.hidden_size * t.moe_intermediate_size
+    inactive = (t.num_hidden_layers * (t.num_experts - t.num_experts_per_tok) * 3 * t.hidden_size
+                * t.moe_intermediate_size)
     assert flops.text_params_per_token(m) == matmul - inactive + t.hidden_size * t.vocab_size
     assert size(decoder["embed_tokens"]) == t.hidden_size * t.vocab_size
 

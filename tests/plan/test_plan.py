@@ -27,11 +27,11 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # as tests/model/test_recompute.py
 
 from moevlm_jax.config import load_config, load_layout
+from moevlm_jax.data.batch import batch_shapes
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model.loss import lm_loss
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
-from moevlm_jax.data.batch import batch_shapes
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.perf import memory
 from moevlm_jax.plan import comm as plan_comm
 from moevlm_jax.plan import fit as plan_fit
@@ -190,7 +190,8 @@ def test_expert_all_to_all_rows_and_cross_host_groups():
     assert plan_comm.cross_host_fraction({"fsdp": 4, "expert": 4}, ("expert",), 8) == 0.0
     two = plan_comm.step_communication(model, geometry(model, lay.rules, {"fsdp": 2, "expert": 4}, mbs=2, seq=SEQ,
                                                        patches=0), plan_memory.MemoryKnobs(), devices_per_host=4)
-    assert two.cross["ep"] == {} and two.cross["fsdp_gather"]["fsdp"] == pytest.approx(two.by_kind["fsdp_gather"]["fsdp"])
+    assert two.cross["ep"] == {}
+    assert two.cross["fsdp_gather"]["fsdp"] == pytest.approx(two.by_kind["fsdp_gather"]["fsdp"])
 
 
 # ----------------------------------------------------------------------------- ranking and the fit API
@@ -237,7 +238,8 @@ def test_fit_says_what_to_change_and_keeps_the_global_batch():
     assert not tight.fits and tight.change, tight.reason
     changed = _config(*tight.change)  # later overrides win: the change's MBS / grad_accum replace the base's
     assert changed.global_batch_size == 32  # the overrides load, and the global batch is the same
-    again = plan_fit.fit(changed, jax.devices(), device_memory_gib=fits.current.memory.total / 2**30 * 0.75, compile=False)
+    again = plan_fit.fit(changed, jax.devices(), device_memory_gib=fits.current.memory.total / 2**30 * 0.75,
+                         compile=False)
     assert again.fits, again.reason
     nothing = plan_fit.fit(cfg, jax.devices(), device_memory_gib=1e-4, compile=False)
     assert not nothing.fits and nothing.change == [] and nothing.table and "Nothing" in nothing.reason
