@@ -23,6 +23,9 @@ from typing import Any
 import numpy as np
 
 from moevlm_jax.data.config import DataConfig, DataError, source_params
+from moevlm_jax.data.mock import MockSource, mock_label
+from moevlm_jax.data.photos import PhotoSource
+from moevlm_jax.data.vqa import ensure_vqa
 
 log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -271,16 +274,13 @@ def _build_source(cfg: DataConfig, split: str) -> tuple[Any, str]:
     src = source_params(cfg.source)
     kind = cfg.kind
     if kind == "vqa":
-        from moevlm_jax.data.vqa import ensure_vqa
 
         return ArrayRecordSource(ensure_vqa(src, cfg.resolved_cache_dir(), split)), \
             "vqa (procedural scenes, real JPEG decode)"
     if kind == "photos":
-        from moevlm_jax.data.photos import PhotoSource
 
         return PhotoSource(src, split), "photos (shipped photographs, real JPEG decode)"
     if kind == "mock":
-        from moevlm_jax.data.mock import MockSource, mock_label
 
         return MockSource(src, split), mock_label(src)
     if kind == "arrayrecord":

@@ -44,6 +44,7 @@ from jax.sharding import Mesh
 import moevlm_jax.parallelism as parallelism
 from moevlm_jax.parallelism.layout import MESH_AXES, Layout, resolve_mesh_shape
 from moevlm_jax.parallelism.logical import Rules, flat_axes, logical_to_spec, mesh_axes_for
+from moevlm_jax.parallelism.pipeline import inner_rules, pipeline_config
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,6 @@ def validate_layout(model: Any, layout: Layout, mesh: Mesh | None = None, batch_
         errors += _context_errors(model, layout, shape, seq_len)
         if layout.options.pipeline is not None:
             try:
-                from moevlm_jax.parallelism.pipeline import inner_rules, pipeline_config
 
                 cfg = pipeline_config(layout.options, shape.get("stage", 1))
                 if batch_size is not None and cfg.stages > 1:  # what the schedule needs of the batch rows
