@@ -40,7 +40,7 @@ from moevlm_jax.plan.comm import CommEstimate, step_communication
 from moevlm_jax.plan.geometry import Geometry, geometry
 from moevlm_jax.plan.memory import GIB, MemoryEstimate, MemoryKnobs, estimate_memory
 from moevlm_jax.plan.time import FILL, H200, Hardware, TimeEstimate, step_time
-from moevlm_jax.training.objective import loss_capacity as capacity
+from moevlm_jax.training import objective
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ def loss_capacity(fraction: float | None, mbs: int, seq: int) -> int | None:
     if fraction is None:
         return None
 
-    return capacity(math.ceil(fraction * mbs * seq), mbs * seq)
+    return objective.loss_capacity(math.ceil(fraction * mbs * seq), mbs * seq)
 
 
 def candidate_compute(c: Candidate, w: Workload, compute: Any = None) -> Any:

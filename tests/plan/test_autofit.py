@@ -1,4 +1,4 @@
-"""Auto-fit (moevlm_jax/training/autofit.py) through the train CLI, in process, on the 8 CPU devices
+"""Auto-fit (moevlm_jax/plan/autofit.py) through the train CLI, in process, on the 8 CPU devices
 with the tiny model and real VQA images, under a deliberately small per-device memory limit
 (``--device-memory``):
 
