@@ -7,7 +7,7 @@ all-gather and reduce-scatter ``X (n - 1) / n``, all-reduce ``2 X (n - 1) / n``,
 ``X`` bytes a device ``X (n - 1) / n``. Per step, with ``G`` microbatches (``train.grad_accum``):
 
 - ``fsdp_gather``: every weight sharded over FSDP axes (an ``embed`` / ``vis_embed`` dimension split
-  over axes that also split the batch: ``plan_geometry.FSDP_AXES``) is all-gathered over them in
+  over axes that also split the batch: ``moevlm_jax.plan.geometry.FSDP_AXES``) is all-gathered over them in
   the compute dtype (the embedding table in its parameter dtype) each microbatch: a scanned layer's
   weights once in the forward and once more in the backward (under recompute ``none`` the forward's
   copy is kept: no second gather), the embedding table for a tied LM head (and for the lookup where

@@ -1,5 +1,5 @@
 """What one device holds and computes under a layout: the planner's shared geometry
-(``moevlm_jax.plan.search``; memory in ``plan_memory``, communication in ``plan_comm``).
+(``moevlm_jax.plan.search``; memory in ``moevlm_jax.plan.memory``, communication in ``moevlm_jax.plan.comm``).
 
 Everything is derived from the same things the trainer uses: the model config, the layout's
 logical-axis rules (``parallelism.logical.logical_to_spec``) and the mesh axis sizes; nothing is

@@ -1,7 +1,7 @@
 """The planner's analytic memory model: per-device bytes of the train step by part, no compile.
 
 What the trainer's step (``moevlm_jax.training.trainer``) holds on one device, from the model
-config, the layout (rules + mesh axis sizes: ``plan_geometry``), the compute section and the batch
+config, the layout (rules + mesh axis sizes: ``moevlm_jax.plan.geometry``), the compute section and the batch
 shape. XLA's compiled memory analysis of the same step (``moevlm_jax.tools.memory.memory_report``)
 is the reference it is checked against (tests/tools/test_plan.py, bench/plans.md).
 

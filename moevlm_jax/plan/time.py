@@ -1,5 +1,5 @@
 """The planner's step-time model: a roofline from model FLOPs and bytes moved, scaled by kernel rates
-measured on the H200 in bench/, plus the communication the layout adds (``plan_comm``).
+measured on the H200 in bench/, plus the communication the layout adds (``moevlm_jax.plan.comm``).
 
 Rates (``H200``; ``measured`` says where a number comes from, ``assumed`` where none was measured):
 
@@ -249,7 +249,7 @@ def sources(hw: Hardware = H200) -> str:
         "Assumed: NVLink collectives at 0.8 of 450 GB/s each way; across hosts {:.0f} Gb/s per {}-GPU host at {:.0%}; "
         "FSDP / gradient collectives hidden behind up to {:.0%} of the compute, TP / EP / PP exposed, CP half; {} "
         "memory-bound passes over each layer's activations; {:.2f} ms launch / idle a layer; balanced experts; one "
-        "packed document a row. Memory: the analytic model of plan_memory (checked against XLA's compiled analysis "
+        "packed document a row. Memory: the analytic model of plan.memory (checked against XLA's compiled analysis "
         "on CPU: bench/plans.md) + {:.0%} of the temporaries for XLA's buffer packing; the cuDNN path's residuals "
         "are read from the code, not measured.".format(
             hw.inter_host_gbps, hw.gpus_per_host, hw.inter_host_efficiency, OVERLAP, MEMORY_PASSES,
