@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from moevlm_jax.config.run import load_config
-from moevlm_jax.plan.search import fit
+from moevlm_jax.plan.fit import fit
 from moevlm_jax.plan.time import H200
 from moevlm_jax.train import main
 from moevlm_jax.training.metrics import read_metrics
