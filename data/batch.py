@@ -94,7 +94,8 @@ def hf_inputs_to_batch(config: Any, input_ids: np.ndarray, pixel_values: np.ndar
         if num_patches:  # a fixed patch bucket: all-padding patches (same compiled step as image batches)
             patch_dim = config.vision_config.patch_dim
             batch.update(pixel_values=np.zeros((b, num_patches, patch_dim), np.float32),
-                         patch_rc=np.zeros((b, num_patches, 2), np.int32), patch_hw=np.zeros((b, num_patches, 2), np.int32),
+                         patch_rc=np.zeros((b, num_patches, 2), np.int32), patch_hw=np.zeros((b, num_patches, 2),
+                                                                                             np.int32),
                          patch_segment_ids=np.zeros((b, num_patches), np.int32))
         return batch
 

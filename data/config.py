@@ -3,7 +3,7 @@
 A data config names a source (``source``: a tagged union on ``kind``: vqa | photos | arrayrecord |
 llava | image_folder | mock, each with its own keys) and the knobs of the pipeline around it:
 sequence length, rows per host, patch buckets, Qwen-VL image processing, tokenizer, workers, seed.
-The one config loader (``moevlm_jax.config``) builds it; ``load_data_config("vqa", ["seq_len=2048"])``
+The one config loader (``moevlm_jax.schema``) builds it; ``load_data_config("vqa", ["seq_len=2048"])``
 is that loader for the data section alone (the data CLIs).
 """
 
@@ -16,6 +16,8 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
+
+from moevlm_jax.schema import ConfigError, coerce_fields, load_typed
 
 DEFAULT_CONFIG = "vqa"
 # question types of the built-in VQA set, in the order eval batches index them (answer_type)
@@ -196,8 +198,6 @@ class DataConfig:
     cache_dir: str | None = None  # built-in datasets (null: $MOEVLM_DATA_CACHE or ~/.cache/moevlm_jax)
 
     def __post_init__(self) -> None:
-        from moevlm_jax.config.schema import coerce_fields
-
         coerce_fields(self, "data")  # types (as the loader checks them)
         validate(self)
 
@@ -252,18 +252,20 @@ def validate(cfg: DataConfig) -> None:
     if not buckets or buckets != sorted(set(buckets)) or any(b <= 0 or b % block for b in buckets):
         raise ValueError(f"data.patch_buckets {buckets} must be increasing positive multiples of merge_size**2={block}")
     if not 0 < img.min_pixels <= img.max_pixels:
-        raise ValueError(f"data.image.min_pixels: need 0 < min_pixels ({img.min_pixels}) <= max_pixels ({img.max_pixels})")
+        raise ValueError(f"data.image.min_pixels: need 0 < min_pixels ({img.min_pixels}) <= max_pixels "
+                         f"({img.max_pixels})")
     if img.max_pixels < img.factor**2:
-        raise ValueError(f"data.image.max_pixels {img.max_pixels} is below one merged patch ({img.factor}x{img.factor})")
+        raise ValueError(f"data.image.max_pixels {img.max_pixels} is below one merged patch "
+                         f"({img.factor}x{img.factor})")
     smallest = block * max(1, -(-img.min_pixels // img.factor**2))
     if smallest > cfg.max_patches and cfg.kind != "mock":
-        raise ValueError(f"data.patch_buckets: an image of min_pixels ({img.min_pixels}) needs >= {smallest} patches but "
-                         f"the largest patch bucket is {cfg.max_patches}")
+        raise ValueError(f"data.patch_buckets: an image of min_pixels ({img.min_pixels}) needs >= {smallest} patches "
+                         f"but the largest patch bucket is {cfg.max_patches}")
     if len(img.image_mean) != 3 or len(img.image_std) != 3 or min(img.image_std) <= 0:
         raise ValueError("data.image.image_mean / image_std need 3 values, std > 0")
     if cfg.workers < 0 or cfg.read_threads < 0 or cfg.read_buffer < 1 or cfg.worker_buffer < 1:
-        raise ValueError(f"data.workers ({cfg.workers}) / read_threads ({cfg.read_threads}) must be >= 0 and read_buffer / "
-                         f"worker_buffer >= 1")
+        raise ValueError(f"data.workers ({cfg.workers}) / read_threads ({cfg.read_threads}) must be >= 0 and "
+                         "read_buffer / worker_buffer >= 1")
     if cfg.num_shards is not None and cfg.num_shards < 1:
         raise ValueError(f"data.num_shards must be >= 1 or null, got {cfg.num_shards}")
     if cfg.pack_lookahead < 1:
@@ -276,10 +278,8 @@ def load_data_config(name_or_path: str | Mapping[str, Any] | DataConfig | None =
                      overrides: Iterable[str] = ()) -> DataConfig:
     """A data config from a preset name (``configs/data/NAME.yaml``; default ``vqa``), a YAML path or a
     mapping, with ``key=value`` overrides (dotted keys reach ``source.*`` and ``image.*``), by the one
-    config loader (``moevlm_jax.config``); a bad setting raises DataError naming the key."""
-    from moevlm_jax.config import ConfigError, load_section
-
+    config loader (``moevlm_jax.schema``); a bad setting raises DataError naming the key."""
     try:
-        return load_section("data", DEFAULT_CONFIG if name_or_path is None else name_or_path, overrides)
+        return load_typed(DataConfig, "data", DEFAULT_CONFIG if name_or_path is None else name_or_path, overrides)
     except ConfigError as e:
         raise DataError(str(e)) from None

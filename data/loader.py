@@ -32,8 +32,8 @@ from typing import Any, Self
 import grain
 import numpy as np
 
-from moevlm_jax.data.config import DataConfig, DataError, load_data_config
 from moevlm_jax.data.batch import MODEL_KEYS
+from moevlm_jax.data.config import DataConfig, DataError, load_data_config
 from moevlm_jax.data.packing import EVAL_KEYS, PackedBatchDataset
 from moevlm_jax.data.sample import SKIP_REASONS, SampleProcessor, is_skip
 from moevlm_jax.data.sources import build_source
@@ -139,7 +139,8 @@ def merge_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
         if arrays[0].ndim >= 2 and len({a.shape[axis + 1] for a in arrays}) > 1:  # patch slots / samples a row
             width = max(a.shape[axis + 1] for a in arrays)
             fill = -1 if key == "sample_index" else 0
-            arrays = [np.pad(a, [(0, 0)] * (axis + 1) + [(0, width - a.shape[axis + 1])] + [(0, 0)] * (a.ndim - axis - 2),
+            arrays = [np.pad(a, [(0, 0)] * (axis + 1) + [(0, width - a.shape[axis + 1])] + [(0,
+                                                                                             0)] * (a.ndim - axis - 2),
                              constant_values=fill) for a in arrays]
         out[key] = np.concatenate(arrays, axis=axis)
     summed = ("rows", "samples", "images", "tokens", "useful_tokens", "trained_tokens", "useful_patches")
@@ -278,7 +279,7 @@ def build_loader(
     seed: int | None = None,
     split: str = "train",
     eval_mode: bool | None = None,
-    num_epochs: int | None | str = "config",
+    num_epochs: int | str | None = "config",
     workers: int | None = None,
     overrides: tuple[str, ...] | list[str] = (),
 ) -> Loader:

@@ -7,15 +7,14 @@ from typing import Any
 
 import numpy as np
 
+from moevlm_jax.data import vqa
 from moevlm_jax.data.sample import QUESTION_TYPES
 
 
 def question_chance(cfg: Any) -> dict[str, float]:
     """Each question type's chance level for a ``DataConfig`` whose source is the built-in VQA set (its
     parameters decide, e.g. ``text_words``); empty for other sources (their chance shows as NaN)."""
-    from moevlm_jax.data.vqa import chance, vqa_params
-
-    return chance(vqa_params(cfg.source)) if getattr(cfg.source, "kind", None) == "vqa" else {}
+    return vqa.chance(vqa.vqa_params(cfg.source)) if getattr(cfg.source, "kind", None) == "vqa" else {}
 
 
 def answer_accuracy(batch: Mapping[str, Any], predictions: np.ndarray, chance: Mapping[str, float] | None = None
@@ -59,7 +58,7 @@ def merge_accuracy(parts: list[dict[str, dict[str, float]]], chance: Mapping[str
 
 def _rates(out: dict[str, dict[str, float]], chance: Mapping[str, float] | None) -> dict[str, dict[str, float]]:
     if chance is None:
-        from moevlm_jax.data.vqa import CHANCE as chance
+        chance = vqa.CHANCE
     for key, entry in out.items():
         entry["accuracy"] = entry["correct"] / entry["answers"]
         entry["chance"] = chance.get(key, float("nan"))

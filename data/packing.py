@@ -21,10 +21,10 @@ from typing import Any
 import grain
 import numpy as np
 
+from moevlm_jax.data.batch import patch_layout
 from moevlm_jax.data.config import DataConfig, DataError
 from moevlm_jax.data.image import expand_patches, normalize_lut
 from moevlm_jax.data.sample import is_skip
-from moevlm_jax.data.batch import patch_layout
 
 EVAL_KEYS = ("answer_group", "answer_type")
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from moevlm_jax.data.config import PhotosConfig, source_params
-from PIL import Image
 
 log = logging.getLogger(__name__)
 

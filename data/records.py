@@ -112,7 +112,8 @@ def _message(role: Any, content: Any) -> tuple[dict[str, Any], list[str | None]]
         for item in content:
             if isinstance(item, Mapping) and (item.get("type") in UNSUPPORTED_ITEMS
                                               or any(k in item for k in UNSUPPORTED_ITEMS)):
-                raise UnsupportedMedia(f"content item of type {item.get('type')!r}: video and audio are not supported yet")
+                raise UnsupportedMedia(f"content item of type {item.get('type')!r}: video and audio are not "
+                                       "supported yet")
             if isinstance(item, Mapping) and (item.get("type") in ("image", "image_url") or "image" in item):
                 items.append({"type": "image"})
                 refs.append(_image_ref(item))
@@ -136,7 +137,8 @@ def from_llava(entry: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str
     if media:
         raise UnsupportedMedia(f"entry has {media[0]!r}: video and audio are not supported yet")
     if "conversations" in entry:
-        turns = [_message(t.get("from", t.get("role")), t.get("value", t.get("content"))) for t in entry["conversations"]]
+        turns = [_message(t.get("from", t.get("role")), t.get("value", t.get("content")))
+                 for t in entry["conversations"]]
     elif "messages" in entry:
         turns = [_message(t.get("role"), t.get("content")) for t in entry["messages"]]
     else:

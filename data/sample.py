@@ -25,9 +25,9 @@ import numpy as np
 from moevlm_jax.data.chat import ConversationError, encode_conversation, validate_messages
 from moevlm_jax.data.config import QUESTION_TYPES, DataConfig
 from moevlm_jax.data.image import ImageSkip, decode_image, process_image
+from moevlm_jax.data.mrope import mrope_position_ids
 from moevlm_jax.data.records import RecordError, UnsupportedMedia, decode_record, from_llava
 from moevlm_jax.data.tokenizer import Tokenizer, load_tokenizer
-from moevlm_jax.data.mrope import mrope_position_ids
 
 log = logging.getLogger(__name__)
 

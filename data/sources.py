@@ -23,6 +23,9 @@ from typing import Any
 import numpy as np
 
 from moevlm_jax.data.config import DataConfig, DataError, source_params
+from moevlm_jax.data.mock import MockSource, mock_label
+from moevlm_jax.data.photos import PhotoSource
+from moevlm_jax.data.vqa import ensure_vqa
 
 log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -246,15 +249,15 @@ def dataset_source(path: str | Path) -> dict[str, Any] | None:
     if any(f.suffix.lower() in IMAGE_SUFFIXES for f in files):
         return {"kind": "image_folder", "path": str(p)}
     raise DataError(f"--data {p}: cannot tell what dataset this folder is: expected ArrayRecord shards "
-                    f"(*.array_record, from python -m moevlm_jax.data.convert) or images ({', '.join(IMAGE_SUFFIXES)}) with "
-                    "captions; for a LLaVA file give the .json / .jsonl itself")
+                    "(*.array_record, from python -m moevlm_jax.data.convert) or images "
+                    f"({', '.join(IMAGE_SUFFIXES)}) with captions; for a LLaVA file give the .json / .jsonl itself")
 
 
 def build_source(cfg: DataConfig, split: str = "train") -> tuple[Any, str]:
     """(random-access source, human label) for a config and split (``train`` / ``heldout``). A source
     without its own held-out split gives a disjoint slice of its samples for evaluation
     (``data.heldout_fraction``, :func:`heldout_slice`) and trains on the rest."""
-    if split != "train" and has_split(cfg, split) or split == "train" and has_split(cfg, cfg.eval_split):
+    if (split != "train" and has_split(cfg, split)) or (split == "train" and has_split(cfg, cfg.eval_split)):
         return _build_source(cfg, split)
     if cfg.heldout_fraction <= 0:
         if split == "train":
@@ -271,16 +274,13 @@ def _build_source(cfg: DataConfig, split: str) -> tuple[Any, str]:
     src = source_params(cfg.source)
     kind = cfg.kind
     if kind == "vqa":
-        from moevlm_jax.data.vqa import ensure_vqa
 
         return ArrayRecordSource(ensure_vqa(src, cfg.resolved_cache_dir(), split)), \
             "vqa (procedural scenes, real JPEG decode)"
     if kind == "photos":
-        from moevlm_jax.data.photos import PhotoSource
 
         return PhotoSource(src, split), "photos (shipped photographs, real JPEG decode)"
     if kind == "mock":
-        from moevlm_jax.data.mock import MockSource, mock_label
 
         return MockSource(src, split), mock_label(src)
     if kind == "arrayrecord":

@@ -237,7 +237,7 @@ def make_record(params: Mapping[str, Any], split: str, index: int) -> bytes:
     d_lo, d_hi = params["describe_turns"]
     questions = list(params["questions"])
     images, scenes, qtypes, answers, messages = [], [], [], [], []
-    for k in range(n_images):
+    for _ in range(n_images):
         qtype = questions[rng.integers(len(questions))]
         jpeg, answer, description, size = make_scene(rng, qtype, params)
         images.append(jpeg)
@@ -330,7 +330,8 @@ def ensure_vqa(source: Mapping[str, Any], cache_dir: Path, split: str, processes
                 pool.close()
                 pool.join()
         info = {"params": params, "version": GENERATOR_VERSION, "shards": shards, "chance": chance(params),
-                "answers": {k: list(v) for k, v in answer_sets(params).items()}, "seconds": round(time.time() - start, 2)}
+                "answers": {k: list(v) for k, v in answer_sets(params).items()}, "seconds": round(time.time() - start,
+                                                                                                  2)}
         (tmp / "manifest.json").write_text(json.dumps(info, indent=1))
         try:
             os.replace(tmp, root)  # atomic: a concurrent builder either wins or finds it done

@@ -40,4 +40,5 @@ class _SourceTreeFinder(importlib.abc.MetaPathFinder):
 
 if not all(os.path.isdir(os.path.join(os.path.dirname(__file__), p)) for p in _BESIDE) and not any(
         isinstance(f, _SourceTreeFinder) for f in sys.meta_path):
-    sys.meta_path.insert(0, _SourceTreeFinder())  # before an editable install's finder: the folders beside *this* package
+    sys.meta_path.insert(0,
+                         _SourceTreeFinder())  # before an editable install's finder: the folders beside *this* package

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", required=True, help="a training run directory (config.yaml + checkpoints/)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="the Hugging Face directory to write")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="cast the weights (default: as saved)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="cast the weights (default: as saved)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

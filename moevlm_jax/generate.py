@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step", type=int, help="checkpoint step of --run-dir (default: the latest)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="the question (images go first, or at its <image> placeholders)")
-    what.add_argument("--questions", help="JSONL: {\"images\": [...], \"prompt\": \"...\", \"answer\": optional} a line")
+    what.add_argument("--questions",
+                      help="JSONL: {\"images\": [...], \"prompt\": \"...\", \"answer\": optional} a line")
     p.add_argument("--image", nargs="*", default=[], help="image files of --prompt")
     p.add_argument("--out", help="--questions: write the JSON lines here (default: stdout)")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -1,9 +1,10 @@
 """The main job: ``python -m moevlm_jax.train [--recipe R] [--model M] [--layout L] [--data D]
 [--steps N] [--run-dir DIR] [--resume] [key=value ...]`` (``--help-config``: every key).
 
-config (moevlm_jax.config, validated once) -> auto-fit (moevlm_jax.training.autofit: a run that
-does not fit the devices gets the planner's fastest fitting settings, said in words) -> mesh over all devices (the layout) -> sharded train
-state + compiled step (moevlm_jax.training.trainer) -> grain loader (this host's shard) -> loop:
+config (moevlm_jax.config, validated once) -> auto-fit (moevlm_jax.plan.autofit: a run that
+does not fit the devices gets the planner's fastest fitting settings, said in words) -> mesh over all devices
+(the layout) -> sharded train state + compiled step (moevlm_jax.training.trainer) -> grain loader (this host's
+shard) -> loop:
 step, metrics (metrics.jsonl, TensorBoard, progress bar), held-out evaluation, async orbax
 checkpoints, profile window -> summary table (moevlm_jax.training.loop). ``--resume`` continues the
 run in ``--run-dir`` from its latest checkpoint: parameters, optimizer state, step, RNG and the data
@@ -21,8 +22,8 @@ from typing import Any
 
 from moevlm_jax.config.run import add_arguments, from_args, help_config
 from moevlm_jax.data.config import DataError
-from moevlm_jax.config.schema import ConfigError
 from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
+from moevlm_jax.schema import ConfigError
 from moevlm_jax.training import capture, distributed
 from moevlm_jax.training.faults import TrainingStopped
 
@@ -45,7 +46,8 @@ def format_summary(summary: dict[str, Any]) -> str:
              f"{fmt(summary['loss_last'])} (step {summary['last_step']})",
              f"  throughput      {fmt(summary['tokens_per_s'], ',.0f')} useful tokens/s, "
              f"{fmt(summary['tflops_per_device'], '.3f')} model TFLOP/s per device"
-             + (f", peak memory {summary['peak_memory_gib']:.1f} GiB a device" if summary.get("peak_memory_gib") else ""),
+             + (f", peak memory {summary['peak_memory_gib']:.1f} GiB a device" if summary.get("peak_memory_gib")
+                else ""),
              f"  data            {d.get('source', '?')}: {d.get('samples', 0)} samples, token fill "
              f"{d.get('token_fill', 0):.1%}, patch fill {d.get('patch_fill', 0):.1%}",
              f"  skipped         samples {d.get('skipped') or 'none'}; optimizer updates {summary['skipped_updates']}"]
@@ -60,7 +62,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"({summary['run_dir']}/answers.jsonl)")
         for r in summary["answers"]:
             mark = "" if r["match"] is None else ("  ok" if r["match"] else "  x")
-            lines.append(f"    {r['question'][:60]!r:<62} truth {str(r['answer'])!r:<10} model {r['generated'][:40]!r}{mark}")
+            lines.append(f"    {r['question'][:60]!r:<62} truth {str(r['answer'])!r:<10} model "
+                         f"{r['generated'][:40]!r}{mark}")
     if summary.get("evals_skipped"):
         lines.append(f"  held-out        skipped: {summary['evals_skipped']}")
     if summary.get("curves"):
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
         print_error(e)
         return 2
     try:
-        from moevlm_jax.training.autofit import auto_fit
+        from moevlm_jax.plan.autofit import auto_fit
         from moevlm_jax.training.loop import apply_compilation_cache, run
 
         cfg = from_args(args)

@@ -21,7 +21,8 @@ parallelism.validate checks a layout against a model config and batch shape befo
 """
 
 if __name__ != "moevlm_jax.parallelism":  # the folder is the package moevlm_jax.parallelism, not a top-level name
-    raise ImportError(f"import moevlm_jax.parallelism (this folder is installed as moevlm_jax.parallelism, not as {__name__!r})")
+    raise ImportError("import moevlm_jax.parallelism (this folder is installed as moevlm_jax.parallelism, not as "
+                      f"{__name__!r})")
 
 PARAM_AXES: tuple[str, ...] = (
     "vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "exp", "moe_mlp", "layers",

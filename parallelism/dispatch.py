@@ -35,6 +35,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from moevlm_jax.parallelism import logical
 from moevlm_jax.parallelism.hybrid import hybrid_overflow_rows, hybrid_sorted_ffn, local_hybrid
+from moevlm_jax.parallelism.kernels import DEFAULT_KERNELS, KernelsConfig
 from moevlm_jax.parallelism.permute import (
     RoutePlan,
     capacity_ffn,
@@ -49,7 +50,6 @@ from moevlm_jax.parallelism.permute import (
     sorted_experts,
     sorted_slots,
 )
-from moevlm_jax.parallelism.kernels import DEFAULT_KERNELS, KernelsConfig
 
 DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather")
 A2A_IMPLS: tuple[str, ...] = ("ragged", "dense")
@@ -317,7 +317,8 @@ def _allgather(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOpti
         slot = jnp.where(is_local, offsets[local, source] + rank, -1)
         src = inverse_slots(slot, sources * a)
         rows = dispatch_rows(x, src, slot, k)
-        y = _ffn_sorted(rows, jnp.sum(mine, axis=0), w_gate_up, w_down, opts, expected_rows=sources * a * el // (el * topo.ep))
+        y = _ffn_sorted(rows, jnp.sum(mine, axis=0), w_gate_up, w_down, opts,
+                        expected_rows=sources * a * el // (el * topo.ep))
     out = combine_rows(y, w, slot, src)
     if gather:
         out = jax.lax.psum_scatter(out, gather, scatter_dimension=0, tiled=True)

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from moevlm_jax.parallelism import logical
+from moevlm_jax.parallelism import fp8, logical
 from moevlm_jax.parallelism.dispatch import (
     A2A_IMPLS,
     DISPATCHERS,
@@ -44,7 +44,6 @@ from moevlm_jax.parallelism.dispatch import (
     resolve_topology,
     run_experts,
 )
-from moevlm_jax.parallelism import fp8
 from moevlm_jax.parallelism.fp8 import Fp8Config
 from moevlm_jax.parallelism.grouped_matmul import GPU_PLATFORMS, resolve_backend
 from moevlm_jax.parallelism.kernels import KernelsConfig
@@ -61,7 +60,8 @@ class ExpertsConfig:
     backend: Literal["auto", "triton", "tokamax", "ragged_dot", "dense", "capacity", "hybrid"] = "auto"
     # auto (alltoall when the layout shards 'exp', else local) | local | alltoall | allgather
     dispatcher: Literal["auto", "local", "alltoall", "allgather"] = "auto"
-    capacity_factor: float | None = None  # null: dropless; else each expert keeps <= ceil(T*K/E*factor) per device group
+    # null: dropless; else each expert keeps <= ceil(T*K/E*factor) per device group
+    capacity_factor: float | None = None
     drop_policy: Literal["probs", "position"] = "probs"  # which assignments a full expert keeps
     a2a_impl: Literal["auto", "ragged", "dense"] = "auto"  # auto (GPU: ragged_all_to_all, else fixed-size all_to_all)
     hybrid_overflow: float = 0.25  # hybrid only: the overflow buffer's rows as a fraction of the assignments
@@ -71,7 +71,8 @@ class ExpertsConfig:
         if isinstance(self.kernels, Mapping):
             object.__setattr__(self, "kernels", KernelsConfig(**self.kernels))
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"compute.moe.capacity_factor must be null (dropless) or > 0, got {self.capacity_factor!r}")
+            raise ValueError("compute.moe.capacity_factor must be null (dropless) or > 0, "
+                             f"got {self.capacity_factor!r}")
         if not self.hybrid_overflow > 0:
             raise ValueError(f"compute.moe.hybrid_overflow must be > 0 (a fraction of the assignments), got "
                              f"{self.hybrid_overflow!r}")

@@ -58,14 +58,16 @@ def fp8_max(fmt: str) -> float:
 class Fp8Config:
     """The ``compute.fp8`` section: which GEMMs run in FP8 and how they are scaled."""
 
-    recipe: Literal["none", "tensor", "blockwise"] = "none"  # none | tensor (per-tensor current scaling) | blockwise (1xB activations, BxB weights)
+    # none | tensor (per-tensor current scaling) | blockwise (1xB activations, BxB weights)
+    recipe: Literal["none", "tensor", "blockwise"] = "none"
     block: int = 128  # blockwise: the block edge B
     forward_format: Literal["e4m3", "e5m2"] = "e4m3"  # the forward operands' format
     # the output gradients' format in the backward. Blockwise with e4m3 (DeepSeek-V3's choice: small blocks
     # leave little for e5m2's range to cover) kept 200 proxy steps within 1% of bf16's loss on the H200; the
     # tensor recipe with e5m2 fell 2-6% behind (bench/fp8_h200.md section 6; blockwise e5m2 not run that long)
     grad_format: Literal["e4m3", "e5m2"] = "e5m2"
-    dense: bool = True  # the decoder's dense GEMMs: attention and Gated DeltaNet projections, dense and shared-expert MLPs
+    # the decoder's dense GEMMs: attention and Gated DeltaNet projections, dense and shared-expert MLPs
+    dense: bool = True
     experts: bool = True  # the routed experts' grouped matmuls
     vision: bool = False  # the vision tower's and the merger's GEMMs
 

@@ -91,7 +91,8 @@ def supported(m: int, k: int, n: int, cfg: Config | None = None) -> bool:
     """Whether the kernel takes ``x [m, k]`` to ``[m, n]`` columns: whole K steps, whole CTA column blocks, at
     least one row tile."""
     cfg = cfg or Config()
-    return k % cfg.tile_k == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_m == 0 and cfg.tile_n % cfg.epi_tile_n == 0
+    return (k % cfg.tile_k == 0 and n % (2 * cfg.tile_n) == 0 and m % cfg.tile_m == 0
+            and cfg.tile_n % cfg.epi_tile_n == 0)
 
 
 def block_table(group_sizes: jax.Array, m: int, tile_m: int, align: int | None = None

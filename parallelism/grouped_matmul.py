@@ -27,7 +27,6 @@ And for drop-and-pad: :func:`capacity_matmul` ``[G, C, K] x [G, K, N] -> [G, C, 
 from __future__ import annotations
 
 import functools
-
 import logging
 import sys
 import types

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moevlm_jax.parallelism.kernels import DEFAULT_KERNELS, KernelsConfig
 from moevlm_jax.parallelism.permute import (
     RoutePlan,
     capacity_ffn,
@@ -32,7 +33,6 @@ from moevlm_jax.parallelism.permute import (
     route_plan,
     sorted_experts,
 )
-from moevlm_jax.parallelism.kernels import DEFAULT_KERNELS, KernelsConfig
 
 
 def hybrid_overflow_rows(rows: int, fraction: float) -> int:

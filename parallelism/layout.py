@@ -17,10 +17,11 @@ from typing import Literal
 import jax
 import numpy as np
 from flax.core import FrozenDict
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from moevlm_jax.parallelism.cpu_threads import check_collective_threads
-
+from moevlm_jax.parallelism.logical import normalize_rules
 
 MESH_AXES: tuple[str, ...] = ("stage", "data", "fsdp", "context", "expert", "tensor")
 HOST_AXES: tuple[str, ...] = ("stage", "data", "fsdp")  # may cross hosts; the others stay within one
@@ -39,7 +40,8 @@ class PipelineOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.stage_layers, Mapping):  # hashable
-            object.__setattr__(self, "stage_layers", FrozenDict({str(k): tuple(v) for k, v in self.stage_layers.items()}))
+            object.__setattr__(self, "stage_layers", FrozenDict({str(k): tuple(v)
+                                                                 for k, v in self.stage_layers.items()}))
 
     def stage_layers_by_axis(self) -> dict[str, tuple[int, ...]]:
         """``{stack axis: per-chunk layer counts}`` (a bare list is the decoder's ``layers`` axis)."""
@@ -76,7 +78,6 @@ class Layout:
     hosts: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
-        from moevlm_jax.parallelism.logical import normalize_rules
 
         unknown = [a for a in self.mesh if a not in MESH_AXES]
         if unknown:
@@ -133,7 +134,6 @@ class Layout:
             arr = _hybrid(shape, self.host_split(shape, len(groups)), [groups[h] for h in sorted(groups)])
         else:
             try:
-                from jax.experimental import mesh_utils
 
                 arr = mesh_utils.create_device_mesh(sizes, devices=devices)
             except Exception:  # noqa: BLE001 - CPU host devices or odd topologies: plain order
@@ -179,8 +179,7 @@ def resolve_mesh_shape(mesh: dict[str, int], num_devices: int, name: str = "layo
         shape[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(
-            f"layout.mesh of '{name}': axes {{{', '.join(f'{a}: {n}' for a, n in shape.items() if n > 1)}}} "
-            f"multiply to {fixed} devices but {num_devices} are available; use -1 on one axis "
-            f"to fill the rest"
+            f"layout.mesh of '{name}': axes {{{', '.join(f'{a}: {n}' for a, n in shape.items() if n > 1)}}} multiply "
+            f"to {fixed} devices but {num_devices} are available; use -1 on one axis to fill the rest"
         )
     return shape

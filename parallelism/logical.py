@@ -61,9 +61,7 @@ def normalize_rules(rules: Sequence[Sequence[Any]]) -> Rules:
 def sharding_context(mesh: Mesh, rules: Sequence[Sequence[Any]], options: Any = None) -> Iterator[ShardingContext]:
     """Make ``mesh`` and ``rules`` the ones :func:`constrain` and the dispatchers use; ``options``
     (a layout's ``LayoutOptions``) reach e.g. ``parallelism.pipeline``."""
-    from moevlm_jax.parallelism.layout import LayoutOptions
-
-    if options is not None and not isinstance(options, LayoutOptions):
+    if options is not None and not hasattr(options, "context_parallel"):  # (layout imports this module)
         raise TypeError(f"sharding_context options must be a parallelism.layout.LayoutOptions, got {options!r}")
     ctx = ShardingContext(mesh, normalize_rules(rules), options)
     token = _CONTEXT.set(ctx)

@@ -221,7 +221,8 @@ def describe(cfg: PipelineConfig, chunks: np.ndarray) -> str:
 # ----------------------------------------------------------------------------- the loop
 
 def run_pipeline(layer_fn: LayerFn, params: PyTree, carry: PyTree, xs: PyTree, side: PyTree, side_axes: Any,
-                 cfg: PipelineConfig, *, axis: str = "layers", offset: int = 0, scan: bool = True) -> tuple[PyTree, PyTree]:
+                 cfg: PipelineConfig, *, axis: str = "layers", offset: int = 0, scan: bool = True) -> tuple[PyTree,
+                                                                                                            PyTree]:
     """Pipelined ``for i in range(n): carry, y_i = layer_fn(carry, params[i], xs[i], side)``.
 
     params/xs: leaves ``[n, ...]``; carry: leaves ``[B, ...]``; side: batch-dependent inputs whose

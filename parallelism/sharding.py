@@ -85,7 +85,8 @@ def shardings_like(tree: PyTree, reference: PyTree, reference_shardings: PyTree,
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def batch_spec(key: str, ndim: int, rules: Rules | Sequence[Sequence[Any]], mesh: Mesh, leading: int = 0) -> PartitionSpec:
+def batch_spec(key: str, ndim: int, rules: Rules | Sequence[Sequence[Any]], mesh: Mesh,
+               leading: int = 0) -> PartitionSpec:
     """PartitionSpec of batch array ``key`` of rank ``ndim``: logical ``act_batch`` on its row axis
     (``BATCH_ROW_AXIS``, shifted by ``leading`` extra axes such as a microbatch axis), nothing else."""
     axes: list[str | None] = [None] * ndim

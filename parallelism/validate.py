@@ -44,6 +44,7 @@ from jax.sharding import Mesh
 import moevlm_jax.parallelism as parallelism
 from moevlm_jax.parallelism.layout import MESH_AXES, Layout, resolve_mesh_shape
 from moevlm_jax.parallelism.logical import Rules, flat_axes, logical_to_spec, mesh_axes_for
+from moevlm_jax.parallelism.pipeline import inner_rules, pipeline_config
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,10 @@ def model_checks(model: Any) -> list[tuple[str, int, tuple[str | None, ...], int
         ("text_config.vocab_size", t.vocab_size, ("vocab", "embed"), 0),
         ("text_config.hidden_size", t.hidden_size, ("vocab", "embed"), 1),
         ("text_config.vocab_size", t.vocab_size, ("embed", "vocab"), 1),
-        ("text_config.num_attention_heads", t.num_attention_heads, ("act_batch", "act_seq", "act_heads", "act_head_dim"), 2),
-        ("text_config.num_key_value_heads", t.num_key_value_heads, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"), 2),
+        ("text_config.num_attention_heads", t.num_attention_heads, ("act_batch", "act_seq", "act_heads",
+                                                                    "act_head_dim"), 2),
+        ("text_config.num_key_value_heads", t.num_key_value_heads, ("act_batch", "act_seq", "act_kv_heads",
+                                                                    "act_head_dim"), 2),
         ("text_config.vocab_size", t.vocab_size, ("act_batch", "act_seq", "act_vocab"), 2),
         ("text_config.hidden_size", t.hidden_size, ("act_batch", "act_norm_seq", "act_embed"), 2),
     ]
@@ -165,7 +168,8 @@ def batch_checks(batch_size: int | None, seq_len: int | None) -> list[tuple[str,
     """(batch dimension, size, logical axes, dimension) for the batch shape's split dimensions."""
     out = []
     if batch_size is not None:
-        out.append(("batch rows (micro batch x data parallel)", batch_size, ("act_batch", "act_norm_seq", "act_embed"), 0))
+        out.append(("batch rows (micro batch x data parallel)", batch_size, ("act_batch", "act_norm_seq", "act_embed"),
+                    0))
     if seq_len is not None:
         out += [("sequence length", seq_len, ("act_batch", "act_norm_seq", "act_embed"), 1),
                 ("sequence length", seq_len, ("act_batch", "act_seq", "act_heads", "act_head_dim"), 1)]
@@ -227,7 +231,6 @@ def validate_layout(model: Any, layout: Layout, mesh: Mesh | None = None, batch_
         errors += _context_errors(model, layout, shape, seq_len)
         if layout.options.pipeline is not None:
             try:
-                from moevlm_jax.parallelism.pipeline import inner_rules, pipeline_config
 
                 cfg = pipeline_config(layout.options, shape.get("stage", 1))
                 if batch_size is not None and cfg.stages > 1:  # what the schedule needs of the batch rows
@@ -245,7 +248,8 @@ def validate_layout(model: Any, layout: Layout, mesh: Mesh | None = None, batch_
         warnings = _warnings(model, layout, shape)
     if errors:
         head = (f"layout '{layout.name}' does not fit model '{getattr(model, 'name', '') or 'model'}'"
-                + (f" on mesh {_describe(tuple(a for a in shape if shape[a] > 1), shape) or '1 device'}" if shape else ""))
+                + (f" on mesh {_describe(tuple(a for a in shape if shape[a] > 1), shape) or '1 device'}" if shape
+                   else ""))
         raise LayoutError(f"{head}: {errors[0]}" if len(errors) == 1 else head + ":\n  " + "\n  ".join(errors))
     for w in warnings:
         log.warning("layout %s: %s", layout.name, w)
@@ -277,10 +281,10 @@ def _warnings(model: Any, layout: Layout, shape: dict[str, int]) -> list[str]:
         ep_axes, etp_axes = _split(experts, 1, layout.rules, shape), _split(experts, 4, layout.rules, shape)
         ep, etp = (math.prod(shape[a] for a in ax) for ax in (ep_axes, etp_axes))
         if etp > 1 and t.num_experts % (ep * etp) == 0:
-            out.append(f"expert tensor parallelism over {_describe(etp_axes, shape)} while the {t.num_experts} experts "
-                       f"would divide over EP = {ep * etp} alone; the guide prefers EP (whole experts, no per-layer "
-                       f"gather / reduce-scatter of tokens over the ETP group): map 'exp' over those axes instead of "
-                       f"'moe_mlp'")
+            out.append(f"expert tensor parallelism over {_describe(etp_axes, shape)} while the {t.num_experts} "
+                       f"experts would divide over EP = {ep * etp} alone; the guide prefers EP (whole experts, no "
+                       "per-layer gather / reduce-scatter of tokens over the ETP group): map 'exp' over those axes "
+                       "instead of 'moe_mlp'")
         tokens = _split(("act_tokens", "act_embed"), 0, layout.rules, shape)
         rows = (_split(("act_batch", "act_norm_seq", "act_embed"), 0, layout.rules, shape)
                 + _split(("act_batch", "act_norm_seq", "act_embed"), 1, layout.rules, shape))

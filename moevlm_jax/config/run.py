@@ -4,8 +4,8 @@ Layers, later wins (as in MaxText): the dataclass defaults -> the recipe
 (``configs/recipes/NAME.yaml`` or a path) -> the model / layout / data files it names
 (``configs/{models,layouts,data}/NAME.yaml`` or paths; ``--model/--layout/--data`` replace the
 names) -> command-line ``key=value`` overrides with dotted paths (``optimizer.lr=1e-4``), values
-parsed as YAML (``moevlm_jax.config.schema.parse_override``, the one override parser). Everything is
-validated once, up front, by the one loader (``moevlm_jax.config.schema.build``): unknown keys name
+parsed as YAML (``moevlm_jax.schema.parse_override``, the one override parser). Everything is
+validated once, up front, by the one loader (``moevlm_jax.schema.build``): unknown keys name
 the near miss, type errors name the key and the expected type, and rules between fields and
 sections (global batch = micro batch x grad_accum x data-parallel size; the data's tokenizer and
 image processing against the model; the layout against the model's heads, experts and layers and
@@ -34,27 +34,32 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import yaml
 
-from moevlm_jax.data.config import DataConfig
 from moevlm_jax.config.files import CONFIG_DIR, REFERENCED, find_config, resolve_reference
-from moevlm_jax.config.schema import (
+from moevlm_jax.data.config import DataConfig, DataError
+from moevlm_jax.data.sources import dataset_source
+from moevlm_jax.data.tokenizer import load_tokenizer
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import ModelConfig
+from moevlm_jax.model.registry import model_config_type
+from moevlm_jax.parallelism.layout import Layout
+from moevlm_jax.parallelism.logical import axis_size, data_parallel_size, mesh_axes_for
+from moevlm_jax.parallelism.validate import LayoutError, validate_layout
+from moevlm_jax.schema import (
     ConfigError,
     build,
-    raise_errors,
     describe,
     format_help,
     near_miss,
     parse_override,
+    raise_errors,
     read_yaml,
     set_dotted,
     to_plain,
 )
-from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import ModelConfig
-from moevlm_jax.model.registry import model_config_type
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
-from moevlm_jax.parallelism.layout import Layout
 
 __all__ = ["CONFIG_DIR", "ConfigError", "RunConfig", "add_arguments", "build_run_config", "default_recipe",
            "from_args", "help_config", "load_config", "resolve_raw", "save_config"]
@@ -102,7 +107,6 @@ def help_config() -> str:
 def default_recipe(platform: str | None = None) -> str:
     """'gpu-default' on a GPU backend, else 'cpu-default'."""
     if platform is None:
-        import jax
 
         platform = jax.default_backend()
     return "gpu-default" if platform in ("gpu", "cuda", "rocm") else "cpu-default"
@@ -129,7 +133,7 @@ def resolve_batch(tr: TrainConfig, dp: int, errors: list[str]) -> TrainConfig:
         if gbs % (dp * accum):
             errors.append(f"train.global_batch_size={gbs} does not divide over data-parallel size {dp} x grad_accum "
                           f"{accum}; make it a multiple of {dp * accum} or use a layout with a data-parallel size "
-                          f"that divides it")
+                          "that divides it")
             return tr
         mbs = gbs // (dp * accum)
     elif accum is None:
@@ -198,20 +202,18 @@ def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, errors: list[str]) -> N
 
 def _experts_checks(compute: ComputeConfig, layout: Layout, shape: Mapping[str, int]) -> list[str]:
     """The experts' dispatcher against the layout (what tracing the step would otherwise find)."""
-    from moevlm_jax.parallelism.logical import axis_size, mesh_axes_for
 
     ep = axis_size(shape, mesh_axes_for("exp", layout.rules))
     dispatcher = compute.moe.dispatcher
     if dispatcher in ("alltoall", "allgather") and ep == 1:
-        return [f"compute.moe.dispatcher '{dispatcher}' needs expert parallelism, but layout '{layout.name}' maps 'exp' "
-                f"to no mesh axis of size > 1; use 'auto' or 'local', or a layout with EP (ep, tp_ep, ep_etp, pp_ep)"]
+        return [f"compute.moe.dispatcher '{dispatcher}' needs expert parallelism, but layout '{layout.name}' maps "
+                "'exp' to no mesh axis of size > 1; use 'auto' or 'local', or a layout with EP (ep, tp_ep, ep_etp, "
+                "pp_ep)"]
     return []
 
 
 def model_data_checks(model: ModelConfig, data: DataConfig) -> list[str]:
     """The data's tokenizer and image processing must match the model config."""
-    from moevlm_jax.data.tokenizer import load_tokenizer
-    from moevlm_jax.data.config import DataError
 
     errors = []
     try:
@@ -274,7 +276,6 @@ def _derive_data(raw: dict[str, Any], tr: TrainConfig, gbs: int, num_processes: 
 def _layout_parts(raw: Mapping[str, Any], num_devices: int, num_processes: int,
                   errors: list[str]) -> tuple[Layout | None, int]:
     """The layout and its data-parallel size over ``num_devices`` (errors appended)."""
-    from moevlm_jax.parallelism.logical import data_parallel_size
 
     layout = build(Layout, raw.get("layout"), "layout", errors)
     if layout is None:
@@ -292,7 +293,6 @@ def _layout_parts(raw: Mapping[str, Any], num_devices: int, num_processes: int,
 def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes: int = 1) -> RunConfig:
     """Validate a resolved mapping (sections are mappings, not names) into a RunConfig, with every rule
     between sections checked; all problems in one ConfigError."""
-    from moevlm_jax.parallelism.validate import LayoutError, validate_layout
 
     errors: list[str] = []
     for k in raw:
@@ -348,8 +348,6 @@ def _dataset_path(ref: Any) -> tuple[str, dict[str, Any]] | None:
         return None
     if "/" not in str(ref) and (CONFIG_DIR / "data" / f"{ref}.yaml").exists():
         return None
-    from moevlm_jax.data.config import DataError
-    from moevlm_jax.data.sources import dataset_source
 
     try:
         source = dataset_source(ref)
@@ -419,7 +417,6 @@ def load_config(recipe: str | Path | None = None, *, model: str | None = None, l
     raw, sources = resolve_raw(recipe, model=model, layout=layout, data=data, overrides=overrides, steps=steps,
                                run_dir=run_dir, resume=resume, platform=platform)
     if num_devices is None or num_processes is None:
-        import jax
 
         num_devices = jax.device_count() if num_devices is None else num_devices
         num_processes = jax.process_count() if num_processes is None else num_processes

@@ -14,7 +14,13 @@ family config.json's ``model_type`` names (:mod:`moevlm_jax.model.registry`:
 - :mod:`~moevlm_jax.hf.errors`: :class:`CheckpointError`.
 """
 
-from moevlm_jax.hf.checkpoint import SafetensorsFile, abstract_model, checkpoint_entries, load_pretrained, save_pretrained
+from moevlm_jax.hf.checkpoint import (
+    SafetensorsFile,
+    abstract_model,
+    checkpoint_entries,
+    load_pretrained,
+    save_pretrained,
+)
 from moevlm_jax.hf.errors import CheckpointError
 from moevlm_jax.hf.names import Entry
 

@@ -17,8 +17,8 @@ import json
 import logging
 import math
 import os
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 

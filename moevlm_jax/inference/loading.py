@@ -18,12 +18,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moevlm_jax.config import ConfigError, load_section
 from moevlm_jax.data.config import DataConfig, ImageConfig
 from moevlm_jax.data.tokenizer import Tokenizer, load_tokenizer
+from moevlm_jax.hf import load_pretrained
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+from moevlm_jax.model.registry import build_model
 from moevlm_jax.model.router import ExpertBias
+from moevlm_jax.schema import read_yaml
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +103,6 @@ def load_hf(path: str | Path, *, dtype: str | None = None, compute: ComputeConfi
             tokenizer: str | None = None) -> Loaded:
     """An HF model directory -> Loaded (parameters and compute in ``dtype``, default bfloat16 on a
     GPU and float32 elsewhere; ``compute`` overrides the other compute settings)."""
-    from moevlm_jax.hf import load_pretrained
 
     path = Path(path)
     dtype = dtype or (compute.dtype if compute is not None else default_dtype())
@@ -112,8 +115,6 @@ def load_hf(path: str | Path, *, dtype: str | None = None, compute: ComputeConfi
 def run_sections(run_dir: str | Path) -> tuple[ModelConfig, ComputeConfig, DataConfig | None]:
     """The model, compute and data sections of a run's ``config.yaml`` (each section alone: no check
     against the devices of this process, so a run of any layout loads anywhere)."""
-    from moevlm_jax.config import ConfigError, load_section
-    from moevlm_jax.config.schema import read_yaml
 
     file = Path(run_dir) / "config.yaml"
     if not file.exists():
@@ -155,7 +156,6 @@ def restore_run(run_dir: str | Path, step: int | None = None) -> tuple[Any, Comp
     """(model config, compute, data, step, params) of checkpoint ``step`` (default: the latest) of a
     training run: the ``params`` of its train state on one device, in the dtype they were saved in,
     whatever layout or process count wrote them."""
-    from moevlm_jax.model.registry import build_model
 
     run_dir = Path(run_dir)
     model_cfg, compute, data = run_sections(run_dir)
@@ -167,7 +167,8 @@ def restore_run(run_dir: str | Path, step: int | None = None) -> tuple[Any, Comp
         raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir / 'checkpoints'}; have {steps}")
     abstract = nnx.eval_shape(lambda: build_model(model_cfg, compute, nnx.Rngs(0)))
     abstract_params = nnx.to_pure_dict(nnx.state(abstract, (nnx.Param, ExpertBias)))  # the train state's params
-    return model_cfg, compute, data, step, restore_params(run_dir / "checkpoints" / str(step) / "state", abstract_params)
+    return model_cfg, compute, data, step, restore_params(run_dir / "checkpoints" / str(step) / "state",
+                                                          abstract_params)
 
 
 def load_run(run_dir: str | Path, step: int | None = None, *, dtype: str | None = None,

@@ -11,9 +11,10 @@ static bound on segments per row (``max_segments``, default ``MAX_PACKED_SEGMENT
 with the bound, so a workload that knows its rows sets it: ``compute.attention_options``); a row with
 more runs the dense-mask kernel, so the result is always right: the trainer checks each batch's rows
 on the host and traces the step under :func:`rows_within_bound` when they hold (no fallback
-compiled), else compiles a step with the fallback (a ``lax.cond`` per call: ~96 us each on the H200). ``pad_head_dim``: q/k/v zero-padded along the head dim to a size cuDNN has tuned
-kernels for (the vision tower's 72 -> 128), the softmax scale kept at the true head dim's and the
-output sliced back: the same attention (zero columns add nothing to q.k and yield zero outputs).
+compiled), else compiles a step with the fallback (a ``lax.cond`` per call: ~96 us each on the H200).
+``pad_head_dim``: q/k/v zero-padded along the head dim to a size cuDNN has tuned kernels for (the vision
+tower's 72 -> 128), the softmax scale kept at the true head dim's and the output sliced back: the same
+attention (zero columns add nothing to q.k and yield zero outputs).
 
 The XLA path (CPU) computes scores over whole rows, except for the vision tower where a batch is
 known (checked on the host, :func:`rows_within_bound`) to hold no image longer than
@@ -30,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -16,9 +16,9 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from moevlm_jax.config.schema import build, coerce_fields
 from moevlm_jax.parallelism.experts import ExpertsConfig
 from moevlm_jax.parallelism.fp8 import Fp8Config
+from moevlm_jax.schema import build, coerce_fields
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 RecomputeMode = Literal["none", "full", "selective"]
@@ -35,9 +35,9 @@ XLA_FLAGS_OF_CAPTURE = ("--xla_gpu_enable_command_buffer", "--xla_gpu_graph_min_
 #   moe_act    expert activation (SwiGLU)  moe_expert_out  the experts' down matmul output
 #   gdn_conv   Gated DeltaNet: the causal conv's (silu) output, q | k | v before the delta rule
 #   gdn_core   Gated DeltaNet: the chunked delta rule's output    gated_norm  its gated RMSNorm output
-# (the moe_* inside parallelism.permute; the gdn_* and gated_norm in model.qwen3_5_gdn). Selective recompute saves every name not listed under a
-# recompute module, as Megatron recomputes only those modules: a tensor the backward needs and no name
-# covers (e.g. an activation's input) would make jax.checkpoint recompute the matmul behind it.
+# (the moe_* inside parallelism.permute; the gdn_* and gated_norm in model.qwen3_5_gdn). Selective recompute saves
+# every name not listed under a recompute module, as Megatron recomputes only those modules: a tensor the backward
+# needs and no name covers (e.g. an activation's input) would make jax.checkpoint recompute the matmul behind it.
 CHECKPOINT_NAMES = ("layernorm", "qkv_proj", "core_attn", "attn_out", "mlp_hidden", "mlp", "moe_router", "moe",
                     "moe_permuted", "moe_gate_up", "moe_act", "moe_expert_out", "gdn_conv", "gdn_core", "gated_norm")
 # Megatron's recompute modules -> the checkpoint names they stand for
@@ -173,7 +173,8 @@ class ComputeConfig:
     vision_recompute_modules: tuple[str, ...] | None = None  # the vision tower's own modules (null: the decoder's)
     # XLA GPU command buffers standing in for CUDA graphs: none | step (the whole step) | scopes
     capture: Literal["none", "step", "scopes"] = "step"
-    capture_scopes: tuple[str, ...] = ("attn", "moe_router", "moe_preprocess")  # attn, moe_router, moe_preprocess, full_iteration
+    capture_scopes: tuple[str, ...] = ("attn", "moe_router",
+                                       "moe_preprocess")  # attn, moe_router, moe_preprocess, full_iteration
     # further XLA flags the run needs, each "--xla_name=value", set with the capture's before the backend starts
     # (moevlm_jax.training.capture); not the command-buffer flags, which compute.capture sets
     xla_flags: tuple[str, ...] = ()
@@ -199,12 +200,15 @@ class ComputeConfig:
             _check((prefix and mode is None) or mode in RECOMPUTE_MODES,
                    f"compute.{prefix}recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
             bad = [m for m in mods or () if m not in modules]
-            _check(not bad, f"compute.{prefix}recompute_modules {bad} are not among Megatron's recompute modules {modules}")
+            _check(not bad,
+                   f"compute.{prefix}recompute_modules {bad} are not among Megatron's recompute modules {modules}")
         bad = [n for n in self.offload if n not in modules and n not in CHECKPOINT_NAMES]
-        _check(not bad, f"compute.offload {bad} are neither recompute modules {modules} nor checkpoint names {CHECKPOINT_NAMES}")
+        _check(not bad,
+               f"compute.offload {bad} are neither recompute modules {modules} nor checkpoint names {CHECKPOINT_NAMES}")
         for tower in ("text", "vision"):
             mode, mods = self.stack_recompute(tower)
-            both = set(checkpoint_names_of(mods)) & set(checkpoint_names_of(self.offload)) if mode == "selective" else ()
+            both = (set(checkpoint_names_of(mods)) & set(checkpoint_names_of(self.offload))
+                    if mode == "selective" else ())
             key = "vision_recompute_modules" if tower == "vision" and self.vision_recompute_modules is not None \
                 else "recompute_modules"
             _check(not both, f"compute.offload and compute.{key} both name {sorted(both)}: a tensor is either "

@@ -4,7 +4,7 @@
 YAML file in ``configs/models/`` has the structure of an HF ``config.json`` and
 :meth:`ModelConfig.from_hf_dict` / :meth:`ModelConfig.to_hf_dict` are a rename-free round trip (HF
 fields we read but do not model are kept in ``extra``). It is loaded by the one config loader
-(``moevlm_jax.config.schema.build``); HF's alternative spellings (``num_local_experts``,
+(``moevlm_jax.schema.build``); HF's alternative spellings (``num_local_experts``,
 ``rope_theta`` / ``rope_scaling``, ``num_attention_heads`` of the vision tower) are normalised
 first. All configs are frozen and hashable: they live inside Flax modules that go through
 ``jax.jit`` as static structure.
@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from flax.core import FrozenDict
 
-from moevlm_jax.config.schema import build, coerce_fields
+from moevlm_jax.schema import build, coerce_fields
 
 
 def freeze(value: Any) -> Any:
@@ -141,7 +140,8 @@ class TextConfig:
             _check(0 < self.num_experts_per_tok <= self.num_experts,
                    f"model.text_config.num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                    f"1..num_experts ({self.num_experts})")
-        _check(self.hidden_act == "silu", f"model.text_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+        _check(self.hidden_act == "silu",
+               f"model.text_config.hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
 
     @property
     def rope_theta(self) -> float:
@@ -210,7 +210,8 @@ class VisionConfig:
 
     def __post_init__(self) -> None:
         _freeze_fields(self, "model.vision_config")
-        _check_sizes(self, "model.vision_config", ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+        _check_sizes(self, "model.vision_config", ("depth", "hidden_size", "intermediate_size", "num_heads",
+                                                   "in_channels",
                                                    "patch_size", "spatial_merge_size", "temporal_patch_size",
                                                    "out_hidden_size", "num_position_embeddings"), ())
         _check(self.hidden_size % self.num_heads == 0,
@@ -222,7 +223,8 @@ class VisionConfig:
                f"model.vision_config.num_position_embeddings ({self.num_position_embeddings}) must be a square")
         ds = self.deepstack_visual_indexes
         _check(len(set(ds)) == len(ds) and all(0 <= i < self.depth for i in ds),
-               f"model.vision_config.deepstack_visual_indexes {list(ds)} must be distinct block indexes < depth {self.depth}")
+               f"model.vision_config.deepstack_visual_indexes {list(ds)} must be distinct block indexes < depth "
+               f"{self.depth}")
         _check(self.hidden_act in _ACTS, f"model.vision_config.hidden_act {self.hidden_act!r} not in {sorted(_ACTS)}")
 
     @property
@@ -283,8 +285,8 @@ class ModelConfig:
                f"model.vision_config.out_hidden_size ({v.out_hidden_size}) must equal text_config.hidden_size "
                f"({t.hidden_size})")
         _check(len(v.deepstack_visual_indexes) <= t.num_hidden_layers,
-               f"model.vision_config.deepstack_visual_indexes: {len(v.deepstack_visual_indexes)} deepstack features but "
-               f"only {t.num_hidden_layers} decoder layers")
+               f"model.vision_config.deepstack_visual_indexes: {len(v.deepstack_visual_indexes)} deepstack features "
+               f"but only {t.num_hidden_layers} decoder layers")
         _check(0 <= self.image_token_id < t.vocab_size,
                f"model.image_token_id {self.image_token_id} is outside the vocabulary (model.text_config.vocab_size "
                f"{t.vocab_size})")
@@ -321,11 +323,3 @@ class ModelConfig:
     def replace_text(self, **changes: Any) -> ModelConfig:
         """A copy with text_config fields changed (e.g. ``num_hidden_layers=8``)."""
         return dataclasses.replace(self, text_config=dataclasses.replace(self.text_config, **changes))
-
-
-def load_model_config(name_or_path: str | Path) -> Any:
-    """A model config from ``configs/models/NAME.yaml``, a YAML/JSON file, or an HF model directory, of
-    whichever family its ``model_type`` names (``moevlm_jax.model.registry.load_model_config``)."""
-    from moevlm_jax.model.registry import load_model_config as load
-
-    return load(name_or_path)

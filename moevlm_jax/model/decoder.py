@@ -21,10 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from moevlm_jax.model.compute import ComputeConfig
-
-from moevlm_jax.model.config import TextConfig
 from moevlm_jax.model.attention import cached_attention, dot_product_attention
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import TextConfig
 from moevlm_jax.model.layers import (
     Linear,
     RMSNorm,
@@ -116,9 +115,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=pd)
         self.mlp = SparseMoeBlock(cfg, compute, rngs) if kind == "moe" else MLP(cfg, compute, rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, dict | None]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array,
+                                                                                                      dict | None]:
         """x ``[B, S, H]`` -> ``[B, S, H]`` and router stats (MoE layers) or None."""
-        with jax.named_scope("decoder_attention"):  # profiler trace labels (moevlm_jax.tools.bench --profile)
+        with jax.named_scope("decoder_attention"):  # profiler trace labels (bench.step --profile)
             attn = self.self_attn(checkpoint_name(self.input_layernorm(x), "layernorm"), cos, sin, segment_ids)
         x = constrain(x + attn, ACT)
         h = checkpoint_name(self.post_attention_layernorm(x), "layernorm")
@@ -169,7 +169,7 @@ class TextModel(nnx.Module):
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
         """input_ids ``[B, S]`` -> embeddings ``[B, S, H]`` in the compute dtype."""
-        with jax.named_scope("embed"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
+        with jax.named_scope("embed"):  # profiler trace labels (bench.trace_breakdown)
             rows = embed_lookup(self.embed_tokens[...], input_ids, ("vocab", "embed"), ACT)  # cast only the rows
             return constrain(rows.astype(dtype_of(self.compute.dtype)), ACT)
 
@@ -207,7 +207,8 @@ class TextModel(nnx.Module):
         cfg = self.cfg
         return [(n, batch, length, cfg.num_key_value_heads, cfg.head_dim) for _, _, n in self.groups]
 
-    def cached(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: list[tuple[jax.Array, jax.Array]],
+    def cached(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: list[tuple[jax.Array,
+                                                                                                   jax.Array]],
                kv_segment_ids: jax.Array, start: jax.Array, deepstack: jax.Array | None = None, *,
                prefill: bool = False) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
         """Generation (prefill or decode): x ``[B, S, H]`` embeddings of the new tokens, which sit at
@@ -235,7 +236,7 @@ class TextModel(nnx.Module):
             return (h, k_all, v_all), None
 
         out = []
-        for (kind, first, n), stack, (k_all, v_all) in zip(self.groups, self.stacks, cache):
+        for (_kind, first, n), stack, (k_all, v_all) in zip(self.groups, self.stacks, cache):
             with_ds = first < n_ds
             (x, k_all, v_all), _ = run_stack(
                 stack, lambda layer, c, i, sd, f=first, w=with_ds: body(layer, c, i, sd, f, w), (x, k_all, v_all),

@@ -7,7 +7,6 @@ Parameters are stored in ``param_dtype`` and cast to the compute dtype where the
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +28,8 @@ def dtype_of(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def param(rngs: nnx.Rngs | None, init: str, shape: Sequence[int], axes: Axes, dtype: Any, std: float = 0.02) -> nnx.Param:
+def param(rngs: nnx.Rngs | None, init: str, shape: Sequence[int], axes: Axes, dtype: Any,
+          std: float = 0.02) -> nnx.Param:
     """An ``nnx.Param`` of ``shape`` with logical ``axes``; init "normal" (std), "ones" or "zeros"."""
     shape = tuple(int(s) for s in shape)
     if len(axes) != len(shape):
@@ -297,7 +297,8 @@ def run_stack(stack: nnx.Module, body: Callable[[nnx.Module, Any, Any, Any], tup
     layers = (jax.tree.map(lambda a: [materialised_grad(x) for x in per_layer(a)], state), jax.tree.map(per_layer, xs))
     ys = []
     for i in range(n_layers):
-        carry, y = step(carry, *jax.tree.map(lambda parts, i=i: parts[i], layers, is_leaf=lambda x: isinstance(x, list)),
+        carry, y = step(carry, *jax.tree.map(lambda parts, i=i: parts[i], layers, is_leaf=lambda x: isinstance(x,
+                                                                                                               list)),
                         side)
         ys.append(y)
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys) if ys and ys[0] is not None else None

@@ -15,7 +15,6 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from moevlm_jax.model.compute import ComputeConfig
-
 from moevlm_jax.model.config import TextConfig
 from moevlm_jax.model.layers import Linear, dtype_of, param
 from moevlm_jax.model.router import ExpertBias, route, router_stats
@@ -48,7 +47,7 @@ class SparseMoeBlock(nnx.Module):
         """x ``[B, S, H]``, valid ``[B, S]`` -> ``[B, S, H]`` and router stats (see router_stats)."""
         b, s, h = x.shape
         with jax.named_scope("router"):
-            logits, probs, top_w, top_i, stats = self.routing(x, valid)
+            _logits, _probs, top_w, top_i, stats = self.routing(x, valid)
         tokens = constrain(x.reshape(b * s, h), ("act_tokens", "act_embed"))
         options = self.compute.moe_options
         # padding positions (not ``valid``) go to no expert: id E, which every dispatcher leaves out of the expert

@@ -17,7 +17,7 @@ layer has the MoE block (routed experts + one shared expert); ``mlp_only_layers`
 ``attn_output_gate`` appear in released ``config.json`` files but HF's classes ignore them (the
 attention output gate is always there), so they are passthrough fields here too.
 
-:func:`load_any_model_config` reads a model config of either family, by ``model_type``.
+``moevlm_jax.model.registry.load_model_config`` reads a model config of either family, by ``model_type``.
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 from flax.core import FrozenDict
 
-from moevlm_jax.config.schema import build, coerce_fields
-from moevlm_jax.model.config import ModelConfig, freeze, thaw
+from moevlm_jax.model.config import freeze, thaw
+from moevlm_jax.schema import build, coerce_fields
 
 MODEL_TYPE = "qwen3_5_moe"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -334,12 +333,3 @@ class Qwen35ModelConfig:
     def replace_text(self, **changes: Any) -> Qwen35ModelConfig:
         """A copy with text_config fields changed (e.g. ``num_hidden_layers=8, layer_types=None``)."""
         return dataclasses.replace(self, text_config=dataclasses.replace(self.text_config, **changes))
-
-
-def load_any_model_config(name_or_path: str | Path) -> ModelConfig | Qwen35ModelConfig:
-    """A model config of the family its ``model_type`` names (``qwen3_5_moe``: :class:`Qwen35ModelConfig`;
-    absent or ``qwen3_vl_moe``: :class:`~moevlm_jax.model.config.ModelConfig`), from ``configs/models/NAME.yaml``,
-    a YAML/JSON file or an HF model directory: :func:`moevlm_jax.model.registry.load_model_config`."""
-    from moevlm_jax.model.registry import load_model_config
-
-    return load_model_config(name_or_path)

@@ -127,7 +127,7 @@ class GatedDeltaNet(nnx.Module):
         k = constrain(conv[..., dk:2 * dk], HEADS)
         v = constrain(conv[..., 2 * dk:].reshape(b, s, hv, dv), HEADS)  # group j: value heads j r .. j r + r - 1
         g, beta = gdn_gates(a, beta_in, self.A_log[...], self.dt_bias[...])
-        with jax.named_scope("gated_delta_rule"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
+        with jax.named_scope("gated_delta_rule"):  # profiler trace labels (bench.trace_breakdown)
             if split:
                 core = context.context_parallel_map(_rule_shard, (q, k, v, g, beta, segment_ids),
                                                     (HEADS, HEADS, HEADS, GATES, GATES, SEG), HEADS)

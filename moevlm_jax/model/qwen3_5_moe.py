@@ -15,13 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moevlm_jax.model.eager import hf_call, jit_forward  # noqa: F401 - jit_forward re-exported
 from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.eager import hf_call, jit_forward  # noqa: F401 - jit_forward re-exported
 from moevlm_jax.model.layers import Linear, dtype_of
 from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
 from moevlm_jax.model.qwen3_5_decoder import Qwen35TextModel

@@ -16,10 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moevlm_jax.model.compute import ComputeConfig
-
 from moevlm_jax.model.config import ModelConfig
-from moevlm_jax.model.eager import hf_call, jit_forward  # noqa: F401 - jit_forward re-exported
 from moevlm_jax.model.decoder import TextModel
+from moevlm_jax.model.eager import hf_call, jit_forward  # noqa: F401 - jit_forward re-exported
 from moevlm_jax.model.layers import Linear, dtype_of
 from moevlm_jax.model.vision import VisionModel
 from moevlm_jax.parallelism.logical import constrain
@@ -126,7 +125,8 @@ class Qwen3VLMoe(nnx.Module):
         vocab = self.config.text_config.vocab_size
         x = self.language_model.embed(spread_placeholders(input_ids, is_image, vocab) if images else input_ids)
         if images:
-            merged, ds = self.visual(jnp.asarray(pixels), jnp.asarray(batch["patch_rc"]), jnp.asarray(batch["patch_hw"]),
+            merged, ds = self.visual(jnp.asarray(pixels), jnp.asarray(batch["patch_rc"]),
+                                     jnp.asarray(batch["patch_hw"]),
                                      jnp.asarray(batch["patch_segment_ids"]))
             unit = self.config.vision_config.spatial_merge_size**2
             x = jnp.where(is_image[..., None], place_visual_tokens(merged.astype(x.dtype), batch, is_image, unit), x)

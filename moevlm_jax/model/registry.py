@@ -1,9 +1,9 @@
-"""The model families, in one place: which config class, model class, HF name table and FLOPs shape
-belong to a ``model_type``.
+"""The model families, in one place: which config class, model class and HF name table
+belong to a ``model_type`` (``moevlm_jax.perf.flops.SHAPES`` maps a family to its FLOPs shape).
 
 Every part of the stack that builds, loads, saves or counts a model asks this module rather than
 naming a model class itself: the trainer (:func:`build_model`), the HF interop (:func:`hf_table`),
-the tools (:func:`load_model_config`, :func:`flops_shape`) and the run config's ``model`` section
+the tools (:func:`load_model_config`) and the run config's ``model`` section
 (:func:`model_config_type`: which dataclass a raw ``model:`` mapping is built as).
 
 A family is chosen by the HF ``model_type`` of a raw mapping (``config.json`` or a YAML file of the
@@ -31,9 +31,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moevlm_jax.config.schema import ConfigError, near_miss, read_yaml
 from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
+from moevlm_jax.schema import ConfigError, find_config, near_miss, read_yaml
 
 DEFAULT_MODEL_TYPE = "qwen3_vl_moe"
 
@@ -44,7 +44,7 @@ class Family:
 
     ``model``: the nnx model class, ``model(config, compute, rngs)``; ``names``: the HF name table
     module (``checkpoint_entries(config)``, ``to_ours``, ``to_hf``, ``hf_out_shape``, optional
-    ``IGNORED_PREFIXES``); ``flops``: ``config -> tools.flops.ModelShape``; ``tokenizer``: the built-in
+    ``IGNORED_PREFIXES``); ``tokenizer``: the built-in
     data tokenizer (``data.tokenizer.load_tokenizer`` name) whose ids the family's released configs use."""
 
     name: str
@@ -52,7 +52,6 @@ class Family:
     config: type
     model: str
     names: str
-    flops: str
     tokenizer: str
 
     def model_class(self) -> type:
@@ -66,9 +65,9 @@ class Family:
 
 FAMILIES: tuple[Family, ...] = (
     Family("qwen3_vl_moe", ("qwen3_vl_moe",), ModelConfig, "moevlm_jax.model.qwen3_vl_moe:Qwen3VLMoe",
-           "moevlm_jax.hf.names", "moevlm_jax.tools.flops:qwen3_vl_shape", "qwen3"),
+           "moevlm_jax.hf.names", "qwen3"),
     Family("qwen3_5_moe", ("qwen3_5_moe",), Qwen35ModelConfig, "moevlm_jax.model.qwen3_5_moe:Qwen35Moe",
-           "moevlm_jax.hf.qwen3_5_names", "moevlm_jax.tools.flops:qwen3_5_shape", "qwen3.5"),
+           "moevlm_jax.hf.qwen3_5_names", "qwen3.5"),
 )
 MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 CONFIG_TYPES: tuple[type, ...] = tuple(f.config for f in FAMILIES)
@@ -136,11 +135,6 @@ def checkpoint_entries(config: Any) -> list[Any]:
     return hf_table(config).checkpoint_entries(config)
 
 
-def flops_shape(config: Any) -> Any:
-    """``moevlm_jax.tools.flops.ModelShape`` of a built config or a raw mapping (by family)."""
-    return _resolve(family_of(config).flops)(config)
-
-
 def data_tokenizer(config: Any) -> str:
     """The built-in data tokenizer of ``config``'s family (``qwen3`` / ``qwen3.5``): the one whose image
     and vision token ids the family's configs use (``config.run.model_data_checks`` compares them)."""
@@ -156,7 +150,6 @@ def from_mapping(raw: Mapping[str, Any], name: str = "", strict: bool = True) ->
 def load_model_config(name_or_path: str | Path) -> Any:
     """A model config of any family from ``configs/models/NAME.yaml``, a YAML / JSON file or an HF
     model directory (its ``config.json``); YAML files are strict, ``config.json`` keeps unknown keys."""
-    from moevlm_jax.config.files import find_config
 
     if isinstance(name_or_path, CONFIG_TYPES):
         return name_or_path

@@ -16,10 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from moevlm_jax.model.compute import ComputeConfig
-
-from moevlm_jax.model.config import VisionConfig
 from moevlm_jax.model.attention import dot_product_attention
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import VisionConfig
 from moevlm_jax.model.layers import (
     LayerNorm,
     Linear,
@@ -164,7 +163,7 @@ class VisionModel(nnx.Module):
         """pixel_values ``[B, P, patch_dim]``, patch_rc/patch_hw ``[B, P, 2]``, patch_segment_ids
         ``[B, P]`` -> merged tokens ``[B, P/4, H]`` and DeepStack features ``[n_ds, B, P/4, H]``
         (in block order, i.e. the order decoder layers 0, 1, ... receive them), or None."""
-        with jax.named_scope("vision_encoder"):  # profiler trace labels (moevlm_jax.tools.bench --profile)
+        with jax.named_scope("vision_encoder"):  # profiler trace labels (bench.step --profile)
             x, feats = self.encode(pixel_values, patch_rc, patch_hw, patch_segment_ids)
         with jax.named_scope("projector"):
             return self.project(x, feats)

@@ -14,13 +14,13 @@ from typing import Any
 import jax
 from flax import nnx
 
+from moevlm_jax.hf import abstract_model
 from moevlm_jax.model.registry import load_model_config
 
 
 def param_counts(config: Any) -> dict[str, int]:
     """Parameter counts by part (any model family): vision, embed, decoder, lm_head, total, experts, active
     (the shared experts of Qwen3.5 count as active, like every non-routed parameter)."""
-    from moevlm_jax.hf import abstract_model  # local import: hf imports the model
 
     model = abstract_model(config)
     state = nnx.state(model)
@@ -45,7 +45,7 @@ def param_counts(config: Any) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: print the parameter counts of ``--model`` (a name in configs/models or a path)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moevlm_jax.tools.params", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="configs/models/NAME.yaml, a YAML/JSON file or an HF dir")
     args = parser.parse_args(argv)
     config = load_model_config(args.model)

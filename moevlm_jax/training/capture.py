@@ -31,7 +31,9 @@ import os
 import shlex
 from collections.abc import Iterable, Mapping
 
+from moevlm_jax.config.run import default_recipe
 from moevlm_jax.model.compute import CAPTURE_MODES, CAPTURE_SCOPES, XLA_FLAGS_OF_CAPTURE, ComputeConfig
+from moevlm_jax.schema import build, find_config, parse_override, read_yaml, set_dotted
 
 # Command-buffer types accepted by --xla_gpu_enable_command_buffer in jax 0.10.2's XLA (each checked
 # by XLA's flag parser on that build; DYNAMIC_SLICE_COPY_FUSION, in the proto, is rejected there).
@@ -153,12 +155,9 @@ def recipe_compute(recipe: str | os.PathLike | None, overrides: Iterable[str] = 
     against the backend once jax has started."""
     from pathlib import Path
 
-    from moevlm_jax.config.files import find_config
-    from moevlm_jax.config.schema import build, parse_override, read_yaml, set_dotted
 
     if resume and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists():
         recipe = Path(run_dir) / "config.yaml"
-    from moevlm_jax.config.run import default_recipe
 
     name = recipe if recipe is not None else default_recipe(guess_platform())
     tree = {"compute": dict(read_yaml(find_config("recipes", name)).get("compute") or {})}

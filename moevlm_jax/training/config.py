@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from moevlm_jax.config.schema import coerce_fields
+from moevlm_jax.schema import coerce_fields
 from moevlm_jax.training.optimizer import PARAM_GROUP_PATTERNS
 
 
@@ -39,7 +39,8 @@ class OptimizerConfig:
     # default); bfloat16 halves it, which the auto-fit takes only when float32 does not fit (bench/plans.md)
     grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
     skip_nonfinite: bool = True  # skip updates whose gradients hold inf/nan (counted)
-    max_consecutive_skips: int = 10  # this many skipped updates in a row stop the run (a checkpoint of the last good state)
+    # this many skipped updates in a row stop the run (a checkpoint of the last good state)
+    max_consecutive_skips: int = 10
 
     def __post_init__(self) -> None:
         coerce_fields(self, "optimizer")  # types, as the loader checks them (and hashable: lists to tuples)

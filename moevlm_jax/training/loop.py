@@ -20,9 +20,10 @@ from flax import nnx
 
 import moevlm_jax.data as data_lib
 from moevlm_jax.config.run import RunConfig, save_config
-from moevlm_jax.config.schema import ConfigError
 from moevlm_jax.model.router import ExpertBias
-from moevlm_jax.tools import flops, memory
+from moevlm_jax.parallelism.multihost import gather_json
+from moevlm_jax.perf import flops, memory
+from moevlm_jax.schema import ConfigError
 from moevlm_jax.training import capture
 from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.checkpoint import Checkpointer, resume_step
@@ -38,7 +39,6 @@ from moevlm_jax.training.metrics import (
     read_metrics,
 )
 from moevlm_jax.training.trainer import Trainer
-from moevlm_jax.parallelism.multihost import gather_json
 
 log = logging.getLogger("moevlm_jax.train")
 
@@ -233,8 +233,8 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                         raise
                     name = cfg.model.name or "MODEL"
                     raise ConfigError(
-                        f"out of device memory in train step {step} ({name}, layout "
-                        f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} tokens per "
+                        f"out of device memory in train step {step} ({name}, layout {cfg.layout.name}, "
+                        f"{trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} tokens per "
                         f"data-parallel rank, param_dtype {cfg.compute.param_dtype}, optimizer state "
                         f"{cfg.optimizer.state_dtype}, recompute {cfg.compute.recompute}): "
                         f"{str(e).splitlines()[0][:300]}. "
@@ -302,7 +302,8 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
         "loss_first": records[0]["loss"] if records else None, "loss_last": records[-1]["loss"] if records else None,
         "first_step": records[0]["step"] if records else None, "last_step": records[-1]["step"] if records else None,
         "tokens_per_s": timed["useful_tokens"] / timed["time"] if timed["time"] else None,
-        "tflops_per_device": timed["flops"] / timed["time"] / trainer.mesh.devices.size / 1e12 if timed["time"] else None,
+        "tflops_per_device": (timed["flops"] / timed["time"] / trainer.mesh.devices.size / 1e12
+                              if timed["time"] else None),
         "skipped_updates": int(jax.device_get(optim.skipped_updates(state["opt_state"]))),
         "data": loader_summary, "checkpoints": saved, "peak_memory_gib": peak_memory_gib(),
     })
@@ -366,10 +367,10 @@ def _answers(cfg: RunConfig, state: Any, count: int) -> list[dict[str, Any]] | N
     """The first ``count`` questions of the held-out split answered by greedy generation (every process
     runs it: the parameters are global arrays) -> rows ``{"question", "answer", "generated", "match"}``;
     None (with the reason logged) for a model family generation does not cover."""
+    from moevlm_jax import inference
     from moevlm_jax.data.records import decode_record
     from moevlm_jax.data.sources import build_source
     from moevlm_jax.data.tokenizer import load_tokenizer
-    from moevlm_jax import inference
     from moevlm_jax.model import registry
 
     if registry.family_of(cfg.model).name != "qwen3_vl_moe":

@@ -7,7 +7,7 @@ two such reads is one step's time; the first finished step (which includes compi
 interval the caller marks (checkpoint, evaluation) are left out of throughput.
 
 Throughput counts useful tokens (``segment_ids > 0``), not padding; MFU is model FLOPs
-(moevlm_jax.tools.flops) / (time x devices x peak), reported only when the peak is known (GPUs, TPUs).
+(moevlm_jax.perf.flops) / (time x devices x peak), reported only when the peak is known (GPUs, TPUs).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class StepTracker:
 
     ``host`` values per step (computed on the host from the numpy batch, no device sync):
     ``tokens`` (all rows x seq), ``useful_tokens`` (segment_ids > 0), optionally ``trained_tokens``
-    and ``flops`` (moevlm_jax.tools.flops.batch_flops). Records carry the step's own metrics plus
+    and ``flops`` (moevlm_jax.perf.flops.batch_flops). Records carry the step's own metrics plus
     throughput over the window since the last :meth:`window` call.
     """
 

@@ -117,7 +117,8 @@ def ce_and_argmax(hidden: jax.Array, kernel: jax.Array, targets: jax.Array, mask
 
 
 def microbatch_objective(model: Any, mb: Mapping[str, jax.Array], total_trained: jax.Array,
-                         num_micro: int, capacity: int | None, groups: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+                         num_micro: int, capacity: int | None, groups: int = 1) -> tuple[jax.Array, dict[str,
+                                                                                                         jax.Array]]:
     """One microbatch's share of the step objective: CE sum / trained tokens of the global batch +
     router losses / ``num_micro``; and summable metrics (ce_sum, trained_tokens, router losses).
     ``capacity``: gather that many trained positions per group of rows first (None: whole rows)."""

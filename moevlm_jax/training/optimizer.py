@@ -205,7 +205,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
         norm = global_norm(updates) if grad_norm is None else grad_norm.astype(jnp.float32)
         keep = norm < max_norm
         scale = max_norm / jnp.where(keep, 1.0, norm)
-        return jax.tree.map(lambda t: jnp.where(keep, t, (t.astype(jnp.float32) * scale).astype(t.dtype)), updates), state
+        return jax.tree.map(lambda t: jnp.where(keep, t, (t.astype(jnp.float32) * scale).astype(t.dtype)),
+                            updates), state
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -224,7 +225,8 @@ def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors:
     inner = optax.with_extra_args_support(inner)
 
     def init(params: PyTree) -> optax.ApplyIfFiniteState:
-        return optax.ApplyIfFiniteState(notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True, jnp.bool_),
+        return optax.ApplyIfFiniteState(notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True,
+                                                                                                        jnp.bool_),
                                         total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
     def update(updates: PyTree, state: optax.ApplyIfFiniteState, params: PyTree | None = None, *,

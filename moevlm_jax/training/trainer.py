@@ -53,20 +53,26 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from moevlm_jax.data.batch import MODEL_KEYS, PATCH_KEYS, batch_shapes
+from moevlm_jax.model import layers, registry
 from moevlm_jax.model import router as moe_router
 from moevlm_jax.model.attention import resolve_impl, rows_within_bound
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
-from moevlm_jax.model import layers, registry
-from moevlm_jax.training import optimizer as optim
-from moevlm_jax.training.config import OptimizerConfig
-from moevlm_jax.training.objective import (ce_and_argmax, gather_trained, largest_capacity, loss_capacity,
-                                          microbatch_objective, most_trained)
 from moevlm_jax.parallelism import gmm_mgpu, grouped_matmul, sharding
 from moevlm_jax.parallelism.kernels import ignored_environment
 from moevlm_jax.parallelism.layout import Layout, LayoutOptions
 from moevlm_jax.parallelism.logical import Rules, data_parallel_size, logical_to_spec, normalize_rules, sharding_context
 from moevlm_jax.parallelism.multihost import agreed_max, host_ids
+from moevlm_jax.training import optimizer as optim
+from moevlm_jax.training.config import OptimizerConfig
+from moevlm_jax.training.objective import (
+    ce_and_argmax,
+    gather_trained,
+    largest_capacity,
+    loss_capacity,
+    microbatch_objective,
+    most_trained,
+)
 
 log = logging.getLogger(__name__)
 _kernels_logged: set[str] = set()
@@ -242,7 +248,7 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
         # each layer's gradient on its own (_norm_pieces)
         # logged, and the clipping's and the finiteness check's (read once: bench/step_h200.md)
         grad_norm = optim.global_norm(grads, optim.partition(_norm_pieces(spec), mask)[0])
-        with jax.named_scope("optimizer"):  # profiler trace labels (moevlm_jax.tools.trace_breakdown)
+        with jax.named_scope("optimizer"):  # profiler trace labels (bench.trace_breakdown)
             updates, opt_state = tx.update(grads, state["opt_state"], trainable, grad_norm=grad_norm)
             params = optim.combine(optax.apply_updates(trainable, updates), frozen)
         load = sums.get("router_load")
@@ -331,7 +337,8 @@ class Trainer:
         self.reuse_shapes = reuse_shapes
         # kind -> the chain of (patches, capacity; inf: whole rows) its batches are padded to, ascending
         self._shapes: dict[str, list[tuple[int, float]]] = {}
-        self.bound_warned: set[str] | None = set() if jax.default_backend() == "gpu" and spec.compute.attention != "xla" else None
+        warns = jax.default_backend() == "gpu" and spec.compute.attention != "xla"
+        self.bound_warned: set[str] | None = set() if warns else None
         v = spec.model.vision_config
         self.vision_attention = resolve_impl(spec.compute.attention, jnp.dtype(spec.compute.dtype), v.head_dim)
 

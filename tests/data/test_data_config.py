@@ -2,8 +2,8 @@
 
 import pytest
 
-from moevlm_jax.data.config import DataError, load_data_config
 from moevlm_jax.config import CONFIG_DIR
+from moevlm_jax.data.config import DataError, load_data_config
 
 
 def test_every_preset_loads():

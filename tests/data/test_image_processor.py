@@ -12,6 +12,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize as hf_smart_resize,
 )
 
+from moevlm_jax.data.batch import patch_layout  # the shared helper (model + data)
 from moevlm_jax.data.config import ImageConfig
 from moevlm_jax.data.image import (
     ImageSkip,
@@ -21,7 +22,6 @@ from moevlm_jax.data.image import (
     process_image,
     smart_resize,
 )
-from moevlm_jax.data.batch import patch_layout  # the shared helper (model + data)
 
 
 def hf_processor(cfg: ImageConfig) -> Qwen2VLImageProcessorPil:

@@ -3,15 +3,14 @@
 import numpy as np
 import pytest
 
+from moevlm_jax.data.batch import MODEL_KEYS, patch_layout
 from moevlm_jax.data.config import DataError
 from moevlm_jax.data.image import expand_patches
 from moevlm_jax.data.loader import build_loader
-from moevlm_jax.data.batch import MODEL_KEYS
+from moevlm_jax.data.mrope import mrope_position_ids
 from moevlm_jax.data.packing import choose_bucket
 from moevlm_jax.data.sample import QUESTION_TYPES, SampleProcessor
 from moevlm_jax.data.sources import build_source
-from moevlm_jax.data.batch import patch_layout
-from moevlm_jax.data.mrope import mrope_position_ids
 
 SMALL = ["source.num_train=120", "source.num_heldout=40", "seq_len=512", "batch_size=4",
          "patch_buckets=[256, 512, 1024, 1536, 2048]"]

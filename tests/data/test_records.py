@@ -98,8 +98,8 @@ def test_messages_forms_equal_the_llava_form(formats_file):
     proc = SampleProcessor(cfg)
     root = str(path.parent)
     two = ["a.jpg", "b.jpg"]
-    llava = {"conversations": [{"from": "human", "value": "<image><image>" + QUESTION}, {"from": "gpt", "value": ANSWER}],
-             "image": two}
+    llava = {"conversations": [{"from": "human", "value": "<image><image>" + QUESTION},
+                               {"from": "gpt", "value": ANSWER}], "image": two}
     forms = [llava, _entries()[2][0], _hf_messages(two)]
     samples = [proc(k, {"llava": e, "image_root": root}) for k, e in enumerate(forms)]
     assert not any("skip" in s for s in samples), samples

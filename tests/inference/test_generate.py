@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from moevlm_jax.data.mrope import mrope_position_ids
 from moevlm_jax import inference
+from moevlm_jax.data.mrope import mrope_position_ids
 from moevlm_jax.hf import load_pretrained
 from moevlm_jax.inference import Prompt, generate_ids
 from moevlm_jax.model.compute import ComputeConfig
@@ -216,7 +216,7 @@ def _run_cli(argv: list[str]) -> str:
 @pytest.fixture(scope="module")
 def qwen_vocab_hf(tmp_path_factory):
     """configs/models/tiny.yaml (the real Qwen3 vocabulary and special ids) as a random HF model, saved."""
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import load_model_config
 
     hf = build_hf(load_model_config("tiny").to_hf_dict(), seed=5)
     path = tmp_path_factory.mktemp("hf_tiny_qwen_vocab")
@@ -271,10 +271,10 @@ def test_cli_run_dir_restores_params_only(tmp_path):
     import jax
     from flax import nnx
 
+    from moevlm_jax.config import load_config, save_config
     from moevlm_jax.data.config import VqaConfig
     from moevlm_jax.data.records import decode_record
     from moevlm_jax.data.vqa import make_record
-    from moevlm_jax.config import load_config, save_config
     from moevlm_jax.training.checkpoint import Checkpointer
     from moevlm_jax.training.trainer import Trainer
 

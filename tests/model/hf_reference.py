@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 
 IMAGE, VIDEO, V_START, V_END = 500, 501, 502, 503
 TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START, vision_end_token_id=V_END)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-from moevlm_jax.model.qwen3_5_config import load_any_model_config
+from moevlm_jax.model.registry import load_model_config
 from tests.model.hf_reference import IMAGE, TOKENS, HFBatch
 
 logging.getLogger("transformers").setLevel(logging.ERROR)  # the "falling back to PyTorch" kernel notices
@@ -38,7 +38,7 @@ def config_dicts() -> dict[str, dict]:
       1.0); GDN 2 / 2 heads (no grouping), conv kernel 3; 4 experts top-1, shared expert 16 > expert 12;
       one vision block.
     """
-    tiny = load_any_model_config("qwen3.5-tiny").to_hf_dict()
+    tiny = load_model_config("qwen3.5-tiny").to_hf_dict()
     tiny["text_config"]["vocab_size"] = 512
     tiny.update(TOKENS)
     lin_full = dict(

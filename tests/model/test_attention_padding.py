@@ -44,7 +44,8 @@ def test_padding_gradients_are_zeroed_before_they_reach_the_weights():
     valid = jnp.asarray(seg > 0)
     got = jax.grad(_loss)(w, x, valid, True)
     # reference: the same loss over the valid positions only, with an ordinary backward
-    want = jax.grad(lambda w: jnp.sum(jnp.where(valid[:, :, None, None], jnp.einsum("bsh,hnd->bsnd", x, w), 0.0) ** 2))(w)
+    want = jax.grad(lambda w: jnp.sum(jnp.where(valid[:, :, None, None], jnp.einsum("bsh,hnd->bsnd", x, w),
+                                                0.0) ** 2))(w)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert np.all(np.isnan(jax.grad(_loss)(w, x, valid, False)))  # unmasked: the NaN reaches the weight
@@ -103,7 +104,8 @@ def test_attention_options_per_tower_and_bad_values():
     assert ComputeConfig().attention_options.for_tower("vision") == {"max_segments": 16, "pad_head_dim": None,
                                                                      "max_segment_len": None}
     for bad, words in (({"max_segment": 2}, "unknown key"), ({"max_segments": 0}, "positive int"),
-                       ({"max_segments": None}, "max_segments: expected int"), ({"vision_pad_head_dim": 100}, "multiple of 8")):
+                       ({"max_segments": None}, "max_segments: expected int"), ({"vision_pad_head_dim": 100},
+                                                                                "multiple of 8")):
         with pytest.raises(ValueError, match=words):
             ComputeConfig(attention_options=bad)
 

@@ -72,7 +72,8 @@ def test_saved_core_attn_keeps_the_kernels_residuals():
     forward_exps = str(jax.make_jaxpr(_layer(_plain))(*args)).count(" exp ")
     assert forward_exps == 2  # the kernel's and the fallback's branch
     assert _exp_count(jax.checkpoint(_layer(attention.kernel_with_fallback), policy=keep), *args) == forward_exps + 1
-    assert _exp_count(jax.checkpoint(_layer(attention.kernel_with_fallback), policy=drop), *args) == 2 * forward_exps + 1
+    assert _exp_count(jax.checkpoint(_layer(attention.kernel_with_fallback), policy=drop),
+                      *args) == 2 * forward_exps + 1
     assert _exp_count(jax.checkpoint(_layer(_plain), policy=keep), *args) == 2 * forward_exps
     saved = saved_residuals(jax.checkpoint(_layer(attention.kernel_with_fallback), policy=keep),
                                               *args)

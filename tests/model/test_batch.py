@@ -13,13 +13,13 @@ from transformers.vision_utils import (
     get_vision_position_ids,
 )
 
-from moevlm_jax.model.config import load_model_config
 from moevlm_jax.data.batch import (
     hf_inputs_to_batch,
     hf_labels_to_targets,
     patch_layout,
 )
 from moevlm_jax.model.qwen3_vl_moe import scatter_visual_tokens
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model.vision import interpolation_taps
 from tests.model.hf_reference import IMAGE, V_END, V_START, make_batches
 

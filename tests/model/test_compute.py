@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.hf import load_pretrained
 from moevlm_jax.data.batch import hf_inputs_to_batch, hf_labels_to_targets
-from moevlm_jax.training.objective import microbatch_objective
+from moevlm_jax.hf import load_pretrained
+from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.qwen3_vl_moe import jit_forward
+from moevlm_jax.training.objective import microbatch_objective
 from tests.model.hf_reference import make_batches
 
 # quick compiles (tests/xla_options.py): each option and its reference compiled alike
@@ -112,8 +112,8 @@ def test_traced_graph_does_not_grow_with_depth():
     (compute.vision_scan_layers), it grows with the decoder's depth alone."""
     import dataclasses
 
-    from moevlm_jax.model.config import load_model_config
     from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+    from moevlm_jax.model.registry import load_model_config
 
     base = load_model_config("tiny-v512")
     ids = np.full((1, 16), 7)

@@ -8,7 +8,8 @@ from transformers import Qwen3VLMoeConfig
 
 from moevlm_jax.config import find_config
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import ModelConfig, load_model_config
+from moevlm_jax.model.config import ModelConfig
+from moevlm_jax.model.registry import load_model_config
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-v512", "proxy", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b"])
@@ -38,7 +39,8 @@ def test_hub_style_config_json():
     d = {
         "model_type": "qwen3_vl_moe", "image_token_id": 151655,
         "text_config": {"rope_theta": 5000000, "num_experts": 128, "norm_topk_prob": True,
-                        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"}},
+                        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                                         "rope_type": "default"}},
         "vision_config": {"model_type": "qwen3_vl_moe", "depth": 27, "out_hidden_size": 2048},
     }
     c = ModelConfig.from_hf_dict(d)

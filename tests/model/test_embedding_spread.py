@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.hf import load_pretrained
 from moevlm_jax.model import qwen3_vl_moe
+from moevlm_jax.model.compute import ComputeConfig
 from tests.model.test_compute import F32, _batch, objective
 
 EMBED = ("language_model", "embed_tokens")

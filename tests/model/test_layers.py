@@ -16,13 +16,13 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
 )
 
 import moevlm_jax.parallelism as parallelism
-from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import load_model_config
 from moevlm_jax.model.attention import dot_product_attention
+from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.layers import CHECKPOINT_NAMES, remat_policy
 from moevlm_jax.model.loss import lm_loss, load_balancing_loss, router_z_loss
 from moevlm_jax.model.moe import route, router_stats
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model.rotary import mrope_section_index
 
 
@@ -32,7 +32,8 @@ def test_attention_segments_causal_gqa():
     q, kk, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((b, s, n, d), (b, s, k, d), (b, s, k, d)))
     seg = np.array([[0, 0, 1, 1, 1, 2, 2], [1, 1, 1, 1, 2, 2, 0]])
     for causal in (True, False):
-        out = np.asarray(dot_product_attention(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v), q_segment_ids=jnp.asarray(seg),
+        out = np.asarray(dot_product_attention(jnp.asarray(q), jnp.asarray(kk), jnp.asarray(v),
+                                               q_segment_ids=jnp.asarray(seg),
                                                kv_segment_ids=jnp.asarray(seg), causal=causal, impl="xla"))
         ref = np.zeros_like(out)
         for bi in range(b):
@@ -188,7 +189,8 @@ def test_every_parameter_has_logical_axes():
         if "stacks" in path:
             assert names[0] == "layers", path
     lm = dict(nnx.to_flat_state(specs))
-    assert tuple(lm[("language_model", "stacks", 0, "mlp", "gate_up_proj")].get_value()) == ("layers", "exp", "embed", None, "moe_mlp")
+    assert tuple(lm[("language_model", "stacks", 0, "mlp", "gate_up_proj")].get_value()) == ("layers", "exp", "embed",
+                                                                                             None, "moe_mlp")
     assert tuple(lm[("language_model", "stacks", 0, "self_attn", "q_proj", "kernel")].get_value()) == (
         "layers", "embed", "q_heads", "head_dim")
 
@@ -196,8 +198,8 @@ def test_every_parameter_has_logical_axes():
 def test_activation_constraints_trace_under_a_layout():
     """Every ``constrain`` call names as many axes as its tensor has (traced under the fsdp layout
     on 8 CPU devices; shapes only, nothing compiled)."""
-    from moevlm_jax.data.batch import hf_inputs_to_batch
     from moevlm_jax.config import load_layout
+    from moevlm_jax.data.batch import hf_inputs_to_batch
     from moevlm_jax.parallelism.logical import sharding_context
 
     config = load_model_config("tiny-v512")
@@ -227,7 +229,9 @@ def test_bias_add_gradient_is_the_float32_column_sum():
     gy, gb = vjp(g)
     np.testing.assert_array_equal(np.asarray(gy, np.float32), np.asarray(g, np.float32))
     ref = np.asarray(g, np.float64).sum(axis=(0, 1))
-    np.testing.assert_array_equal(np.asarray(gb, np.float32), np.asarray(jnp.asarray(ref, jnp.float32).astype(jnp.bfloat16),
+    np.testing.assert_array_equal(np.asarray(gb, np.float32), np.asarray(jnp.asarray(ref,
+                                                                                     jnp.float32).astype(jnp.bfloat16),
                                                                          np.float32))
     gbv = jax.vmap(lambda yy, bb: jax.vjp(bias_add, yy, bb)[1](g[0])[1])(y, jnp.stack([b] * 4))
-    np.testing.assert_allclose(np.asarray(gbv[1], np.float32), np.asarray(g[0], np.float32).sum(0), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(gbv[1], np.float32), np.asarray(g[0], np.float32).sum(0), rtol=1e-2,
+                               atol=1e-2)

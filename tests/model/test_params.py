@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.tools.params import main, param_counts
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.hf import load_pretrained
 from moevlm_jax.data.batch import hf_inputs_to_batch, hf_labels_to_targets
+from moevlm_jax.hf import load_pretrained
+from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.loss import load_balancing_loss
 from moevlm_jax.model.qwen3_vl_moe import jit_forward
 from tests.model.hf_reference import hf_forward, make_batches

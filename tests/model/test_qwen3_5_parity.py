@@ -37,9 +37,9 @@ from moevlm_jax.model.qwen3_5_config import (
     Qwen35ModelConfig,
     Qwen35TextConfig,
     Qwen35VisionConfig,
-    load_any_model_config,
 )
 from moevlm_jax.model.qwen3_5_moe import jit_forward
+from moevlm_jax.model.registry import load_model_config
 from tests.model.hf_reference import IMAGE, V_END, V_START, HFBatch, make_batches
 from tests.model.qwen3_5_reference import build_hf, config_dicts, hf_forward
 
@@ -253,7 +253,7 @@ def test_parameter_counts_match_hf(name):
     """Our model (abstract: no memory) has HF's parameter count for the released 35B-A3B shapes (35.1B),
     the proxy and the tiny config (HF's on the meta device), and our name table lists exactly HF's
     tensors (the experts' per-expert names folded into HF's fused parameters)."""
-    config = load_any_model_config(name)
+    config = load_model_config(name)
     assert isinstance(config, Qwen35ModelConfig)
     with torch.device("meta"):
         hf = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**config.to_hf_dict()))
@@ -329,4 +329,4 @@ def test_config_defaults_and_checks():
                                                           "mrope_section": [22, 22, 20]},
                                           "vision_config": {"out_hidden_size": 2048}})
     assert (old.text_config.rope_theta, old.text_config.rotary_dim) == (1e6, 128)
-    assert type(load_any_model_config("tiny")) is ModelConfig  # a Qwen3-VL config (no model_type): that family
+    assert type(load_model_config("tiny")) is ModelConfig  # a Qwen3-VL config (no model_type): that family

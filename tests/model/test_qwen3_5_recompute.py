@@ -106,7 +106,8 @@ def test_gdn_offload_moves_its_tensors_to_host():
     host = sorted(a for a, _ in res if "<host>" in a)
     hk, hv = CFG.linear_num_key_heads, CFG.linear_num_value_heads
     group = 2 * CFG.linear_key_head_dim + hv // hk * CFG.linear_value_head_dim
-    want = sorted([f"float32<host>[{B},{S},{hk},{group}]"] + [f"float32<host>[{B},{S},{hv},{CFG.linear_value_head_dim}]"] * 2)
+    want = sorted([f"float32<host>[{B},{S},{hk},{group}]"]
+                  + [f"float32<host>[{B},{S},{hv},{CFG.linear_value_head_dim}]"] * 2)
     assert host == want
 
 

@@ -23,10 +23,9 @@ from flax import nnx
 from jax._src.ad_checkpoint import name_p, remat_p, saved_residuals
 
 from moevlm_jax.model.compute import RECOMPUTE_MODULES, ComputeConfig
-
-from moevlm_jax.model.config import load_model_config
 from moevlm_jax.model.decoder import DecoderLayer
 from moevlm_jax.model.layers import remat_policy, run_stack, stack_modules
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model.rotary import mrope_cos_sin
 from moevlm_jax.model.vision import VisionBlock
 
@@ -253,11 +252,11 @@ def _saves(policy, name: str) -> bool:
 
 
 def test_pipeline_stages_trace_the_policies():
+    from moevlm_jax.config import load_layout
+    from moevlm_jax.parallelism import pipeline
+    from moevlm_jax.parallelism.logical import sharding_context
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
-    from moevlm_jax.parallelism import pipeline
-    from moevlm_jax.config import load_layout
-    from moevlm_jax.parallelism.logical import sharding_context
 
     compute = ComputeConfig(**F32, recompute="selective", recompute_modules=("core_attn",), vision_recompute="full")
     trainer = Trainer.create(CFG, compute, load_layout("pp"), OptimizerConfig(), steps=10)

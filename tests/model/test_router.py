@@ -12,12 +12,12 @@ import optax
 import pytest
 from flax import nnx
 
-from moevlm_jax.model.compute import ComputeConfig, RouterConfig
-
-from moevlm_jax.model.config import TextConfig, load_model_config
 from moevlm_jax.model import router as R
+from moevlm_jax.model.compute import ComputeConfig, RouterConfig
+from moevlm_jax.model.config import TextConfig
 from moevlm_jax.model.moe import SparseMoeBlock
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+from moevlm_jax.model.registry import load_model_config
 
 TINY_TEXT = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "moe_intermediate_size": 8,
@@ -50,11 +50,13 @@ def test_router_config_validation():
     assert ComputeConfig().router == RouterConfig()  # "hf" is the parity default
     c = ComputeConfig(router={"aux_loss": "seq_aux_loss", "expert_bias": True, "z_loss_coef": 1e-3})
     assert isinstance(c.router, RouterConfig) and c.router.aux_loss == "seq_aux_loss"
-    assert hash(c) == hash(ComputeConfig(router=RouterConfig(aux_loss="seq_aux_loss", expert_bias=True, z_loss_coef=1e-3)))
+    assert hash(c) == hash(ComputeConfig(router=RouterConfig(aux_loss="seq_aux_loss", expert_bias=True,
+                                                             z_loss_coef=1e-3)))
     assert c.router.expert_bias is True and RouterConfig(aux_loss="none").coef(0.01) == 0.0
     assert RouterConfig(aux_loss_coef=0.1).coef(0.01) == 0.1 and RouterConfig().coef(0.01) == 0.01
     for bad, match in (({"aux_loss": "global"}, "now 'hf'"), ({"aux_loss": "seq"}, "compute.router.aux_loss"),
-                       ({"z_loss": 1}, "unknown key 'compute.router.z_loss'"), ({"expert_bias_update_rate": -1}, "expert_bias_update_rate"),
+                       ({"z_loss": 1}, "unknown key 'compute.router.z_loss'"), ({"expert_bias_update_rate": -1},
+                                                                                "expert_bias_update_rate"),
                        ({"expert_bias": "yes"}, "expert_bias"), ({"dtype": "bf16"}, "compute.router.dtype")):
         with pytest.raises(ValueError, match=match):
             ComputeConfig(router=bad)
@@ -163,7 +165,8 @@ def test_expert_bias_changes_selection_not_weights():
 
 def test_expert_bias_in_block_no_gradient_and_unbiased_aux_counts():
     cfg = TextConfig(**TINY_TEXT)
-    block = _build(lambda: SparseMoeBlock(cfg, ComputeConfig(dtype="float32", router={"expert_bias": True}), nnx.Rngs(0)))
+    block = _build(lambda: SparseMoeBlock(cfg, ComputeConfig(dtype="float32", router={"expert_bias": True}),
+                                          nnx.Rngs(0)))
     assert isinstance(block.expert_bias, R.ExpertBias) and block.expert_bias.get_metadata()["out_sharding"] == ("exp",)
     block.expert_bias[...] = jnp.asarray([0, 0, 0, 0, 0, 0, 0, 1.0])  # everyone picks expert 7
     x = jax.random.normal(jax.random.key(1), (2, 5, 16))
@@ -208,10 +211,10 @@ def test_bias_update_rule_and_stacked_layers():
 
 
 def test_expert_bias_is_state_of_the_train_state_and_not_of_hf_files(tmp_path):
+    from moevlm_jax.config import load_layout
     from moevlm_jax.hf import load_pretrained, save_pretrained
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
-    from moevlm_jax.config import load_layout
 
     config = load_model_config("tiny-v512")
     compute = ComputeConfig(dtype="float32", router={"expert_bias": True})
@@ -244,7 +247,8 @@ def test_expert_load_metrics_and_dropped_fraction():
     cfg = TextConfig(**TINY_TEXT)
     compute = ComputeConfig(dtype="float32", moe={"capacity_factor": 0.5})
     block = _build(lambda: SparseMoeBlock(cfg, compute, nnx.Rngs(0)))
-    _, stats = nnx.jit(lambda m, x: m(x, jnp.ones((2, 8), bool)))(block, jax.random.normal(jax.random.key(0), (2, 8, 16)))
+    _, stats = nnx.jit(lambda m, x: m(x, jnp.ones((2, 8), bool)))(block, jax.random.normal(jax.random.key(0), (2, 8,
+                                                                                                               16)))
     load = R.load_sums({k: v[None] for k, v in stats.items()})
     frac = float(R.expert_load_metrics(load)["moe/dropped_fraction"])
     assert float(load["assignments"][0]) == 32.0 and 0.4 <= frac < 1.0  # capacity ceil(16*2/8*.5)=2 of 4 avg

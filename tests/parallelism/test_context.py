@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moevlm_jax.config import load_layout
 from moevlm_jax.model.attention import dot_product_attention
 from moevlm_jax.parallelism.context import sequence_axes
-from moevlm_jax.config import load_layout
 from moevlm_jax.parallelism.layout import LayoutOptions
 from moevlm_jax.parallelism.logical import named_sharding, sharding_context
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile

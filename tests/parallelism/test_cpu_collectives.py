@@ -27,7 +27,8 @@ from moevlm_jax.parallelism import cpu_threads
 REPO = Path(__file__).resolve().parents[2]
 DEVICES = 8
 # a deadlock aborts in seconds, not after XLA's default 40 s
-TIMEOUTS = "--xla_cpu_collective_call_warn_stuck_timeout_seconds=5 --xla_cpu_collective_call_terminate_timeout_seconds=15"
+TIMEOUTS = ("--xla_cpu_collective_call_warn_stuck_timeout_seconds=5 "
+            "--xla_cpu_collective_call_terminate_timeout_seconds=15")
 
 PROGRAM = textwrap.dedent("""
     import os, sys

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
+from moevlm_jax.config import load_layout
 from moevlm_jax.parallelism import logical
 from moevlm_jax.parallelism.dispatch import ragged_all_to_all_dense, resolve_topology
 from moevlm_jax.parallelism.experts import experts_forward, experts_forward_with_stats
-from moevlm_jax.config import load_layout
 from tests.parallelism.moe_reference import assert_close, dense_reference, make_problem, value_and_grads
 
 # quick compiles (tests/xla_options.py): the single-device references compiled alike
@@ -96,7 +96,8 @@ def test_dropless_dispatch_equals_single_device(layout, dispatcher, routing):
     assert_close(got[1], want[1], what=f"{layout}/{dispatcher}")
 
 
-@pytest.mark.parametrize(("layout", "dispatcher"), [("expert4_fsdp2", "alltoall"), ("expert2_tensor2_fsdp2", "allgather")])
+@pytest.mark.parametrize(("layout", "dispatcher"), [("expert4_fsdp2", "alltoall"), ("expert2_tensor2_fsdp2",
+                                                                                    "allgather")])
 def test_triton_kernels_under_expert_parallelism(layout, dispatcher):
     """The GPU default backend (Pallas-Triton kernels, interpret mode here) inside the EP shard_map."""
     problem = make_problem(seed=5, routing="skewed")

@@ -87,8 +87,8 @@ def test_rounding_error_is_half_an_ulp(fmt, mantissa):
 def test_the_fp8_tensor_is_behind_a_barrier(blocks):
     """XLA:GPU compiled the fp8 rounding away (on the H200 both recipes' GEMMs had bf16's error size,
     bench/fp8_h200.md; most likely its convert-chain folding under default excess precision); XLA:CPU
-    does not, so the rounding tests above cannot see it. What keeps the rounding on any backend: the fp8 tensor itself passes an
-    optimisation barrier before it is converted back (the program's text says so)."""
+    does not, so the rounding tests above cannot see it. What keeps the rounding on any backend: the fp8 tensor
+    itself passes an optimisation barrier before it is converted back (the program's text says so)."""
     text = jax.jit(lambda x: fp8.qdq(x, "e4m3", blocks)).lower(jnp.ones((4, 256), jnp.bfloat16)).as_text()
     barriers = [line for line in text.splitlines() if "optimization_barrier" in line]
     assert len(barriers) == 1 and "xf8E4M3FN>" in barriers[0], barriers

@@ -17,7 +17,7 @@ def test_the_trainer_in_fp8_tracks_float32():
     gradient), and not bitwise float32 (the GEMMs did run in FP8)."""
     from moevlm_jax.config import load_layout
     from moevlm_jax.model.compute import ComputeConfig
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import load_model_config
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
     from tests.parallelism.packed_batch import packed_batch
@@ -51,7 +51,7 @@ def test_fp8_under_tp_ep_trains_like_one_device(recipe="tensor"):
     devices; blockwise also passed, 2026-12-02, and is left out for the suite's time)."""
     from moevlm_jax.config import load_layout
     from moevlm_jax.model.compute import ComputeConfig
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import load_model_config
     from moevlm_jax.training.config import OptimizerConfig
     from moevlm_jax.training.trainer import Trainer
     from tests.parallelism.packed_batch import packed_batch

@@ -6,11 +6,10 @@ The d(x) form (w read transposed in shared memory) is not run here: the interpre
 
 import dataclasses
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from moevlm_jax.parallelism import gmm_mgpu
 from moevlm_jax.parallelism.kernels import KernelsConfig, MosaicGpuTiles
@@ -467,8 +466,8 @@ def test_swiglu_fused_experts_gradients_match_the_unfused_layer(monkeypatch):
 
 
 def test_weighted_experts_match_the_dense_reference_and_their_combine_reads_no_expert_output(monkeypatch):
-    """permute.sorted_experts with fusion "mgpu_dweighted" (the routing weights applied to act in XLA's SwiGLU pass after
-    the gate_up matmul, an unweighted combine; their backward in the down projection's d(x) epilogue): the layer's
+    """permute.sorted_experts with fusion "mgpu_dweighted" (the routing weights applied to act in XLA's SwiGLU pass
+    after the gate_up matmul, an unweighted combine; their backward in the down projection's d(x) epilogue): the layer's
     output and its gradients for x, the routing weights and both expert weights against the dense per-expert
     reference in float32 on the same bf16 values; the Mosaic d(x) kernel stood in for by its contract
     (:func:`dswiglu_contract`: held to the weighted kernel in the GPU interpreter above; the recorded-kernel test

@@ -20,10 +20,10 @@ import pytest
 
 from moevlm_jax.config import load_layout
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
+from moevlm_jax.parallelism.validate import validate_layout
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from moevlm_jax.parallelism.validate import validate_layout
 from tests.parallelism.packed_batch import packed_batch
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
@@ -92,7 +92,8 @@ def assert_same_training(got, want, initial, steps=STEPS):
     flat, start = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (params, initial))
     for path, ref in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
         moved = np.abs(np.asarray(ref) - np.asarray(start[path])).max()  # ~ lr x |gradient| x steps
-        np.testing.assert_allclose(flat[path], ref, rtol=0, atol=1e-4 * moved + 1e-7, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(flat[path], ref, rtol=0, atol=1e-4 * moved + 1e-7,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def collectives(hlo: str, op: str, with_dims: bool = False, dtype: str | None = None) -> list:
@@ -119,7 +120,8 @@ def _has(shape: tuple[int, ...], run: tuple[int, ...]) -> bool:
 def loop_bodies(hlo: str) -> str:
     """The computations of compiled HLO text that run as while-loop bodies (a layer or chunk scan's step)."""
     names = set(re.findall(r"body=%?([\w.\-]+)", hlo))
-    return "\n".join(c for c in re.split(r"\n(?=\S)", hlo) if (m := re.match(r"%?([\w.\-]+)", c)) and m.group(1) in names)
+    return "\n".join(c for c in re.split(r"\n(?=\S)", hlo) if (m := re.match(r"%?([\w.\-]+)", c))
+                     and m.group(1) in names)
 
 
 def check_hlo(name: str, hlo: str, config) -> None:

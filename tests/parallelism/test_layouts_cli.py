@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from moevlm_jax.training.metrics import read_metrics
+from moevlm_jax.config import load_layout
 from moevlm_jax.parallelism.logical import data_parallel_size
 from moevlm_jax.train import main
-from moevlm_jax.config import load_layout
+from moevlm_jax.training.metrics import read_metrics
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
 
 pytestmark = pytest.mark.usefixtures("legacy_emitters")  # quick compiles: every run compiles alike

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from moevlm_jax.parallelism import permute
-from moevlm_jax.parallelism.hybrid import hybrid_slots
 from moevlm_jax.parallelism.experts import experts_forward, experts_forward_with_stats
+from moevlm_jax.parallelism.hybrid import hybrid_slots
 from moevlm_jax.parallelism.kernels import KernelsConfig
 from moevlm_jax.parallelism.permute import CHECKPOINT_NAMES, expert_capacity, route_plan
 from tests.parallelism.moe_reference import (

@@ -21,15 +21,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moevlm_jax.model.compute import ComputeConfig
-
-from moevlm_jax.model.config import ModelConfig, load_model_config
+from moevlm_jax.config import load_layout
 from moevlm_jax.data.batch import hf_inputs_to_batch
+from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
+from moevlm_jax.model.registry import load_model_config
+from moevlm_jax.parallelism import logical, pipeline
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from moevlm_jax.parallelism import logical, pipeline
-from moevlm_jax.config import load_layout
 
 # quick compiles (tests/xla_options.py): the unpipelined references compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
@@ -165,7 +165,8 @@ def _host_batch(config, seed: int) -> dict[str, np.ndarray]:
     pixels = rng.standard_normal((int(grid.prod(-1).sum()), config.vision_config.patch_dim)).astype(np.float32)
     batch = hf_inputs_to_batch(config, ids, pixels, grid, mask, num_patches=24)
     nxt = np.roll(ids, -1, axis=1)
-    trained = (mask > 0) & (ids != config.image_token_id) & (nxt != config.image_token_id) & (rng.random(ids.shape) > 0.1)
+    trained = ((mask > 0) & (ids != config.image_token_id) & (nxt != config.image_token_id)
+               & (rng.random(ids.shape) > 0.1))
     trained[:, -1] = False
     batch["targets"], batch["loss_mask"] = nxt.astype(np.int32), trained.astype(np.float32)
     return batch
@@ -227,7 +228,8 @@ def test_tiny_model_trains_as_on_one_device(model_reference, layout, logged, cap
     flat, initial = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (params, start))
     for path, ref in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
         moved = np.abs(np.asarray(ref) - np.asarray(initial[path])).max()  # ~ lr x |gradient|
-        np.testing.assert_allclose(flat[path], ref, rtol=0, atol=1e-4 * moved + 1e-7, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(flat[path], ref, rtol=0, atol=1e-4 * moved + 1e-7,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def test_mixed_groups_forward_and_router_stats():

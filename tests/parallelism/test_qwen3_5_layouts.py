@@ -37,9 +37,9 @@ import pytest
 from moevlm_jax.config import load_layout
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.registry import load_model_config
+from moevlm_jax.parallelism.validate import LayoutError, validate_layout
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from moevlm_jax.parallelism.validate import LayoutError, validate_layout
 from tests.parallelism.packed_batch import packed_batch
 from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
@@ -120,7 +120,8 @@ def assert_same_training(got, want, initial):
     flat, start = (dict(jax.tree_util.tree_flatten_with_path(t)[0]) for t in (params, initial))
     for path, ref in jax.tree_util.tree_flatten_with_path(ref_params)[0]:
         moved = np.abs(np.asarray(ref) - np.asarray(start[path])).max()  # ~ lr x |gradient| x steps
-        np.testing.assert_allclose(flat[path], ref, rtol=0, atol=1e-4 * moved + 1e-7, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(flat[path], ref, rtol=0, atol=1e-4 * moved + 1e-7,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("name", PRESETS + tuple(pytest.param(n, marks=pytest.mark.skipif(
@@ -151,7 +152,8 @@ def test_presets_validate_qwen3_5(name):
         validate_layout(tiny, load_layout(name), batch_size=ROWS, seq_len=SEQ, num_devices=8)
         return
     with pytest.raises(LayoutError, match=r"decoder stacks layers 0\.\.2 \(3 linear_attention\), layers 3\.\.3 "
-                                          r"\(1 full_attention\) do not divide over the 2 devices of mesh axes stage=2"):
+                                          r"\(1 full_attention\) do not divide over the 2 devices of mesh axes "
+                                          r"stage=2"):
         validate_layout(tiny, load_layout(name), batch_size=ROWS, seq_len=SEQ, num_devices=8)
 
 

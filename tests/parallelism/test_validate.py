@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from moevlm_jax.model.config import load_model_config
 from moevlm_jax.config import load_layout
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.parallelism.validate import LayoutError, validate_layout
 
 PRESETS = ("fsdp", "tp", "ep", "tp_ep", "ep_etp", "cp", "folded")

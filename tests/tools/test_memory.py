@@ -11,12 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from moevlm_jax.tools import memory
+from moevlm_jax.config import load_layout
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
+from moevlm_jax.perf import memory as perf_memory
+from moevlm_jax.tools import memory
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from moevlm_jax.config import load_layout
 
 # quick compiles (tests/xla_options.py): the same memory figures within 0.04% (tests/tools/test_plan.py)
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
@@ -36,7 +37,8 @@ def _nbytes(tree) -> int:
 
 def test_memory_report_cli_recompute_ordering(tmp_path, capsys):
     out = tmp_path / "memory.json"
-    rc = memory.main(["--model", "tiny-v512", "--layout", "fsdp", "--recompute", "none,selective,full", "--mbs", str(MBS),
+    rc = memory.main(["--model", "tiny-v512", "--layout", "fsdp", "--recompute", "none,selective,full", "--mbs",
+                      str(MBS),
                       "--seq-len", str(SEQ), "--patches", "0", "--devices", "1", "--json", str(out),
                       "--compiler-option", "xla_backend_optimization_level=0", "dtype=float32"])
     assert rc == 0
@@ -73,4 +75,4 @@ def test_abstract_batch_shapes_and_shardings():
     assert batch["pixel_values"].shape == (2, rows, 24, 1536) and batch["patch_rc"].shape == (2, rows, 24, 2)
     assert batch["positions"].shape == (2, 3, rows, 32)
     assert batch["input_ids"].sharding.shard_shape(batch["input_ids"].shape) == (2, 2, 32)  # rows over all devices
-    assert memory.default_patches(4096) == 3072 and memory.default_patches(130) == 96
+    assert perf_memory.default_patches(4096) == 3072 and perf_memory.default_patches(130) == 96

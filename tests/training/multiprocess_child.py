@@ -17,7 +17,7 @@ from moevlm_jax.training import distributed
 def main(layouts: list[str]) -> int:
     distributed.initialize()
     from moevlm_jax.config import load_layout
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import load_model_config
     from moevlm_jax.training.trainer import Trainer
     from tests.parallelism.test_layouts import COMPUTE, FAST, METRICS, OPTIMIZER, STEPS, random_params
     from tests.training.test_multiprocess import ROWS, global_batch

@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moevlm_jax.config import load_layout
 from moevlm_jax.model.compute import ComputeConfig
-
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from moevlm_jax.config import load_layout
 from tests.training.train_setup import host_batches
 
 # quick compiles (tests/xla_options.py): the float32-parameter run compiled alike
@@ -48,7 +47,8 @@ def test_bf16_params_train_like_float32_params(tmp_path):
         losses, skipped, state, _ = _run("bfloat16", state_dtype, batches, params=bf16_init)
         floats = [x for x in jax.tree.leaves(state["params"]) if jnp.issubdtype(x.dtype, jnp.floating)]
         assert floats and all(x.dtype == jnp.bfloat16 for x in floats)
-        moments = [x for x in jax.tree.leaves(state["opt_state"]) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim > 1]
+        moments = [x for x in jax.tree.leaves(state["opt_state"]) if jnp.issubdtype(x.dtype, jnp.floating)
+                   and x.ndim > 1]
         assert moments and all(x.dtype == jnp.dtype(state_dtype) for x in moments), state_dtype
         assert skipped == [0] * STEPS and all(np.isfinite(losses))
         # step 1 sees the bf16-rounded initial weights; later steps bf16 updates: close, not equal

@@ -9,12 +9,11 @@ import jax
 import numpy as np
 import pytest
 
+from moevlm_jax.config import load_layout
 from moevlm_jax.model.compute import ComputeConfig
-
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from moevlm_jax.config import load_layout
 from tests.training.train_setup import COMPUTE, host_batches
 
 # quick compiles (tests/xla_options.py): both steps compiled alike

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from moevlm_jax.training import capture
 from moevlm_jax.model.compute import ComputeConfig
+from moevlm_jax.training import capture
 
 ALL = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,COLLECTIVES,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION,CONVOLUTION"
 
@@ -23,8 +23,10 @@ def test_flag_mapping():
     assert capture.compute_flags(default) == {
         "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,DYNAMIC_SLICE_FUSION",
         "--xla_gpu_graph_min_graph_size": "2"}
-    assert capture.capture_flags("scopes", ["attn"])["--xla_gpu_enable_command_buffer"] == "FUSION,CUBLAS,CUBLASLT,CUDNN"
-    assert capture.capture_flags("scopes", ["moe_router"])["--xla_gpu_enable_command_buffer"] == "FUSION,CUBLAS,CUBLASLT"
+    assert capture.capture_flags("scopes",
+                                 ["attn"])["--xla_gpu_enable_command_buffer"] == "FUSION,CUBLAS,CUBLASLT,CUDNN"
+    assert capture.capture_flags("scopes",
+                                 ["moe_router"])["--xla_gpu_enable_command_buffer"] == "FUSION,CUBLAS,CUBLASLT"
     assert capture.capture_flags("scopes", ["moe_preprocess"])["--xla_gpu_enable_command_buffer"] == \
         "FUSION,DYNAMIC_SLICE_FUSION"
     assert capture.capture_flags("scopes", ["attn", "full_iteration"]) == {
@@ -68,7 +70,8 @@ def test_xla_parses_the_flags_before_the_backend_starts():
             "print(capture.apply_capture('scopes', ['attn', 'full_iteration'])); "
             "import jax; jax.devices(); print(capture.apply_capture('scopes', ['full_iteration']))")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     assert lines[0] == lines[1] == (f"--xla_force_host_platform_device_count=2 --xla_gpu_enable_command_buffer={ALL} "
@@ -108,7 +111,8 @@ def test_compute_xla_flags_join_the_capture_flags(tmp_path):
             "capture.apply_capture(ComputeConfig(capture='none', xla_flags=('--xla_gpu_enable_triton_gemm=false',))); "
             "import jax; print(jax.numpy.ones(3).sum())")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 0 and done.stdout.strip() == "3.0", done.stderr[-2000:]
 
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as cc
 
-from moevlm_jax.training import loop
 from moevlm_jax.config.run import load_config
+from moevlm_jax.training import loop
 
 
 @pytest.fixture

@@ -160,7 +160,6 @@ def test_unwritable_or_full_run_dir_is_reported_before_compiling(setup, tmp_path
     assert time.perf_counter() - t0 < 120
 
     import moevlm_jax.training.faults as faults
-
     from moevlm_jax.training.trainer import Trainer
 
     ahead = []  # the disk is checked before the step compiled ahead starts (no compile thread left behind)

@@ -14,13 +14,13 @@ from jax.sharding import PartitionSpec as P
 
 from moevlm_jax.training import optimizer as optim
 from moevlm_jax.training.checkpoint import Checkpointer, abstract_like
+from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.metrics import (
     MetricsWriter,
     StepTracker,
     batch_token_counts,
     read_metrics,
 )
-from moevlm_jax.training.config import OptimizerConfig
 
 GRAD_ACCUM, ROWS, SEQ, DIM = 2, 8, 4, 8
 
@@ -127,7 +127,8 @@ def test_stop_and_resume_equals_straight_run(tmp_path):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # frozen vision blocks never moved; trained parts did
-    np.testing.assert_array_equal(straight["params"]["visual"]["blocks"]["w"], state0["params"]["visual"]["blocks"]["w"])
+    np.testing.assert_array_equal(straight["params"]["visual"]["blocks"]["w"],
+                                  state0["params"]["visual"]["blocks"]["w"])
     assert not np.array_equal(straight["params"]["visual"]["merger"]["w"], state0["params"]["visual"]["merger"]["w"])
     a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "run")
     assert [r["step"] for r in b] == list(range(6))

@@ -32,7 +32,8 @@ from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS_FLAG
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 ROWS, SEQ = 16, 32  # 16 rows: pp's 4 microbatches over 4 fsdp devices per stage
-LAUNCH = [sys.executable, "-m", "moevlm_jax.launch", "--processes", "2", "--devices-per-process", "4", "--timeout", "900"]
+LAUNCH = [sys.executable, "-m", "moevlm_jax.launch", "--processes", "2", "--devices-per-process", "4", "--timeout",
+          "900"]
 
 
 def global_batch(config):
@@ -51,7 +52,7 @@ def _env(devices: int) -> dict[str, str]:
 
 def test_two_processes_train_like_one_under_fsdp_ep_pp():
     from moevlm_jax.config import load_layout
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import load_model_config
     from tests.parallelism.test_layouts import METRICS, random_params, train
 
     child = Path(__file__).with_name("multiprocess_child.py")
@@ -60,7 +61,8 @@ def test_two_processes_train_like_one_under_fsdp_ep_pp():
     try:  # the references while the processes start, compile and wait on each other
         config = load_model_config("tiny-v512")
         setup = (config, random_params(config), global_batch(config))
-        wants = {layout: train(setup, load_layout(layout))[0] for layout in ("fsdp", "ep", "pp")}  # 1 process x 8 devices
+        wants = {layout: train(setup, load_layout(layout))[0] for layout in ("fsdp", "ep",
+                                                                             "pp")}  # 1 process x 8 devices
         out, err = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
@@ -168,7 +170,8 @@ def test_a_killed_process_ends_every_process_within_60_s(tmp_path, jax_cache):
     run = tmp_path / "run"
     # the survivor, blocked in a collective with the dead process, ignores the launcher's SIGTERM: SIGKILL after
     # a 2 s grace (default 10 s: the same path, 8 s sooner)
-    proc = subprocess.Popen([*LAUNCH, "--grace", "2", "--", "-m", "moevlm_jax.train", "--quiet", "--recipe", str(recipe),
+    proc = subprocess.Popen([*LAUNCH, "--grace", "2", "--", "-m", "moevlm_jax.train", "--quiet", "--recipe",
+                             str(recipe),
                              "--run-dir", str(run), "train.steps=200", "train.checkpoint_every=0"],
                             env=_env(4),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -177,7 +180,8 @@ def test_a_killed_process_ends_every_process_within_60_s(tmp_path, jax_cache):
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert time.perf_counter() - t0 < 600, "training did not start"
         time.sleep(0.5)
-    victim = next(pid for pid, cmd, env in _processes() if str(run).encode() in cmd and b"MOEVLM_PROCESS_ID=1\x00" in env)
+    victim = next(pid for pid, cmd, env in _processes() if str(run).encode() in cmd
+                  and b"MOEVLM_PROCESS_ID=1\x00" in env)
     os.kill(victim, signal.SIGKILL)
     t_kill = time.perf_counter()
     out, err = proc.communicate(timeout=120)

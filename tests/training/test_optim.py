@@ -220,7 +220,8 @@ def test_accumulation_4x1_equals_one_batch_of_4():
     for k in w:
         np.testing.assert_allclose(grads[k], ref_grads[k], rtol=1e-6, atol=1e-7)
     # a bfloat16 sum (optimizer.grad_accum_dtype): bf16 gradients within bf16's rounding of four adds
-    obj16, grads16, _ = jax.jit(lambda p, m: optim.accumulate_gradients(loss_fn, p, m, accum_dtype=jnp.bfloat16))(w, micro)
+    obj16, grads16, _ = jax.jit(lambda p, m: optim.accumulate_gradients(loss_fn, p, m, accum_dtype=jnp.bfloat16))(w,
+                                                                                                                  micro)
     np.testing.assert_allclose(obj16, ref_loss, rtol=1e-6)
     for k in w:
         assert grads16[k].dtype == jnp.bfloat16
@@ -313,9 +314,9 @@ def test_the_trainers_norm_pieces_are_the_unrolled_stacks_layers(scan):
     """The train step sums an unrolled stack's gradient per layer (its leaves' layer counts), nothing else."""
     from moevlm_jax.config import load_layout
     from moevlm_jax.model.compute import ComputeConfig
-    from moevlm_jax.model.config import load_model_config
-    from moevlm_jax.training import trainer as trainer_mod
+    from moevlm_jax.model.registry import load_model_config
     from moevlm_jax.parallelism.sharding import path_str
+    from moevlm_jax.training import trainer as trainer_mod
 
     model = load_model_config("tiny")
     tr = trainer_mod.Trainer.create(model, ComputeConfig.from_dict({"scan_layers": scan}), load_layout("fsdp"),

@@ -8,13 +8,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+import yaml
 from safetensors.numpy import load_file
 
-import yaml
-
 from moevlm_jax.config import load_layout
-from moevlm_jax.config.schema import to_plain
 from moevlm_jax.export import main as export_main
+from moevlm_jax.schema import to_plain
 from moevlm_jax.training.checkpoint import Checkpointer
 from moevlm_jax.training.trainer import Trainer
 from tests.parallelism.packed_batch import packed_batch
@@ -52,7 +51,7 @@ def _leaves(tree):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from moevlm_jax.model.config import load_model_config
+    from moevlm_jax.model.registry import load_model_config
 
     tmp = tmp_path_factory.mktemp("portable")
     config = load_model_config("tiny-v512")

@@ -15,13 +15,13 @@ import jax
 import numpy as np
 import pytest
 
-from moevlm_jax.data.config import DataConfig
 from moevlm_jax.config import load_layout
 from moevlm_jax.config.run import model_data_checks
-from moevlm_jax.config.schema import build, to_plain
+from moevlm_jax.data.config import DataConfig
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
 from moevlm_jax.model.registry import load_model_config, model_config_type
+from moevlm_jax.schema import build, to_plain
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
 from tests.training.train_setup import data_config

@@ -23,8 +23,10 @@ def files(tmp_path: Path) -> dict[str, Path]:
     """A model, a data config and a recipe in tmp_path (so the test does not depend on presets)."""
     model = tmp_path / "m.yaml"
     tiny = yaml.safe_load((recipe.CONFIG_DIR / "models" / "tiny.yaml").read_text())
-    model.write_text(yaml.safe_dump({**tiny, "name": "m", "text_config": {**tiny["text_config"], "num_hidden_layers": 4},
-                                     "vision_config": {**tiny["vision_config"], "depth": 2, "deepstack_visual_indexes": [1]}}))
+    model.write_text(yaml.safe_dump({**tiny, "name": "m", "text_config": {**tiny["text_config"],
+                                                                          "num_hidden_layers": 4},
+                                     "vision_config": {**tiny["vision_config"], "depth": 2,
+                                                       "deepstack_visual_indexes": [1]}}))
     data = tmp_path / "d.yaml"
     data.write_text(yaml.safe_dump({"name": "d", "source": {"kind": "mock"}, "seq_len": 1024, "batch_size": 8,
                                     "patch_buckets": [256]}))
@@ -49,7 +51,8 @@ def _error(recipe_path: Path, *overrides: str, **kw) -> str:
 
 def test_layering_defaults_recipe_files_cli(files):
     cfg = load_config(files["recipe"], overrides=["optimizer.lr=1e-4", "train.grad_accum=3",
-                                                  "model.text_config.moe_intermediate_size=32", "compute.dtype=bfloat16"],
+                                                  "model.text_config.moe_intermediate_size=32",
+                                                  "compute.dtype=bfloat16"],
                       steps=7, num_devices=8, num_processes=1)
     assert cfg.optimizer.lr == 1e-4 and isinstance(cfg.optimizer.lr, float)  # CLI over recipe ('1e-4' -> float)
     assert cfg.optimizer.warmup_steps == 5  # recipe over default
@@ -195,7 +198,7 @@ def test_resolved_config_round_trips(files, tmp_path):
 
 def test_help_config_lists_every_key_with_its_meaning():
     """--help-config: every key of every section with type, default and a one-line meaning."""
-    from moevlm_jax.config.schema import describe
+    from moevlm_jax.schema import describe
 
     rows = list(describe(recipe.RunConfig))
     keys = {r[0] for r in rows}
@@ -237,7 +240,8 @@ def test_default_recipes_by_platform():
 
 
 def test_h200_recipe_is_the_measured_one_gpu_setting():
-    """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md runs 9-16; MBS 11 from run 21, bf16 logits from run 23) as a recipe."""
+    """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md runs 9-16; MBS 11 from run 21,
+    bf16 logits from run 23) as a recipe."""
     cfg = load_config("h200", num_devices=1, num_processes=1)
     assert cfg.name == "h200" and cfg.model.name == "proxy" and cfg.train.micro_batch_size == 11
     assert cfg.data.balance_vision_rows and cfg.data.balance_group == 11

@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from moevlm_jax.data.batch import PATCH_KEYS
 from moevlm_jax.config import load_layout
-from moevlm_jax.config.schema import ConfigError
+from moevlm_jax.data.batch import PATCH_KEYS
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
+from moevlm_jax.schema import ConfigError
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
 from moevlm_jax.training.trainer import Trainer
 from tests.training.train_setup import COMPUTE, ROWS, SEQ_LEN, host_batches

@@ -20,8 +20,8 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-from moevlm_jax.training.metrics import read_metrics
 from moevlm_jax.train import main
+from moevlm_jax.training.metrics import read_metrics
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config, leaves_by_path
 
 # quick compiles (tests/xla_options.py): the straight and the resumed run compiled alike
@@ -107,9 +107,9 @@ def test_main_job_resume_freeze_and_outputs(tmp_path, capsys):
 
     # the summary's held-out answers: greedy generation from the final parameters, as the generate
     # path gives from the checkpoint (restored on its own)
+    from moevlm_jax import inference
     from moevlm_jax.data.records import decode_record
     from moevlm_jax.data.sources import build_source
-    from moevlm_jax import inference
 
     shown = [json.loads(line) for line in (straight / "answers.jsonl").read_text().splitlines()]
     loaded = inference.load_run(straight)

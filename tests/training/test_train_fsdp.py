@@ -3,8 +3,8 @@
 FSDP over 8 CPU devices (MBS 1), and with gradient accumulation 4 x MBS 1 on a 2-device FSDP mesh
 (= MBS 4 per rank = the same 8-row global batch), and 2 devices at MBS 4 with the images balanced over each
 rank's vision rows (``data.balance_vision_rows``), and unrolled layers under FSDP over 8 devices (each layer's
-weight gradient behind its own barrier, the gradient norm summed per layer). The router aux loss is off in the objective here
-because Megatron-style accumulation computes it per microbatch (the logged HF aux loss is still
+weight gradient behind its own barrier, the gradient norm summed per layer). The router aux loss is off in the
+objective here because Megatron-style accumulation computes it per microbatch (the logged HF aux loss is still
 compared between 1 and 8 devices). One test function, so that pytest-xdist runs them all on one
 worker and the reference is computed once."""
 
@@ -14,12 +14,11 @@ import jax
 import numpy as np
 import pytest
 
+from moevlm_jax.config import load_layout
 from moevlm_jax.model.compute import ComputeConfig
-
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
-from moevlm_jax.config import load_layout
 from tests.training.train_setup import COMPUTE, host_batches, leaves_by_path
 
 # quick compiles (tests/xla_options.py): the one-device reference compiled alike
