@@ -41,10 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moevlm_jax.config.schema import ConfigError, build, overrides_tree, parse_value, set_dotted, to_plain
 from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
 from moevlm_jax.parallelism.experts import ExpertsConfig
 from moevlm_jax.parallelism.kernels import KernelsConfig, load_triton_tiles
+from moevlm_jax.schema import ConfigError, build, overrides_tree, parse_value, set_dotted, to_plain
 
 SHAPES = {
     "30b-a3b": dict(hidden=2048, experts=128, top_k=8, inter=768),

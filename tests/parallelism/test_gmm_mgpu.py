@@ -262,7 +262,7 @@ def test_plain_tgmm_routes_listed_bf16_hopper_weight_gradients_to_the_mosaic_ker
 def test_tiles_override_one_field_of_one_kind():
     """compute.moe.kernels.mosaic_gpu_tiles: a field given replaces that field of the tuned default (the defaults are
     gmm_mgpu.CONFIGS, the classes' own); a bad tile is refused with the field's name."""
-    from moevlm_jax.config.schema import ConfigError, build
+    from moevlm_jax.schema import ConfigError, build
 
     base = gmm_mgpu.CONFIGS
     assert base["dw"] == gmm_mgpu.TConfig(seg_rows=16384, max_concurrent_steps=3, epi_tile_m=128, epi_tile_n=128,
