@@ -50,7 +50,9 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Loop settings: steps, batch shape, logging, evaluation, checkpoints, freezing, profiling."""
+    """Loop settings: steps, batch shape, logging, evaluation, checkpoints, freezing, profiling, compiling."""
+
+    __aliases__: ClassVar[dict[str, str]] = {"reserve_bucket": "compile_bucket"}  # old names -> new (the loader warns)
 
     steps: int = 1000  # optimizer steps of the run
     # rows per step over all devices, fixed whatever the layout (Megatron's GBS); null: MBS x grad_accum x
@@ -87,25 +89,18 @@ class TrainConfig:
     # JAX's persistent compilation cache (compiled steps reused by later runs of the same program;
     # MaxText's jax_cache_dir); null: JAX's own setting (JAX_COMPILATION_CACHE_DIR, default off)
     compilation_cache_dir: str | None = None
-    # how the run compiles its steps (moevlm_jax.training.compile_policy): 'exact' a compile for every (patch
-    # bucket, loss capacity) a batch brings, nothing padded; 'lazy' each batch padded up to the smallest shape its
-    # kind (train / eval) already has a step for, else to the largest bucket and capacity seen so far (one compile
-    # per new largest, not one per combination; an evaluation pads all its batches to their largest; the padding
-    # changes no result); 'reserve' as lazy, with every training batch padded from the first step to one reserved
-    # patch bucket (train.compile_bucket, default the data's largest): one compiled training step instead of one
-    # per bucket as they are met, at the price of padding patches in batches of a smaller bucket; 'ahead' as
-    # reserve, with that step (reserved bucket, the largest loss capacity short of whole rows) compiled in a
-    # background thread from the start while the state initialises and the data starts, its Mosaic-GPU expert
-    # kernels compiled alone in other threads beside it, and the eval step for one microbatch's rows compiled
-    # after it while the first steps run: the first step and the first evaluation wait for no other compile.
-    # Old keys: reuse_shapes=false is exact, reserve_largest_bucket=true reserve, compile_ahead=true ahead
+    # how steps compile (moevlm_jax.training.compile_policy): 'exact' one compile per (patch bucket, loss capacity)
+    # a batch brings, nothing padded; 'lazy' a batch padded up to a shape its kind (train / eval) has compiled, else
+    # to the largest seen so far (padding changes no result); 'reserve' lazy, with every training batch padded from
+    # the first step to train.compile_bucket: one training compile; 'ahead' reserve, with that step, its Mosaic-GPU
+    # kernels and the eval step for one microbatch's rows compiled in background threads from the start, so the
+    # first step and evaluation wait for no compile. Old keys: reuse_shapes=false is exact,
+    # reserve_largest_bucket=true reserve, compile_ahead=true ahead
     compile: Literal["exact", "lazy", "reserve", "ahead"] = "lazy"
     # with compile reserve / ahead: the patch bucket every training batch is padded to (one of
     # data.patch_buckets; null: the data's largest), for data whose batches rarely need the largest (balanced
     # vision rows); a batch over it compiles its own step when it comes (old key: train.reserve_bucket)
     compile_bucket: int | None = None
-
-    __aliases__: ClassVar[dict[str, str]] = {"reserve_bucket": "compile_bucket"}  # old names -> new (the loader warns)
 
     @classmethod
     def __normalize__(cls, raw: dict[str, Any]) -> dict[str, Any]:
