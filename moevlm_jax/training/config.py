@@ -10,10 +10,13 @@ batch = micro batch x accumulation x data-parallel size, ...) are checked in
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import logging
+from typing import Any, ClassVar, Literal
 
 from moevlm_jax.schema import coerce_fields
 from moevlm_jax.training.optimizer import PARAM_GROUP_PATTERNS
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +51,9 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Loop settings: steps, batch shape, logging, evaluation, checkpoints, freezing, profiling."""
+    """Loop settings: steps, batch shape, logging, evaluation, checkpoints, freezing, profiling, compiling."""
+
+    __aliases__: ClassVar[dict[str, str]] = {"reserve_bucket": "compile_bucket"}  # old names -> new (the loader warns)
 
     steps: int = 1000  # optimizer steps of the run
     # rows per step over all devices, fixed whatever the layout (Megatron's GBS); null: MBS x grad_accum x
@@ -85,37 +90,84 @@ class TrainConfig:
     # JAX's persistent compilation cache (compiled steps reused by later runs of the same program;
     # MaxText's jax_cache_dir); null: JAX's own setting (JAX_COMPILATION_CACHE_DIR, default off)
     compilation_cache_dir: str | None = None
-    # pad each batch up to the largest patch bucket and loss capacity its kind (train / eval) has had, so
-    # that it reuses that compiled step (a compile per new shape: ~60 s on the H200 proxy; an evaluation
-    # pads all its batches to their largest); the padding changes no result. false: a compile for every
-    # (bucket, capacity) a batch brings
-    reuse_shapes: bool = True
-    # with reuse_shapes: every training batch padded to the data's largest patch bucket from the first step,
-    # so the run compiles one training step instead of one per bucket as they are met (the H200 proxy data's
-    # four buckets cost four ~40-95 s compiles in a 100-step run, bench/fp8_h200.md), at the price of
-    # padding patches through the vision tower in batches of a smaller bucket
-    reserve_largest_bucket: bool = False
-    # with reserve_largest_bucket: the patch bucket reserved instead of the data's largest (one of
-    # data.patch_buckets), for data whose batches rarely need the largest (balanced vision rows); a batch
-    # over it compiles its own step when it comes, and the batches it holds keep the reserved step
-    reserve_bucket: int | None = None
-    # with reserve_largest_bucket: compile the training step in a background thread from the start, while
-    # the state initialises and the data pipeline starts (time to the first step), for the reserved shape
-    # and the largest loss capacity short of whole rows (reserved too; a batch with more than half its
-    # positions trained compiles its whole-rows step when it comes)
-    compile_ahead: bool = False
-    # with compile_ahead: the step's Mosaic-GPU expert kernels (parallelism/gmm_mgpu.py, Hopper) compiled alone in
-    # other threads while XLA compiles the step, which then finds them compiled (XLA otherwise compiles them one
-    # after another, after its own passes)
-    kernels_ahead: bool = True
-    # with compile_ahead and evaluations: every eval batch padded to the training step's reserved bucket and loss
-    # capacity (one microbatch's rows, as the train job evaluates), and that eval step compiled in a background
-    # thread after the training step, while the first steps run (without XLA's autotuning: Trainer.compile_eval_
-    # ahead), so that the first evaluation runs without a compile (the proxy's took ~70 s, bench/first_step_h200.md)
-    eval_ahead: bool = True
+    # how steps compile (moevlm_jax.training.compile_policy): 'exact' one compile per (patch bucket, loss capacity)
+    # a batch brings, nothing padded; 'lazy' a batch padded up to a shape its kind (train / eval) has compiled, else
+    # to the largest seen so far (padding changes no result); 'reserve' lazy, with every training batch padded from
+    # the first step to train.compile_bucket: one training compile; 'ahead' reserve, with that step, its Mosaic-GPU
+    # kernels and the eval step for one microbatch's rows compiled in background threads from the start, so the
+    # first step and evaluation wait for no compile. Old keys: reuse_shapes=false is exact,
+    # reserve_largest_bucket=true reserve, compile_ahead=true ahead
+    compile: Literal["exact", "lazy", "reserve", "ahead"] = "lazy"
+    # with compile reserve / ahead: the patch bucket every training batch is padded to (one of
+    # data.patch_buckets; null: the data's largest), for data whose batches rarely need the largest (balanced
+    # vision rows); a batch over it compiles its own step when it comes (old key: train.reserve_bucket)
+    compile_bucket: int | None = None
+
+    @classmethod
+    def __normalize__(cls, raw: dict[str, Any]) -> dict[str, Any]:
+        """The six compile flags of old configs (``reuse_shapes``, ``reserve_largest_bucket``, ``compile_ahead``,
+        ``kernels_ahead``, ``eval_ahead``; ``reserve_bucket`` is a plain alias) as ``compile``: each one given is
+        mapped with a deprecation warning; flags that no one mode has, or that contradict ``compile``, are an error
+        that says what to set."""
+        return legacy_compile(raw)
+
+    @property
+    def reuse_shapes(self) -> bool:
+        """Whether batches are padded to a compiled step's shapes (every mode but ``exact``)."""
+        return self.compile != "exact"
 
     def __post_init__(self) -> None:
         coerce_fields(self, "train")  # types, as the loader checks them
-        if self.compile_ahead and not (self.reuse_shapes and self.reserve_largest_bucket):
-            raise ValueError("train.compile_ahead needs train.reserve_largest_bucket=true and train.reuse_shapes=true "
-                             "(the training step's batch shape known before the first batch)")
+        if self.compile_bucket is not None and self.compile not in ("reserve", "ahead"):
+            raise ValueError(f"train.compile_bucket={self.compile_bucket} reserves a patch bucket, which "
+                             f"train.compile={self.compile!r} does not: set train.compile=reserve (or ahead), or "
+                             f"train.compile_bucket=null")
+
+
+# What each train.compile mode is in the old flags' terms (reuse_shapes, reserve_largest_bucket, compile_ahead);
+# kernels_ahead and eval_ahead were on by default and are part of 'ahead'.
+LEGACY_COMPILE_FLAGS: dict[str, dict[str, bool]] = {
+    "exact": {"reuse_shapes": False, "reserve_largest_bucket": False, "compile_ahead": False},
+    "lazy": {"reuse_shapes": True, "reserve_largest_bucket": False, "compile_ahead": False},
+    "reserve": {"reuse_shapes": True, "reserve_largest_bucket": True, "compile_ahead": False},
+    "ahead": {"reuse_shapes": True, "reserve_largest_bucket": True, "compile_ahead": True},
+}
+_PREFERRED = ("lazy", "reserve", "ahead", "exact")  # the old defaults first: the keys not given keep them
+_ALWAYS_ON = ("kernels_ahead", "eval_ahead")  # parts of 'ahead' now, no longer settings of their own
+
+
+def legacy_compile(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` (a train mapping) with the old compile flags replaced by ``compile``: the mode whose flags
+    (:data:`LEGACY_COMPILE_FLAGS`) agree with every old flag given, the old defaults kept for the others
+    (``compile_ahead=true`` alone is ``ahead``); a deprecation warning names the mapping. Raises ValueError
+    for flags no mode has (``reuse_shapes=false`` with ``reserve_largest_bucket=true``), flags that contradict
+    a ``compile`` given with them, and ``kernels_ahead`` / ``eval_ahead`` false (they are always on with
+    ``ahead`` now)."""
+    old = {k: raw[k] for k in (*LEGACY_COMPILE_FLAGS["exact"], *_ALWAYS_ON) if k in raw}
+    if not old:
+        return raw
+    given = ", ".join(f"train.{k}={str(v).lower()}" for k, v in old.items())
+    for key in _ALWAYS_ON:
+        if key in old and old[key] is not True:
+            raise ValueError(f"train.{key}={str(old[key]).lower()} is no longer a setting: train.compile=ahead always compiles "
+                             f"{'the Mosaic-GPU kernels beside the step' if key == 'kernels_ahead' else 'the eval step'} "
+                             f"ahead; drop train.{key} (train.compile=reserve compiles nothing ahead)")
+    flags = {k: v for k, v in old.items() if k not in _ALWAYS_ON}
+    bad = [k for k, v in flags.items() if not isinstance(v, bool)]
+    if bad:
+        raise ValueError(f"train.{bad[0]}: expected bool, got {flags[bad[0]]!r} (deprecated: set train.compile)")
+    fits = [m for m in _PREFERRED if all(LEGACY_COMPILE_FLAGS[m][k] == v for k, v in flags.items())]
+    want = raw.get("compile")
+    if want is not None and want not in fits:
+        raise ValueError(f"{given} (deprecated) disagree with train.compile={want!r} (those flags are "
+                         f"train.compile={fits[0] if fits else 'nothing'}); keep train.compile and drop the old keys")
+    if not fits:
+        meant = "ahead" if flags.get("compile_ahead") else "reserve"
+        raise ValueError(f"{given} do not go together: compiling ahead needs a reserved bucket "
+                         f"(reserve_largest_bucket) and reserving one needs padded batches (reuse_shapes); set "
+                         f"train.compile={meant} (or exact / lazy / reserve / ahead) and drop the old keys")
+    mode = want or fits[0]
+    log.warning("deprecated config keys %s: they are now train.compile=%s", given, mode)
+    out = {k: v for k, v in raw.items() if k not in old}
+    out["compile"] = mode
+    return out

@@ -17,16 +17,16 @@ The steps are module-level ``jax.jit`` functions whose static argument is a hash
 :class:`StepSpec` (model/compute/optimizer configs, mesh, rules, accumulation, frozen groups), so
 two trainers with equal specs share compiled programs (a resumed run compiles nothing new in the
 same process). They compile once per batch shape (patch bucket), loss capacity and ``bounded``;
-with ``reuse_shapes`` (the train job's ``train.reuse_shapes``) a batch is padded up to the smallest
+with ``reuse_shapes`` (the train job's ``train.compile``, all but ``exact``) a batch is padded up to the smallest
 (patch bucket, loss capacity) its kind (train / eval) already has a step for that holds it, and a
 batch no step holds gets one for the largest of each seen so far, so that the compiled shapes form a
 chain, each holding the ones before it: at most one compile per new largest bucket or capacity, not one
 per combination, and a rare large batch does not pad every later one (padding patches and unused
 capacity slots change no result). When every batch's shape is known before the first one
-(``reserve_patches`` with a capacity: the train job's ``train.reserve_largest_bucket``),
-:meth:`Trainer.compile_ahead` compiles that step in a background thread while the state initialises and
-the data starts (``train.compile_ahead``), and :meth:`Trainer.compile_eval_ahead` the eval step for the same rows
-after it, while the first steps run (``train.eval_ahead``): the first evaluation runs without a compile.
+(``reserve_patches`` with a capacity: the train job's ``train.compile=ahead``,
+``moevlm_jax.training.compile_policy``), :meth:`Trainer.compile_ahead` compiles that step in a background thread
+while the state initialises and the data starts, and :meth:`Trainer.compile_eval_ahead` the eval step for the same
+rows after it, while the first steps run: the first evaluation runs without a compile.
 
 The objective (what each microbatch adds to the loss, the gathered-positions LM head, the eval pass)
 is ``moevlm_jax.training.objective``; the trainer gives it the data-parallel size and the per-batch
@@ -490,8 +490,8 @@ class Trainer:
 
     def reserve_patches(self, patches: int, *, capacity: int | None = 0, train: bool = True) -> None:
         """With ``reuse_shapes``: ``patches`` (a patch bucket) the floor of the patch axis of ``train`` /
-        eval batches from now on (``train.reserve_largest_bucket``: the data's largest bucket, or
-        ``train.reserve_bucket``; one compiled step for every batch it holds), and ``capacity`` the floor
+        eval batches from now on (``train.compile`` reserve / ahead: ``train.compile_bucket``, default the
+        data's largest; one compiled step for every batch it holds), and ``capacity`` the floor
         of their loss capacity (None: whole rows; 0: none): the kind's chain becomes that one shape (or
         its last, if larger). The same on every process (it comes from the config)."""
         if not self.reuse_shapes:

@@ -213,7 +213,7 @@ def test_help_config_lists_every_key_with_its_meaning():
     assert "compute.moe.backend" in recipe.help_config()
     # a section's last field: its own comment above, not a comment inside the __post_init__ below it
     meaning = {r[0]: r[3] for r in rows}
-    assert meaning["train.reserve_largest_bucket"].startswith("with reuse_shapes: every training batch padded")
+    assert meaning["train.compile_bucket"].startswith("with compile reserve / ahead: the patch bucket")
     assert not any("as the loader checks them" in m for m in meaning.values())
 
 

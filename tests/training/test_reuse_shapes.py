@@ -1,4 +1,4 @@
-"""``train.reuse_shapes``: the trainer pads a batch up to the largest patch axis and loss capacity its kind
+"""``train.compile`` lazy (the default; reuse_shapes): the trainer pads a batch up to the largest patch axis and loss capacity its kind
 has had, so that it runs the step compiled for them (one compile, not one per combination), with the
 same result as the batch's own step."""
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_reserved_batches_set_the_floor_before_any_is_prepared():
 
 
 def test_a_reserved_bucket_is_the_floor_from_the_first_batch():
-    """``train.reserve_largest_bucket``: the loop reserves the data's largest patch bucket for the train
+    """``train.compile=reserve``: the loop reserves the data's largest patch bucket for the train
     steps before the first batch; a smaller batch is padded to it, a larger one still grows it, capacity
     is untouched, eval keeps its own floor; without reuse_shapes nothing is reserved."""
     tr = _trainer(True)
@@ -91,11 +91,11 @@ def test_a_reserved_bucket_is_the_floor_from_the_first_batch():
     assert tr._reused_shapes("eval", batch, 40)[0]["pixel_values"].shape[1] == 8
     plain = _trainer(False)
     plain.reserve_patches(16)
-    assert plain._shapes == {} and not TrainConfig().reserve_largest_bucket  # opt-in
+    assert plain._shapes == {} and TrainConfig().compile == "lazy"  # opt-in
 
 
 def test_a_batch_over_the_reserved_bucket_does_not_pad_the_later_ones():
-    """``train.reserve_bucket`` below the largest: a batch over it gets a step of its own (the largest
+    """``train.compile_bucket`` below the largest: a batch over it gets a step of its own (the largest
     patch axis and capacity so far), and the batches the reserved shape holds keep running it; a batch
     neither holds gets the largest of each (a chain: each shape holds the ones before it)."""
     tr = _trainer(True)
@@ -111,7 +111,7 @@ def test_a_batch_over_the_reserved_bucket_does_not_pad_the_later_ones():
 @pytest.mark.parametrize("bucket", [None, "smallest", "none of them"])
 def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path, bucket):
     """The train job calls it with the data's largest bucket (``data.max_patches``) when asked, or with
-    ``train.reserve_bucket``, one of ``data.patch_buckets`` (else a clear error before any compile);
+    ``train.compile_bucket``, one of ``data.patch_buckets`` (else a clear error before any compile);
     stopped right after: no step needed to see the call."""
     from moevlm_jax.config.run import load_config
     from moevlm_jax.training import loop
@@ -127,13 +127,13 @@ def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path, bucket):
 
     monkeypatch.setattr(Trainer, "reserve_patches", record)
     cfg = load_config("cpu-default", run_dir=str(tmp_path / "run"), overrides=[
-        "train.steps=1", "train.checkpointing=false", "train.reserve_largest_bucket=true"])
+        "train.steps=1", "train.checkpointing=false", "train.compile=reserve"])
     want = cfg.data.max_patches
     if bucket is not None:
         want = min(cfg.data.patch_buckets) if bucket == "smallest" else want + 1
         cfg = load_config("cpu-default", run_dir=str(tmp_path / "run"), overrides=[
-            "train.steps=1", "train.checkpointing=false", "train.reserve_largest_bucket=true",
-            f"train.reserve_bucket={want}"])
+            "train.steps=1", "train.checkpointing=false", "train.compile=reserve",
+            f"train.compile_bucket={want}"])
     if bucket == "none of them":
         with pytest.raises(ConfigError, match="not one of data.patch_buckets"):
             loop.run(cfg, progress=False)
@@ -141,7 +141,7 @@ def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path, bucket):
         return
     with pytest.raises(Reserved):
         loop.run(cfg, progress=False)
-    assert seen == [(want, 0, True)]  # capacity reserved only with train.compile_ahead
+    assert seen == [(want, 0, True)]  # capacity reserved only with train.compile=ahead
 
 
 def test_a_smaller_batch_runs_the_larger_compiled_step_with_its_own_result(tmp_path):
@@ -160,7 +160,7 @@ def test_a_smaller_batch_runs_the_larger_compiled_step_with_its_own_result(tmp_p
 
 
 def test_a_step_compiled_ahead_runs_the_batches_of_its_shape_with_their_own_result(tmp_path):
-    """``Trainer.compile_ahead`` (``train.compile_ahead``): the step compiled in a background thread from
+    """``Trainer.compile_ahead`` (``train.compile=ahead``): the step compiled in a background thread from
     abstract inputs (``abstract_batch``, the reserved bucket and the largest capacity) runs the first
     batch without the jit path compiling, with the plain trainer's result; a batch of another shape
     compiles as usual."""
@@ -188,7 +188,7 @@ def test_a_step_compiled_ahead_runs_the_batches_of_its_shape_with_their_own_resu
 
 
 def test_an_eval_step_compiled_ahead_runs_the_eval_batches_of_its_shape_with_their_own_result(tmp_path):
-    """``Trainer.compile_eval_ahead`` (``train.eval_ahead``): the eval step compiled in a background thread after
+    """``Trainer.compile_eval_ahead`` (``train.compile=ahead``): the eval step compiled in a background thread after
     the train step, from abstract inputs (``abstract_eval_batch``: the train step's bucket and capacity, one
     microbatch's rows), evaluates without the jit path compiling, with the metrics and predictions of the plain
     trainer's eval of the unpadded batch; a batch of another shape compiles as usual."""
@@ -216,15 +216,15 @@ def test_an_eval_step_compiled_ahead_runs_the_eval_batches_of_its_shape_with_the
     assert ahead.ahead_evals == 1 and len([k for k in ahead.compiled if k[0] == "eval"]) == 2
 
 
-def test_compile_ahead_needs_the_reserved_bucket():
-    with pytest.raises(ValueError, match="reserve_largest_bucket"):
-        TrainConfig(compile_ahead=True)
-    assert TrainConfig(compile_ahead=True, reserve_largest_bucket=True).compile_ahead
+def test_a_compile_bucket_needs_a_mode_that_reserves_one():
+    with pytest.raises(ValueError, match="train.compile=reserve"):
+        TrainConfig(compile_bucket=512)
+    assert TrainConfig(compile="ahead", compile_bucket=512).compile_bucket == 512
 
 
 def test_the_loop_compiles_the_first_step_ahead(tmp_path):
-    """The train job with ``train.compile_ahead``: its first step runs the executable compiled from the
-    start, and its evaluation the eval step compiled after it (``train.eval_ahead``; the abstract batches match
+    """The train job with ``train.compile=ahead``: its first step runs the executable compiled from the
+    start, and its evaluation the eval step compiled after it (the abstract batches match
     the loaders' arrays: shapes, dtypes, shardings, capacity)."""
     import yaml
 
@@ -236,8 +236,7 @@ def test_the_loop_compiles_the_first_step_ahead(tmp_path):
     data.write_text(yaml.safe_dump(data_config(tmp_path / "cache")))
     cfg = load_config("cpu-default", model="tiny", data=str(data), run_dir=str(tmp_path / "run"), overrides=[
         "train.steps=2", "train.checkpointing=false", "train.eval_every=0", "train.eval_batches=2",
-        "train.show_answers=0", "train.tensorboard=false", "train.reserve_largest_bucket=true",
-        "train.compile_ahead=true", "compute.dtype=float32"])
+        "train.show_answers=0", "train.tensorboard=false", "train.compile=ahead", "compute.dtype=float32"])
     summary = loop.run(cfg, progress=False)
     # and the evaluation at the end ran the eval step compiled ahead, every held-out batch (no other compile)
     assert summary["compiled_ahead"] == 2 and summary["evals_compiled_ahead"] >= 1, summary

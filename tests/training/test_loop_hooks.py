@@ -1,0 +1,67 @@
+"""The loop's hooks (moevlm_jax.training.hooks): every event fires in order, the train job's own hooks
+(evaluation, checkpoints, plot) before those a caller adds, with what each put in the summary and on disk
+when the next one runs."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from moevlm_jax.config.run import load_config
+from moevlm_jax.training import loop
+from moevlm_jax.training.hooks import Hook
+from moevlm_jax.training.metrics import read_metrics
+from tests.training.train_setup import data_config
+
+# quick compiles (tests/xla_options.py)
+pytestmark = pytest.mark.usefixtures("legacy_emitters")
+
+
+class Recording(Hook):
+    """Every event as (name, step), with what the earlier hooks had done by then."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def before_step(self, ctx, step):
+        self.events.append(("before_step", step))
+
+    def after_step(self, ctx, step, metrics):
+        self.events.append(("after_step", step, "loss" in metrics))
+
+    def on_step(self, ctx, step):
+        self.events.append(("on_step", step, [e["step"] for e in ctx.summary["evals"]]))
+
+    def on_end(self, ctx, step):
+        self.events.append(("on_end", step, [e["step"] for e in ctx.summary["evals"]]))
+
+    def close(self, ctx):
+        self.events.append(("close", sorted(p.name for p in (ctx.run_dir / "checkpoints").iterdir()
+                                            if p.name.isdigit())))
+
+    def on_summary(self, ctx):
+        self.events.append(("on_summary", "curves" in ctx.summary,
+                            [r["step"] for r in read_metrics(ctx.run_dir) if "eval_loss" in r]))
+
+
+def test_hooks_fire_in_order(tmp_path):
+    data = tmp_path / "data.yaml"
+    data.write_text(yaml.safe_dump(data_config(tmp_path / "cache")))
+    cfg = load_config("cpu-default", model="tiny", data=str(data), run_dir=str(tmp_path / "run"), overrides=[
+        "train.steps=3", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=2",
+        "train.show_answers=0", "train.tensorboard=false", "train.log_every=1", "compute.dtype=float32"])
+    rec = Recording()
+    summary = loop.run(cfg, progress=False, hooks=[rec])
+    assert rec.events == [
+        ("before_step", 1), ("after_step", 1, True), ("on_step", 1, []),
+        # the evaluation every 2 steps ran before this hook's on_step
+        ("before_step", 2), ("after_step", 2, True), ("on_step", 2, [2]),
+        ("before_step", 3), ("after_step", 3, True), ("on_step", 3, [2]),
+        # the final checkpoint, then the end-of-run evaluation, before this hook's on_end
+        ("on_end", 3, [2, 3]),
+        # the checkpoints of steps 2 and 3 written and closed before this hook's close
+        ("close", ["2", "3"]),
+        # the metrics written and closed, the curves plotted: both evaluations in metrics.jsonl
+        ("on_summary", True, [2, 3]),
+    ]
+    assert summary["checkpoints"] == [2, 3] and [e["step"] for e in summary["evals"]] == [2, 3]
+    assert summary["end_step"] == 3 and summary["curves"]
