@@ -149,9 +149,10 @@ def legacy_compile(raw: dict[str, Any]) -> dict[str, Any]:
     given = ", ".join(f"train.{k}={str(v).lower()}" for k, v in old.items())
     for key in _ALWAYS_ON:
         if key in old and old[key] is not True:
-            raise ValueError(f"train.{key}={str(old[key]).lower()} is no longer a setting: train.compile=ahead always compiles "
-                             f"{'the Mosaic-GPU kernels beside the step' if key == 'kernels_ahead' else 'the eval step'} "
-                             f"ahead; drop train.{key} (train.compile=reserve compiles nothing ahead)")
+            what = "the Mosaic-GPU kernels beside the step" if key == "kernels_ahead" else "the eval step"
+            raise ValueError(f"train.{key}={str(old[key]).lower()} is no longer a setting: train.compile=ahead "
+                             f"always compiles {what} ahead; drop train.{key} (train.compile=reserve compiles nothing "
+                             "ahead)")
     flags = {k: v for k, v in old.items() if k not in _ALWAYS_ON}
     bad = [k for k, v in flags.items() if not isinstance(v, bool)]
     if bad:

@@ -207,7 +207,8 @@ class PlotHook(Hook):
         cfg = ctx.cfg
         every = read_metrics(ctx.run_dir) if (ctx.run_dir / "metrics.jsonl").exists() else []
         try:
-            png = plot_curves(every, ctx.run_dir / "curves.png", f"{cfg.name}: {cfg.model.name}, layout {cfg.layout.name}")
+            title = f"{cfg.name}: {cfg.model.name}, layout {cfg.layout.name}"
+            png = plot_curves(every, ctx.run_dir / "curves.png", title)
             ctx.summary["curves"] = str(png) if png else None
         except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
             log.warning("curves.png not written: %s", e)

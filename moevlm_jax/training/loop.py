@@ -97,7 +97,8 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                 _train_step(ctx, hooks, step, start, shape)
                 for hook in hooks:
                     hook.on_step(ctx, step)
-                if records.diverged is not None:  # the parameters are the last good ones: non-finite updates were skipped
+                # diverged: the parameters are the last good ones (non-finite updates were skipped)
+                if records.diverged is not None:
                     _stop_diverged(ctx, checkpoints, records.guard, step)
                 if stop.agreed():  # preemption / Ctrl-C: a checkpoint of this step, then a normal exit
                     _stop_signalled(ctx, checkpoints, stop, step)
@@ -106,7 +107,8 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
                     log.info("stopping after step %d (interrupted run)", step)
                     break
             ctx.flush()
-            interrupted = (stop_after is not None and step >= stop_after and step < tr.steps) or "stopped" in ctx.summary
+            interrupted = ((stop_after is not None and step >= stop_after and step < tr.steps)
+                           or "stopped" in ctx.summary)
             if not interrupted and step > start:
                 checkpoints.save(ctx, step, force=True)
                 for hook in hooks:
@@ -217,7 +219,8 @@ class StepRecords:
 
 def _train_step(ctx: LoopContext, hooks: Sequence[Hook], step: int, start: int, shape: flops.ModelShape) -> None:
     """One step: the next batch, the step dispatched (``ctx.state`` replaced), its metrics queued with
-    the batch's counts and FLOPs (``shape``: the model's, for them); out of device memory becomes a ConfigError saying what to change."""
+    the batch's counts and FLOPs (``shape``: the model's, for them); out of device memory becomes a ConfigError
+    saying what to change."""
     cfg, trainer, tracker = ctx.cfg, ctx.trainer, ctx.tracker
     host = next(ctx.loader)
     batch: DeviceBatch = trainer.prepare(host)
@@ -247,7 +250,8 @@ def _train_step(ctx: LoopContext, hooks: Sequence[Hook], step: int, start: int, 
         tr, name = cfg.train, cfg.model.name or "MODEL"
         raise ConfigError(
             f"out of device memory in train step {step} ({name}, layout "
-            f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} tokens "
+            f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} "
+            "tokens "
             f"per data-parallel rank, param_dtype {cfg.compute.param_dtype}, optimizer state "
             f"{cfg.optimizer.state_dtype}, recompute {cfg.compute.recompute}): "
             f"{str(e).splitlines()[0][:300]}. "
@@ -289,7 +293,8 @@ def _summary(ctx: LoopContext, records: StepRecords, step: int, wall: float, loa
         "loss_first": losses[0]["loss"] if losses else None, "loss_last": losses[-1]["loss"] if losses else None,
         "first_step": losses[0]["step"] if losses else None, "last_step": losses[-1]["step"] if losses else None,
         "tokens_per_s": timed["useful_tokens"] / timed["time"] if timed["time"] else None,
-        "tflops_per_device": timed["flops"] / timed["time"] / trainer.mesh.devices.size / 1e12 if timed["time"] else None,
+        "tflops_per_device": (timed["flops"] / timed["time"] / trainer.mesh.devices.size / 1e12
+                              if timed["time"] else None),
         "skipped_updates": int(jax.device_get(optim.skipped_updates(ctx.state["opt_state"]))),
         "data": loader_summary, "checkpoints": saved, "peak_memory_gib": peak_memory_gib(),
     })

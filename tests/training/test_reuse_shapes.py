@@ -1,6 +1,6 @@
-"""``train.compile`` lazy (the default; reuse_shapes): the trainer pads a batch up to the largest patch axis and loss capacity its kind
-has had, so that it runs the step compiled for them (one compile, not one per combination), with the
-same result as the batch's own step."""
+"""``train.compile`` lazy (the default; reuse_shapes): the trainer pads a batch up to the largest patch axis and
+loss capacity its kind has had, so that it runs the step compiled for them (one compile, not one per
+combination), with the same result as the batch's own step."""
 from __future__ import annotations
 
 import jax
