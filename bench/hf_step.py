@@ -225,7 +225,7 @@ def compile_blocks(model: Any) -> Any:
     compiles: identical blocks share one compiled graph (parameters are graph inputs), and the
     model's data-dependent parts (the image-token scatter, DeepStack's boolean-mask assignment) stay
     eager. Compiling the whole model instead broke its graph there ("inductor failed with
-    aten.nonzero") and did not finish within a 10-minute H200 call (bench/step_h200.md).
+    aten.nonzero") and did not finish within a 10-minute H200 call (bench/results/step.md).
     Returns the model (its blocks compiled in place; ``uncompile_blocks`` undoes it)."""
     for block in _blocks(model):
         block.compile()

@@ -3,7 +3,7 @@
 Compares, at Qwen3-VL-30B-A3B and 235B-A22B expert shapes with Zipf-skewed routing:
 (a) the ceiling: the same FLOPs as one balanced batched einsum ``[E, T*K/E, H] x [E, H, 2I]``...,
 timed as XLA compiles it by default and with XLA's Triton GEMMs off (cuBLAS for every dot; on the GPU), the faster
-of the two being the ceiling (XLA's autotuner picks Triton or cuBLAS per process: bench/moe_layer.md),
+of the two being the ceiling (XLA's autotuner picks Triton or cuBLAS per process: bench/results/moe_layer.md),
 (b) each grouped-matmul backend through ``experts_forward`` (tokamax, ragged_dot, capacity einsum,
 and the grouped backend with the same capacity factor, which must equal the capacity einsum),
 (c) Hugging Face transformers' ``Qwen3VLMoeTextSparseMoeBlock`` in torch with the ``grouped_mm``
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--paired", action="store_true",
                    help="also time each grouped backend in rounds alternating with the ceiling's (x ceiling from "
                         "the ceiling's rounds beside it; each switch of program costs the first calls of a round: "
-                        "biased against the layer at small shapes, bench/moe_layer.md)")
+                        "biased against the layer at small shapes, bench/results/moe_layer.md)")
     p.add_argument("--slow-iters", type=int, default=2, help="iterations for jax.lax.ragged_dot on GPU")
     p.add_argument(
         "--slow-tokens",
@@ -109,7 +109,7 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int, rounds: int =
     training step runs its layers (the host's dispatch overlaps the device's work): the device time of a
     call, like the CUDA-event span HF's side is timed by (``bench_moe_hf``). Synchronised: the median of
     ``iters`` calls each waited for, which adds the host's round trip between calls (~1 ms at the 235B-A22B
-    layer on the H200: bench/moe_layer.md, idle gaps between steps)."""
+    layer on the H200: bench/results/moe_layer.md, idle gaps between steps)."""
     out = None
     for _ in range(max(1, warmup)):
         out = jax.block_until_ready(fn(*args))

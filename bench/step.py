@@ -224,7 +224,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
     hosts: list[dict[str, np.ndarray]] = []
     tracing = False
     # every shape was compiled above: any compile from here on is logged with JAX's reason for the
-    # cache miss (the H200 run saw one in its first warmup step, bench/step_h200.md)
+    # cache miss (the H200 run saw one in its first warmup step, bench/results/step.md)
     explain = jax.config.jax_explain_cache_misses
     jax.config.update("jax_explain_cache_misses", True)
 
@@ -291,7 +291,7 @@ def run_one(args: argparse.Namespace, cfg: Any, variant: Variant, devices: Any, 
         log.warning("%s: %d of %d updates skipped for non-finite gradients (grad norms %s)", name,
                     steps[-1]["skipped"], total, [round(s["grad_norm"], 3) for s in steps])
     result["steady"] = steady_rate(timed_steps, n_dev, peak)
-    if result["steady"]:  # a compiled shape's first run is ~0.25 s slower on the H200 (bench/step_h200.md)
+    if result["steady"]:  # a compiled shape's first run is ~0.25 s slower on the H200 (bench/results/step.md)
         log.warning("%s: %d timed steps were a compiled shape's first run: %.1f ms mean vs %.1f ms median step; "
                     "without them %s useful tokens/s", name, result["steady"]["first_runs"],
                     1e3 * result["steady"]["first_run_s"], 1e3 * result["step_time_s"],

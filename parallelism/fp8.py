@@ -22,7 +22,7 @@ The tensor recipe's dense GEMMs (:func:`dot`) take the fp8 arrays themselves: ``
 e4m3 x e4m3 (forward), e5m2 x e4m3 (both gradient GEMMs) with float32 accumulation and the two scales
 applied to the output, in one custom VJP (:func:`tensor_gemm`) that keeps the fp8 operands as its
 residuals. On the H200 that form compiles to ``__cublas$lt$matmul$f8``, where the quantise-dequantise
-form below stays a bf16 GEMM after a dequantise pass (bench/fp8_h200.md sections 3-4). Everything else
+form below stays a bf16 GEMM after a dequantise pass (bench/results/fp8.md sections 3-4). Everything else
 (the blockwise recipe, the experts) is written as quantise-dequantise (:func:`qdq`): a tensor is rounded
 onto its scaled fp8 grid and carried on in its own dtype, so that every backend runs it (CPU tests, the
 Triton / ragged-dot experts) and the numerics are the recipe's exactly; the operand's gradient passes straight
@@ -64,7 +64,7 @@ class Fp8Config:
     forward_format: Literal["e4m3", "e5m2"] = "e4m3"  # the forward operands' format
     # the output gradients' format in the backward. Blockwise with e4m3 (DeepSeek-V3's choice: small blocks
     # leave little for e5m2's range to cover) kept 200 proxy steps within 1% of bf16's loss on the H200; the
-    # tensor recipe with e5m2 fell 2-6% behind (bench/fp8_h200.md section 6; blockwise e5m2 not run that long)
+    # tensor recipe with e5m2 fell 2-6% behind (bench/results/fp8.md section 6; blockwise e5m2 not run that long)
     grad_format: Literal["e4m3", "e5m2"] = "e5m2"
     # the decoder's dense GEMMs: attention and Gated DeltaNet projections, dense and shared-expert MLPs
     dense: bool = True
@@ -149,7 +149,7 @@ def qdq(x: jax.Array, fmt: str, blocks: Sequence[int], amax_axes: tuple[str, ...
     """x rounded onto its scaled fp8 grid (``quantize`` then ``dequantize``), in x's dtype.
 
     The fp8 tensor passes an optimisation barrier. Without it, on the H200 both recipes' GEMMs had
-    bf16's error size (0.004 against the ~0.04 of e4m3 operands, bench/fp8_h200.md): the rounding was
+    bf16's error size (0.004 against the ~0.04 of e4m3 operands, bench/results/fp8.md): the rounding was
     compiled away, most likely by XLA:GPU's ``SimplifyFPConversions`` (on under
     ``xla_allow_excess_precision``, XLA's default), which folds convert chains such as ``f32 -> f8 ->
     f32`` (inferred from the errors; that call dumped no HLO). Behind the barrier no convert chain is

@@ -251,7 +251,7 @@ def _traced_alone(fn):
 # Both kernels are jitted functions (_gmm, _tgmm; gmm and tgmm record them for :func:`recording`, then call them):
 # the call sites of one kernel (the same shapes and config, e.g. every layer of an unrolled decoder) then share one
 # lowered function, where each pallas_call would otherwise lower again and embed its serialized Mosaic module
-# (~200 KB each) in the program (bench/first_step_h200.md: the Mosaic kernels added ~25 s to the proxy step's first
+# (~200 KB each) in the program (bench/results/first_step.md: the Mosaic kernels added ~25 s to the proxy step's first
 # compile).
 @functools.partial(jax.jit, static_argnames=("trans_w", "config", "interpret", "num_sms"))
 @_traced_alone

@@ -16,7 +16,7 @@ Backends:
   64x64x128, 2 stages) is wrong by 2.5-2.7% (norm-wise, every group; d(x) and the forward are at
   bf16 rounding, 0.17%), and configs with a 64-row token block give inf; 64x128x128 with 3 stages is
   at bf16 rounding at the same speed. The forward config 128x128x64, 4 stages, persistent ran 1.27-1.38x
-  the heuristic's speed (bench/moe_layer.md, bench/scripts/probe_tokamax.py).
+  the heuristic's speed (bench/results/moe_layer.md).
 - ``"triton"``: this project's Pallas-Triton kernels (``parallelism.gmm_triton``: forward, d(x) on the
   weights read transposed, d(w) contracting each group's rows), with their own VJP; GPU, and on CPU in
   Pallas' interpret mode (tests). Rows past ``sum(group_sizes)`` are masked here as for tokamax.
@@ -150,7 +150,7 @@ def _zero_grad_where_bwd(valid: jax.Array, g: jax.Array) -> tuple[jax.Array, Non
 zero_grad_where.defvjp(_zero_grad_where_fwd, _zero_grad_where_bwd)
 
 
-# Mosaic-GPU ragged-dot kernel configs on sm90, measured on an H200 (bench/moe_layer.md): "fwd" is the
+# Mosaic-GPU ragged-dot kernel configs on sm90, measured on an H200 (bench/results/moe_layer.md): "fwd" is the
 # forward kernel (also d(lhs), which tokamax runs as the forward kernel on the transposed weights);
 # "dw" the ragged-contracting kernel of d(rhs). None of them from tokamax's heuristics (see above).
 TOKAMAX_SM90_CONFIGS: dict[str, dict[str, Any]] = {

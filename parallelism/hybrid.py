@@ -6,7 +6,7 @@ padded batched einsum ``[E, C, H] x [E, H, 2I]`` (the dense-matmul rate on the G
 x the assignments): one buffer ``[E*C + B, H]``, one gather in, one combine out, nothing dropped.
 The grouped kernel's time follows its static row count, not the rows in use (H200: the
 overflow kernel over a full-size buffer cost ~45% of the whole dropless layer for ~10% of its rows,
-bench/moe_layer.md), hence ``B``; a batch whose overflow exceeds ``B`` runs the plain grouped
+bench/results/moe_layer.md), hence ``B``; a batch whose overflow exceeds ``B`` runs the plain grouped
 matmul on all its rows (``hybrid_or_grouped``, a per-call ``lax.cond``), so the result never
 depends on the bound.
 """

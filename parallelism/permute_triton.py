@@ -6,7 +6,7 @@ Vocabulary as in ``parallelism.permute``: ``A = T * K`` assignments, assignment 
 
 - :func:`dispatch`: ``rows[slot[a]] = x[a // K]``. XLA gathers the rows through the inverse map (``src``), reading
   the token rows in the experts' order, ~2.8 TB/s on an H200 (0.77 ms at the 235B-A22B layer's 131,072 rows of
-  4,096: bench/moe_layer.md). The kernel reads each token row once, contiguously, and scatters it to its K
+  4,096: bench/results/moe_layer.md). The kernel reads each token row once, contiguously, and scatters it to its K
   slots (unique: no atomics).
 - :func:`combine_bwd`: for ``out[t] = sum_k w[t, k] * y[slot[t*K + k]]`` (``permute.combine_rows``) and the
   cotangent ``g [T, H]``, ``dy[slot[a]] = w[a] * g[a // K]`` and ``dw[a] = <y[slot[a]], g[a // K]>``. XLA runs a
@@ -41,10 +41,9 @@ class Config:
     num_stages: int = 2
 
 
-# Per kernel, measured on an H200 (bench/moe_layer.md, bench/scripts/probe_permute.py: 131,072 assignments of
-# 4,096 and of 2,048 columns, 8 configs each): combine_bwd the fastest at both (0.619 / 0.320 ms; the others up to 20%
-# slower); dispatch within 3% of the fastest (0.352 vs 0.341 ms at 4,096 columns: all 8 within 6%), the config the
-# layer and the step were measured with
+# Per kernel, the fastest of 8 configs timed on an H200 at 131,072 assignments of 4,096 and of 2,048 columns
+# (combine_bwd; dispatch within 3% of the fastest, the config the layer and the step are measured with:
+# bench/results/moe_layer.md)
 CONFIGS: dict[str, Config] = {"dispatch": Config(32, 256, 4, 2), "combine_bwd": Config(8, 1024, 4, 2)}
 
 

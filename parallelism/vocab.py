@@ -45,7 +45,7 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """``jnp.take(table, ids, axis=0)`` whose table gradient is scatter-added in float32 and cast once.
     Autodiff's own transpose scatter-adds in the table's dtype: for a bf16 table every update is a
     16-bit read-modify-write (XLA:GPU emits it as a compare-and-swap loop, the step's largest
-    scatter: ~10 ms at the proxy's MBS 8, bench/step_h200.md) and repeated tokens lose bits
+    scatter: ~10 ms at the proxy's MBS 8, bench/results/step.md) and repeated tokens lose bits
     as they are summed in bf16. Out-of-range ids: zero rows, their gradient dropped, as ``jnp.take``."""
     return _take_rows(table.shape[0], table, ids)
 

@@ -6,7 +6,7 @@ attention), "auto" (cudnn on GPU where cuDNN supports the dtype and head dim, el
 The cuDNN path runs packed segments in cuDNN's ragged (THD) form: per row, the start offset and
 length of each segment, so masked-out blocks between packed samples (or between the images of a
 row) are never computed. A dense boolean mask through cuDNN computes every block (measured on the
-H200: 4 packed documents a row ran ~3.5x slower, see bench/attention.md). The ragged form needs a
+H200: 4 packed documents a row ran ~3.5x slower, see bench/results/attention.md). The ragged form needs a
 static bound on segments per row (``max_segments``, default ``MAX_PACKED_SEGMENTS``; its cost grows
 with the bound, so a workload that knows its rows sets it: ``compute.attention_options``); a row with
 more runs the dense-mask kernel, so the result is always right: the trainer checks each batch's rows
@@ -57,7 +57,7 @@ def rows_within_bound(within: bool = True) -> Iterator[None]:
     path's ``max_segments`` (the trainer checks every batch on the host:
     ``training.trainer.segments_over_bound``), so the ragged kernel runs without its device-side dense-mask
     fallback, a ``lax.cond`` whose predicate the host reads (~96 us a call on the H200,
-    bench/step_h200.md; 70 conds a proxy step); and, where the vision attention is XLA's, no image
+    bench/results/step.md; 70 conds a proxy step); and, where the vision attention is XLA's, no image
     longer than its ``max_segment_len`` (:func:`windowed_attention`)."""
     token = _WITHIN_BOUND.set(within)
     try:

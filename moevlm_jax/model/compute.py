@@ -48,7 +48,7 @@ RECOMPUTE_MODULES = {
     "mlp": ("mlp_hidden", "mlp"),
     "moe": ("moe_router", "moe", "moe_permuted", "moe_gate_up", "moe_act", "moe_expert_out"),
     # not Megatron's: the expert matmuls' inputs/outputs (recompute both grouped matmuls in the backward,
-    # keeping only moe_act; ~3 GB less a layer at the proxy's MBS 8: bench/step_h200.md)
+    # keeping only moe_act; ~3 GB less a layer at the proxy's MBS 8: bench/results/step.md)
     "experts": ("moe_permuted", "moe_gate_up", "moe_expert_out"),
     # not Megatron's (its recompute modules predate the Gated DeltaNet): the GDN layer's mixer between its
     # projections (kept as qkv_proj) and out-projection (attn_out), as core_attn is attention's: the conv,
@@ -73,7 +73,7 @@ def _check(ok: Any, message: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
-    """The cuDNN attention's static ragged bound and head-dim padding, per tower (bench/attention.md)."""
+    """The cuDNN attention's static ragged bound and head-dim padding, per tower (bench/results/attention.md)."""
 
     # packed segments a decoder row may hold on the ragged (THD) kernel; a row with more runs the
     # dense-mask kernel (exact, slower); the trainer checks each batch on the host

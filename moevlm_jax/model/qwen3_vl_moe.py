@@ -44,7 +44,7 @@ def scatter_visual_tokens(tokens: jax.Array, is_image: jax.Array, token_valid: j
     A scatter with unique indices (every token has its own target; tokens with none target distinct
     out-of-range rows, dropped), so the backward is a gather: the earlier gather formulation read
     one source row for every sequence position and its backward was a scatter-add with repeated
-    indices, which XLA:GPU runs with bf16 atomics (a 2.4 ms kernel per H200 step, bench/step_h200.md)."""
+    indices, which XLA:GPU runs with bf16 atomics (a 2.4 ms kernel per H200 step, bench/results/step.md)."""
     b, v = token_valid.shape
     s = is_image.shape[1]
     rows = jnp.arange(b)[:, None]

@@ -117,7 +117,7 @@ def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: i
     ``frozen`` / ``param_groups``: frozen parameter groups as ``Trainer.create`` takes them (no gradients
     or optimizer state for them: ``train.freeze_*``); ``bounded``: the batch within cuDNN's ragged bound
     (``compute.attention_options``: the step the trainer runs for such batches; False: the dense-mask
-    fallback's step, ~16 GiB more at MBS 8 on the H200's proxy, bench/step_h200.md run 7)."""
+    fallback's step, much larger on the H200's proxy, bench/results/attention.md)."""
     model = model if isinstance(model, CONFIG_TYPES) else load_model_config(model)  # any family
     layout = load_layout(layout) if isinstance(layout, str) else layout
     compute = compute if isinstance(compute, ComputeConfig) else ComputeConfig.from_dict(compute)

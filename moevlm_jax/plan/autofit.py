@@ -7,7 +7,7 @@ is trained and on which rows never changes: frozen parts, drop-and-pad experts, 
 the sequence length and the data stay as written. ``--no-auto-fit`` keeps the recipe as written.
 
 The check costs a compile only where the answer is in doubt: the analytic estimate (within 10% of
-XLA's compiled analysis on CPU, 15% on one H200: bench/plans.md) decides when it is below
+XLA's compiled analysis on CPU, 15% on one H200: bench/results/plans.md) decides when it is below
 ``SURE_FITS`` or above ``SURE_FAILS`` of the usable memory; between them XLA's compiled memory
 analysis of the run's own train step decides. A changed run is confirmed by a compile of its step.
 """

@@ -3,7 +3,7 @@
 What the trainer's step (``moevlm_jax.training.trainer``) holds on one device, from the model
 config, the layout (rules + mesh axis sizes: ``moevlm_jax.plan.geometry``), the compute section and the batch
 shape. XLA's compiled memory analysis of the same step (``moevlm_jax.tools.memory.memory_report``)
-is the reference it is checked against (tests/tools/test_plan.py, bench/plans.md).
+is the reference it is checked against (tests/tools/test_plan.py, bench/results/plans.md).
 
 Parts (bytes per device):
 
@@ -48,7 +48,7 @@ Parts (bytes per device):
 - ``xla_temporaries``: ``XLA_HEADROOM`` of the live temporaries: what XLA's buffer packing adds
   over the peak of the live buffers. Measured on XLA:CPU from its buffer-assignment dumps: 0-2% for
   most points, 9-17% for a few whose peak holds several vocabulary-sized buffers of different
-  lifetimes (bench/plans.md); the analytic parts match XLA's peak of live buffers to ~1% there.
+  lifetimes (bench/results/plans.md); the analytic parts match XLA's peak of live buffers to ~1% there.
 
 Peak: parameters, optimizer state and batch live through the step (the state is donated: the new
 state reuses it); then the largest of three phases: the end of the forward (the LM head's chunk and
@@ -77,7 +77,7 @@ from moevlm_jax.plan.geometry import (
 )
 
 GIB = 2**30
-XLA_HEADROOM = 0.06  # of the live temporaries: XLA:CPU's heap packing (0-17% over the live peak; bench/plans.md)
+XLA_HEADROOM = 0.06  # of the live temporaries: XLA:CPU's heap packing (0-17% over the live peak; bench/results/plans.md)
 CUDNN_WORKSPACE = 64 * 2**20  # per attention call (assumed)
 PARTS = ("params", "optimizer", "gradients", "batch", "activations", "saved_weights", "lm_head", "embedding",
          "gathered_weights", "moe_dispatch", "attention", "xla_temporaries")
@@ -105,12 +105,12 @@ class MemoryKnobs:
     scan_layers: bool = True  # the decoder's (compute.stack_scan("text")): it holds nearly all stacked weights
     loss_capacity: int | None = None  # trained positions the LM head sees per data-parallel rank (None: whole rows)
     # XLA:CPU converts the scanned layers' compute-dtype residuals to float32 between the forward and the
-    # backward scan (a convert sunk out of the loop): they take 4 bytes an element there (bench/plans.md)
+    # backward scan (a convert sunk out of the loop): they take 4 bytes an element there (bench/results/plans.md)
     residual_upcast: bool = False
     # XLA:CPU runs a reduce-scatter as an all-reduce and a slice: a whole-size result buffer
     all_reduce_scatter: bool = False
     # the CPU's grouped matmul (jax.lax.ragged_dot) runs as a dense masked product over every local expert: its
-    # backward holds [E_local, rows, H] float32 / bf16 buffers (bench/plans.md: 250 GiB of 30B-A3B's CPU step)
+    # backward holds [E_local, rows, H] float32 / bf16 buffers (bench/results/plans.md: 250 GiB of 30B-A3B's CPU step)
     dense_grouped_matmul: bool = False
 
     @classmethod

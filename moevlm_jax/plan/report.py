@@ -214,7 +214,7 @@ def recommendation(estimates: Sequence[Any], w: Any) -> str:
                   None)
     if capped is not None and capped.tokens_per_s > best.tokens_per_s:
         lines.append(f"- Drop-and-pad experts (capacity {capped.candidate.capacity_factor:g}; they drop assignments, "
-                     "~10% on the proxy data: bench/sweep_h200.md) would be "
+                     "~10% on the proxy data: bench/results/sweep.md) would be "
                      f"{_pct(capped.tokens_per_s, best.tokens_per_s)}"
                      f": {capped.candidate.preset} [{capped.candidate.mesh_label()}] MBS {capped.candidate.mbs} "
                      f"{capped.candidate.recompute_label()}, {capped.memory.total / GIB:.1f} GiB.")

@@ -18,7 +18,7 @@ Library use (the train command's pre-flight check)::
 
 The CLI is ``python -m moevlm_jax.plan`` (``moevlm_jax/plan/cli.py``); the report format and the plot
 are ``moevlm_jax.plan.report``. What is measured and what is assumed: ``moevlm_jax.plan.time`` (rates, links,
-overlap) and ``moevlm_jax.plan.memory`` (parts); the errors against XLA: bench/plans.md.
+overlap) and ``moevlm_jax.plan.memory`` (parts); the errors against XLA: bench/results/plans.md.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ PRESETS = ("fsdp", "tp", "ep", "tp_ep", "ep_etp", "cp", "folded", "pp", "pp_circ
 RECOMPUTE = (("none", ()), ("selective", ()), ("selective", ("core_attn",)), ("selective", ("core_attn", "experts")),
              ("full", ()))
 DTYPES = (("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"))  # (params, AdamW state)
-TRAINED_FRACTION = 0.437  # trained / all token slots of the proxy data (bench/step_h200.md: 107,475 / 245,760)
+TRAINED_FRACTION = 0.437  # trained / all token slots of the proxy data (bench/results/step.md: 107,475 / 245,760)
 
 
 # ----------------------------------------------------------------------------- candidates

@@ -6,17 +6,17 @@ Rates (``H200``; ``measured`` says where a number comes from, ``assumed`` where 
 - dense GEMMs 780 TFLOP/s (bench/README.md, "Workload and reference figures": a large bf16 matmul
   on the H200 reaches ~780 of the datasheet's 989);
 - the experts' grouped matmuls, dropless (Triton) 382 TFLOP/s = 0.60 of the balanced batched
-  einsum's 633, drop-and-pad (capacity 1.25, counting every assignment) 393 (bench/moe_layer.md;
+  einsum's 633, drop-and-pad (capacity 1.25, counting every assignment) 393 (bench/results/moe_layer.md;
   the 235B-A22B shapes were measured with tokamax only: assumed the same);
 - decoder attention, cuDNN ragged (bound 2), forward + backward 423 TFLOP/s counted as 3.5 x the
-  forward's causal FLOPs (bench/attention.md, second probe, MBS 8 x 4096); the model FLOPs count the
+  forward's causal FLOPs (bench/results/attention.md, second probe, MBS 8 x 4096); the model FLOPs count the
   training attention as 3 x the forward, so the time is ``3.5 / 3 x FLOPs / 423e12``;
 - vision attention (head dim 72, 784-patch images) 156 TFLOP/s on the same count (same probe);
 - memory-bound work (norms, rotary, activations, permutation, the optimizer) at the HBM's 4.8 TB/s
   (datasheet) over the bytes the step's tensors take (``MEMORY_PASSES`` passes over the
   activations of each layer, assumed; the optimizer reads and writes its shards once);
 - links: NVLink 900 GB/s per GPU (datasheet; 450 each way) at an assumed 0.8 for all-gather /
-  reduce-scatter; the MoE all-to-all at the measured rates (EP = 2 on one host, bench/moe_layer.md:
+  reduce-scatter; the MoE all-to-all at the measured rates (EP = 2 on one host, bench/results/moe_layer.md:
   fixed-size all_to_all ~220 GB/s, ragged ~80 GB/s: the dropless path is ragged); across
   hosts 8 x 400 Gb/s InfiniBand per 8-GPU host (assumed unless ``--inter-host-gbps``), 0.8 of it.
 - overlap (assumed): FSDP gathers and gradient reductions hide behind the layers' compute up to
@@ -25,7 +25,7 @@ Rates (``H200``; ``measured`` says where a number comes from, ``assumed`` where 
 
 The sum is scaled by one factor measured end to end: the model's own estimate of recipe h200
 (proxy model, one H200, MBS 10, selective recompute, bf16 parameters and AdamW state) against its
-measured 716.5 ms a step (bench/step_h200.md: 52,252 useful tokens/s, MFU 40.7%), so every
+measured 716.5 ms a step (bench/results/step.md: 52,252 useful tokens/s, MFU 40.7%), so every
 estimate here is "what the measured step would take at this size", not a datasheet bound.
 """
 
@@ -48,7 +48,7 @@ class Hardware:
     """One accelerator and its links (rates in FLOP/s and bytes/s)."""
 
     name: str = "H200"
-    memory_gib: float = 141.0  # datasheet HBM3e (the device reports ~140.4 GiB: bench/sweep_h200.md)
+    memory_gib: float = 141.0  # datasheet HBM3e (the device reports ~140.4 GiB: bench/results/sweep.md)
     usable_fraction: float = 0.95  # of the memory a step may use (XLA_PYTHON_CLIENT_MEM_FRACTION in bench/)
     peak_flops: float = 989e12  # dense bf16 datasheet (flops.PEAK_BF16_FLOPS)
     dense_flops: float = 780e12  # measured: a large bf16 matmul
@@ -250,7 +250,7 @@ def sources(hw: Hardware = H200) -> str:
         "FSDP / gradient collectives hidden behind up to {:.0%} of the compute, TP / EP / PP exposed, CP half; {} "
         "memory-bound passes over each layer's activations; {:.2f} ms launch / idle a layer; balanced experts; one "
         "packed document a row. Memory: the analytic model of plan.memory (checked against XLA's compiled analysis "
-        "on CPU: bench/plans.md) + {:.0%} of the temporaries for XLA's buffer packing; the cuDNN path's residuals "
+        "on CPU: bench/results/plans.md) + {:.0%} of the temporaries for XLA's buffer packing; the cuDNN path's residuals "
         "are read from the code, not measured.".format(
             hw.inter_host_gbps, hw.gpus_per_host, hw.inter_host_efficiency, OVERLAP, MEMORY_PASSES,
             LAUNCH_S_PER_LAYER * 1e3, __import__("moevlm_jax.plan.memory", fromlist=["x"]).XLA_HEADROOM)])

@@ -39,7 +39,7 @@ class OptimizerConfig:
     clip_grad_norm: float = 1.0  # clip the global gradient norm to this (0: no clipping)
     state_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of AdamW's moments
     # the sum of the microbatches' gradients (train.grad_accum > 1; Megatron's fp32 main grads are the
-    # default); bfloat16 halves it, which the auto-fit takes only when float32 does not fit (bench/plans.md)
+    # default); bfloat16 halves it, which the auto-fit takes only when float32 does not fit (bench/results/plans.md)
     grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
     skip_nonfinite: bool = True  # skip updates whose gradients hold inf/nan (counted)
     # this many skipped updates in a row stop the run (a checkpoint of the last good state)

@@ -193,7 +193,7 @@ class StepTracker:
         summary once read 67.3k useful tokens/s for 47k), and so is the second interval after a pause,
         whose start was read late (the step after an evaluation 0.63 s against 0.69; likewise the
         second step of a run, which is why ``skip_first`` is 2: 0.06 s against 0.69 on the H200, the
-        train CLI's summary 63.0k useful tokens/s for 59.4k, bench/first_step_h200.md)."""
+        train CLI's summary 63.0k useful tokens/s for 59.4k, bench/results/first_step.md)."""
         record = self._finish(counted=False)
         self._skip = 2
         return record

@@ -81,7 +81,7 @@ def gather_trained(hidden: jax.Array, targets: jax.Array, loss_mask: jax.Array, 
     mask = loss_mask.reshape(flat)
     idx, valid = trained_positions(mask, capacity)
     # top_k's indices are distinct: a gather with unique indices, whose backward scatter needs no atomics
-    # (as take_along_axis it was a 7.3 ms bf16 atomic scatter-add per H200 step, bench/step_h200.md)
+    # (as take_along_axis it was a 7.3 ms bf16 atomic scatter-add per H200 step, bench/results/step.md)
     hidden = hidden.reshape(*flat, h).at[jnp.arange(groups)[:, None], idx].get(unique_indices=True)
     hidden = constrain(hidden, ("act_batch", "act_seq", "act_embed"))
     targets = jnp.take_along_axis(targets.reshape(flat), idx, axis=1)

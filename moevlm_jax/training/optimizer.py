@@ -176,7 +176,7 @@ def global_norm(tree: PyTree, pieces: PyTree | None = None) -> jax.Array:
     slices along axis 0, each on its own (the same norm up to the order of the float32 additions). For an unrolled
     layer stack's gradient, the concatenate of its layers' gradients (``moevlm_jax.model.layers.run_stack``), XLA
     then reads each layer's gradient where it lies (a slice of a concatenate cancels), where one sum over the
-    concatenate read them at ~1 TB/s (9.0 ms a step in the h200 recipe, bench/step_h200.md)."""
+    concatenate read them at ~1 TB/s (9.0 ms a step in the h200 recipe, bench/results/step.md)."""
     leaves = jax.tree.leaves(tree)
     counts = [1] * len(leaves) if pieces is None else jax.tree.leaves(pieces)
     if len(counts) != len(leaves):
@@ -194,7 +194,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     gradients' dtype) and the scaling in float32, rounded once. A caller that has the norm already passes it
     (``tx.update(..., grad_norm=)``: the trainer's logged gradient norm): the gradients are read once for it.
     Computed twice, XLA:GPU fused the second sum of squares into the AdamW update's elementwise kernels, which
-    then ran as reductions (bench/step_h200.md)."""
+    then ran as reductions (bench/results/step.md)."""
     def init(params: PyTree) -> optax.EmptyState:
         del params
         return optax.EmptyState()
@@ -221,7 +221,7 @@ def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors:
     an ``isfinite`` reduction over every gradient. XLA fused it into the norm's reduction over each whole leaf, so
     alone this change saves nothing; but with the norm summed per layer (:func:`global_norm`'s ``pieces``) that
     check would be left reading the unrolled stacks' concatenated gradients on its own, at ~1 TB/s (9.0 ms a step in
-    the h200 recipe, bench/step_h200.md)."""
+    the h200 recipe, bench/results/step.md)."""
     inner = optax.with_extra_args_support(inner)
 
     def init(params: PyTree) -> optax.ApplyIfFiniteState:

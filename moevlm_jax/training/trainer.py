@@ -172,7 +172,7 @@ def segments_over_bound(arrays: dict[str, np.ndarray], options: object, warned: 
     segments (packed samples; images for the vision tower) than the cuDNN ragged kernel's, or an image
     longer than the vision tower's XLA band (``vision_max_image_patches``). The step then runs that
     attention on the dense-mask kernel / the whole row for the whole batch (exact, but slower;
-    bench/attention.md). Returns ``{"text" | "vision" | "vision_length": rows over}`` and logs a
+    bench/results/attention.md). Returns ``{"text" | "vision" | "vision_length": rows over}`` and logs a
     warning the first time per kind (``warned``; None: no warning, e.g. where the attention is not
     cuDNN's). ``lengths``: check image lengths (where the vision attention is XLA's; cuDNN's ragged
     kernel has no such bound)."""
@@ -238,7 +238,7 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
 
         # one microbatch on one device: nothing sums the gradients, they stay in the parameters' dtype (the h200
         # recipe's bf16 gradients copied to float32, 24.6 GB, and the optimizer's reads of it: 8.9 ms a step,
-        # bench/step_h200.md)
+        # bench/results/step.md)
         objective, grads, sums = optim.accumulate_gradients(loss_fn, trainable, micro, grad_shardings=grad_shardings,
                                                             accum_dtype=jnp.dtype(spec.optimizer.grad_accum_dtype),
                                                             single_dtype=None if spec.mesh.size == 1 else jnp.float32)
@@ -246,7 +246,7 @@ def _train_step(state: dict[str, Any], micro: dict[str, jax.Array], *, spec: Ste
         # (layers.materialised_grad; re-derived in each reduction over them they cost 82 ms/step,
         # step_h200.md); the stacked leaves' concatenates fuse into the update, and the norm sums
         # each layer's gradient on its own (_norm_pieces)
-        # logged, and the clipping's and the finiteness check's (read once: bench/step_h200.md)
+        # logged, and the clipping's and the finiteness check's (read once: bench/results/step.md)
         grad_norm = optim.global_norm(grads, optim.partition(_norm_pieces(spec), mask)[0])
         with jax.named_scope("optimizer"):  # profiler trace labels (bench.trace_breakdown)
             updates, opt_state = tx.update(grads, state["opt_state"], trainable, grad_norm=grad_norm)

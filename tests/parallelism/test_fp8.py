@@ -86,7 +86,7 @@ def test_rounding_error_is_half_an_ulp(fmt, mantissa):
 @pytest.mark.parametrize("blocks", [(1, 128), (-1, -1)])
 def test_the_fp8_tensor_is_behind_a_barrier(blocks):
     """XLA:GPU compiled the fp8 rounding away (on the H200 both recipes' GEMMs had bf16's error size,
-    bench/fp8_h200.md; most likely its convert-chain folding under default excess precision); XLA:CPU
+    bench/results/fp8.md; most likely its convert-chain folding under default excess precision); XLA:CPU
     does not, so the rounding tests above cannot see it. What keeps the rounding on any backend: the fp8 tensor
     itself passes an optimisation barrier before it is converted back (the program's text says so)."""
     text = jax.jit(lambda x: fp8.qdq(x, "e4m3", blocks)).lower(jnp.ones((4, 256), jnp.bfloat16)).as_text()
@@ -115,7 +115,7 @@ def test_dot_and_its_gradients_are_the_recipe(recipe):
 
 def test_the_tensor_recipe_hands_the_fp8_arrays_to_the_dot():
     """The tensor recipe's dense GEMMs are dots of fp8 arrays (e4m3 x e4m3 forward, e5m2 x e4m3 for both
-    gradients), the form XLA:GPU compiles to cuBLASLt's FP8 GEMM (bench/fp8_h200.md section 4), not a
+    gradients), the form XLA:GPU compiles to cuBLASLt's FP8 GEMM (bench/results/fp8.md section 4), not a
     dot of dequantised bf16 operands; the blockwise recipe stays quantise-dequantise."""
     x, w, g = (jnp.ones(s, jnp.bfloat16) for s in ((32, 64), (64, 48), (32, 48)))
 

@@ -5,7 +5,7 @@
   loss: tracing only, no compile) for the tiny and small models.
 - The analytic per-device total is within 10% of XLA's compiled memory analysis (``memory_report``:
   the train step compiled, never run) for tiny and small over several layouts x recompute x MBS
-  (``ACCURACY``; the whole calibration set and its errors are in bench/plans.md).
+  (``ACCURACY``; the whole calibration set and its errors are in bench/results/plans.md).
 - Communication bytes of a hand-checkable case (the FSDP all-gather of a known parameter count, the
   gradient reduce-scatter, the EP all-to-all rows) and the cross-host fractions of mesh groups.
 - The ranking puts a fitting candidate first under a small memory limit, and says nothing fits under

@@ -240,7 +240,7 @@ def test_default_recipes_by_platform():
 
 
 def test_h200_recipe_is_the_measured_one_gpu_setting():
-    """configs/recipes/h200.yaml: the best measured dropless point (bench/step_h200.md runs 9-16; MBS 11 from run 21,
+    """configs/recipes/h200.yaml: the best measured dropless point (bench/results/step.md runs 9-16; MBS 11 from run 21,
     bf16 logits from run 23) as a recipe."""
     cfg = load_config("h200", num_devices=1, num_processes=1)
     assert cfg.name == "h200" and cfg.model.name == "proxy" and cfg.train.micro_batch_size == 11
