@@ -77,7 +77,8 @@ from moevlm_jax.plan.geometry import (
 )
 
 GIB = 2**30
-XLA_HEADROOM = 0.06  # of the live temporaries: XLA:CPU's heap packing (0-17% over the live peak; bench/results/plans.md)
+# of the live temporaries: XLA:CPU's heap packing (0-17% over the live peak; bench/results/plans.md)
+XLA_HEADROOM = 0.06
 CUDNN_WORKSPACE = 64 * 2**20  # per attention call (assumed)
 PARTS = ("params", "optimizer", "gradients", "batch", "activations", "saved_weights", "lm_head", "embedding",
          "gathered_weights", "moe_dispatch", "attention", "xla_temporaries")

@@ -250,7 +250,7 @@ def sources(hw: Hardware = H200) -> str:
         "FSDP / gradient collectives hidden behind up to {:.0%} of the compute, TP / EP / PP exposed, CP half; {} "
         "memory-bound passes over each layer's activations; {:.2f} ms launch / idle a layer; balanced experts; one "
         "packed document a row. Memory: the analytic model of plan.memory (checked against XLA's compiled analysis "
-        "on CPU: bench/results/plans.md) + {:.0%} of the temporaries for XLA's buffer packing; the cuDNN path's residuals "
-        "are read from the code, not measured.".format(
+        "on CPU: bench/results/plans.md) + {:.0%} of the temporaries for XLA's buffer packing; the cuDNN path's "
+        "residuals are read from the code, not measured.".format(
             hw.inter_host_gbps, hw.gpus_per_host, hw.inter_host_efficiency, OVERLAP, MEMORY_PASSES,
             LAUNCH_S_PER_LAYER * 1e3, __import__("moevlm_jax.plan.memory", fromlist=["x"]).XLA_HEADROOM)])
