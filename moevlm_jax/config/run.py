@@ -43,7 +43,7 @@ from moevlm_jax.data.sources import dataset_source
 from moevlm_jax.data.tokenizer import load_tokenizer
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
-from moevlm_jax.model.registry import model_config_type
+from moevlm_jax.model.registry import load_model_config, model_config_type
 from moevlm_jax.parallelism.layout import Layout
 from moevlm_jax.parallelism.logical import axis_size, data_parallel_size, mesh_axes_for
 from moevlm_jax.parallelism.validate import LayoutError, validate_layout
@@ -356,6 +356,18 @@ def _dataset_path(ref: Any) -> tuple[str, dict[str, Any]] | None:
     return None if source is None else (str(ref), source)
 
 
+def _hf_config(ref: Any) -> Path | None:
+    """The ``config.json`` of a model reference that names an HF model directory or the file itself, else None."""
+    if not isinstance(ref, (str, Path)):
+        return None
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model: {path} is a directory without config.json (an HF model directory holds one)")
+        return path / "config.json"
+    return path if path.suffix == ".json" and path.is_file() else None
+
+
 def resolve_raw(recipe: str | Path | None = None, *, model: str | None = None, layout: str | None = None,
                 data: str | None = None, overrides: Sequence[str] = (), steps: int | None = None,
                 run_dir: str | None = None, resume: bool | None = None, platform: str | None = None
@@ -382,6 +394,10 @@ def resolve_raw(recipe: str | Path | None = None, *, model: str | None = None, l
     for key, value in pairs:  # 'model=proxy' is the same as --model proxy
         if key in REFERENCED and isinstance(value, str):
             refs[key] = value
+    init_from = next((value for key, value in pairs if key == "train.init_from"), None)
+    if init_from and refs["model"] is None and not resume:  # fine-tuning an HF checkpoint: its architecture
+        refs["model"] = str(init_from)
+        log.info("model: %s's config.json (train.init_from; --model to take another)", init_from)
     sources: dict[str, str] = {"recipe": str(path)}
     dataset = _dataset_path(refs["data"])
     if dataset is not None:  # --data PATH: the recipe's data settings with this dataset as the source
@@ -389,6 +405,11 @@ def resolve_raw(recipe: str | Path | None = None, *, model: str | None = None, l
     for section in REFERENCED:
         if refs[section] is not None:
             raw[section] = refs[section]
+        hf = _hf_config(raw.get(section)) if section == "model" else None
+        if hf is not None:  # an HF model directory or its config.json: HF's keys beyond ours are kept as extra
+            raw[section] = to_plain(load_model_config(hf))
+            sources[section] = str(hf)
+            continue
         raw[section] = resolve_reference(section, raw.get(section), sources)
     if dataset is not None:
         where, source = dataset

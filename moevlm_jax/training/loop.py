@@ -329,9 +329,16 @@ def _pretrained(path: str | None, cfg: RunConfig, trainer: Trainer) -> Any:
 
     model, _ = load_pretrained(path, np.dtype(cfg.compute.param_dtype), compute=cfg.compute)
     params = nnx.to_pure_dict(nnx.state(model, (nnx.Param, ExpertBias)))  # + router state (zeros)
-    want = jax.tree.map(lambda x: x.shape, trainer.abstract_params)
-    if jax.tree.map(lambda x: x.shape, params) != want:
-        raise ConfigError(f"train.init_from {path}: parameter shapes differ from the configured model")
+    have = {jax.tree_util.keystr(k): tuple(x.shape) for k, x in jax.tree_util.tree_leaves_with_path(params)}
+    want = {jax.tree_util.keystr(k): tuple(x.shape)
+            for k, x in jax.tree_util.tree_leaves_with_path(trainer.abstract_params)}
+    if have != want:
+        diff = [f"{k}: checkpoint {have.get(k, 'absent')}, model {want.get(k, 'absent')}"
+                for k in sorted(have.keys() | want.keys()) if have.get(k) != want.get(k)]
+        raise ConfigError(f"train.init_from {path}: the checkpoint's parameters differ from the configured model "
+                          f"{cfg.model.name!r} in {len(diff)} tensors, first {'; '.join(diff[:3])}. Train the "
+                          f"checkpoint's own architecture with --model {path} (or leave --model out: train.init_from "
+                          "alone takes the model from the checkpoint)")
     return params
 
 

@@ -11,7 +11,7 @@ import pytest
 from moevlm_jax.config import load_layout
 from moevlm_jax.config.run import load_config
 from moevlm_jax.model.compute import ComputeConfig
-from moevlm_jax.model.config import load_model_config
+from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.schema import ConfigError, build
 from moevlm_jax.training.compile_policy import CompilePolicy
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
