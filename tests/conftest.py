@@ -5,7 +5,7 @@ after each module (Linux's memory-map limit); the slowest modules scheduled firs
 import gc
 import os
 
-from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS  # noqa: E402
+from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS
 
 # Unoptimised LLVM code (tests/xla_options.py): the suite's compiles take ~40% less time, its small
 # programs run about as fast. The tests' subprocesses inherit it; those that set their own XLA_FLAGS add it.
@@ -15,17 +15,18 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# XLA:CPU's collective threads as the train CLI sets them (parallelism/cpu_threads.py, on import of the
-# parallelism package): with XLA's own pool (one thread a device) collective-heavy steps deadlock where
-# cores < devices (a tp run through the CLI in the suite aborted so, 2026-12-02). The suite ran with XLA's
-# pool (MOEVLM_CPU_THREADS_PER_DEVICE=0) after four full runs on 2 cores (2026-12-01) lost a worker in an
-# XLA:CPU compile with the raised pool; those crashes were the memory-map limit found later (the fixture
-# below frees compiled executables), not the threads.
+# XLA:CPU's collective threads as the train CLI sets them (parallelism/cpu_threads.py, called by the
+# entry points; here before any test starts the CPU client): with XLA's own pool (one thread a device)
+# collective-heavy steps deadlock where cores < devices (a tp run through the CLI in the suite aborted
+# so, 2026-12-02). The suite ran with XLA's pool (MOEVLM_CPU_THREADS_PER_DEVICE=0) after four full runs
+# on 2 cores (2026-12-01) lost a worker in an XLA:CPU compile with the raised pool; those crashes were
+# the memory-map limit found later (the fixture below frees compiled executables), not the threads.
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
 
-import moevlm_jax.parallelism as parallelism  # noqa: E402,F401 - sets PJRT_NPROC before any test starts the CPU client
+ensure_collective_threads()  # PJRT_NPROC for the 8 host devices, before any test starts the CPU client
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -147,11 +148,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """Under ``-n`` (xdist's default distribution, 'load'): whole modules, in the order above."""
-    if config.getvalue("dist") != "load":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
+class _WholeModulesFirst:
+    """xdist's scheduler hook, registered only where pytest-xdist is installed (plain ``pytest`` without it
+    rejects an unknown ``pytest_xdist_*`` hook with INTERNALERROR)."""
 
-    config.option.loadscopereorder = False
-    return LoadScopeScheduling(config, log)
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        """Under ``-n`` (xdist's default distribution, 'load'): whole modules, in the order above."""
+        if config.getvalue("dist") != "load":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        config.option.loadscopereorder = False
+        return LoadScopeScheduling(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_WholeModulesFirst(), "moevlm-whole-modules-first")
