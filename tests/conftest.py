@@ -112,30 +112,31 @@ def legacy_emitters():
     jax.clear_caches()
 
 
-# Modules by their time in full-suite runs on 2 cores (2026-12-02), slowest first: the xdist workers start
-# on them, each module on one worker (its module fixtures computed once), so that no long module is left
-# running alone at the end; the rest follow in collection order.
+# Modules by their time on 2 cores, slowest first (full-suite runs; the process-level modules re-measured
+# after sharing their compiles and shrinking their batches): the xdist workers start on them, each module on
+# one worker (its module fixtures computed once), so that no long module is left running alone at the end;
+# the rest follow in collection order (tests/bench/ and tests/plan/: the former tests/tools/ modules).
 SLOW_MODULES = (
     "tests/training/test_multiprocess.py",
-    "tests/training/test_faults.py",
     "tests/parallelism/test_layouts.py",
+    "tests/training/test_faults.py",
     "tests/parallelism/test_layouts_cli.py",
     "tests/parallelism/test_qwen3_5_layouts.py",
     "tests/training/test_train_cli.py",
-    "tests/parallelism/test_fp8_trainer.py",
-    "tests/tools/test_plan.py",
-    "tests/tools/test_bench.py",
-    "tests/training/test_portable_checkpoints.py",
+    "tests/plan/test_plan.py",
+    "tests/bench/test_bench.py",
     "tests/training/test_train_fsdp.py",
+    "tests/training/test_portable_checkpoints.py",
     "tests/parallelism/test_pipeline.py",
+    "tests/parallelism/test_fp8_trainer.py",
     "tests/training/test_bf16_params.py",
     "tests/training/test_autofit.py",
     "tests/training/test_qwen3_5_train.py",
-    "tests/tools/test_sweep.py",
+    "tests/bench/test_sweep.py",
     "tests/parallelism/test_dispatch.py",
     "tests/training/test_dataset_paths.py",
     "tests/parallelism/test_permute.py",
-    "tests/tools/test_bench_hf_qwen3_5.py",
+    "tests/bench/test_bench_hf_qwen3_5.py",
     "tests/training/test_bound_check.py",
     "tests/inference/test_generate.py",
     "tests/model/test_recompute.py",
