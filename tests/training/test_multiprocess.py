@@ -98,7 +98,8 @@ def _recipe(tmp: Path, jax_cache: Path) -> Path:
     data = {**data_config(tmp / "cache"), "num_shards": 2}
     recipe.write_text(yaml.safe_dump({
         "name": "mp", "model": "tiny", "layout": "fsdp", "data": data, "compute": COMPUTE,
-        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.01, "decay_steps": LONG},  # runs of 2 and 4 steps
+        # runs of SHORT and LONG steps on one schedule
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.01, "decay_steps": LONG},
         "train": {"steps": LONG, "global_batch_size": 8, "seq_len": SEQ_LEN, "log_every": 1, "checkpoint_every": 2,
                   "keep_checkpoints": 3, "freeze_vision_model": True,
                   # the resumed 1-process run loads the straight 1-process run's compiled step
@@ -125,7 +126,8 @@ def test_cli_as_two_processes_checkpoints_resume_in_one(tmp_path, jax_cache):
         assert a[step] == pytest.approx(b[step], rel=2e-6), step
     # resume the 2-process run in 1 process (its config.yaml, checkpoint SHORT, both data shards)
     resumed = subprocess.run([sys.executable, "-m", "moevlm_jax.train", "--quiet", "--run-dir", str(two), "--resume",
-                              f"train.steps={LONG}"], env=_env(8), capture_output=True, text=True, timeout=900, check=False)
+                              f"train.steps={LONG}"], env=_env(8), capture_output=True, text=True, timeout=900,
+                              check=False)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     c = logged_losses(two)
     for step in range(SHORT + 1, LONG + 1):
