@@ -5,7 +5,7 @@ after each module (Linux's memory-map limit); the slowest modules scheduled firs
 import gc
 import os
 
-from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS  # noqa: E402
+from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS
 
 # Unoptimised LLVM code (tests/xla_options.py): the suite's compiles take ~40% less time, its small
 # programs run about as fast. The tests' subprocesses inherit it; those that set their own XLA_FLAGS add it.
@@ -15,17 +15,19 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# XLA:CPU's collective threads as the train CLI sets them (parallelism/cpu_threads.py, on import of the
-# parallelism package): with XLA's own pool (one thread a device) collective-heavy steps deadlock where
-# cores < devices (a tp run through the CLI in the suite aborted so, 2026-12-02). The suite ran with XLA's
-# pool (MOEVLM_CPU_THREADS_PER_DEVICE=0) after four full runs on 2 cores (2026-12-01) lost a worker in an
-# XLA:CPU compile with the raised pool; those crashes were the memory-map limit found later (the fixture
-# below frees compiled executables), not the threads.
+# XLA:CPU's collective threads as the train CLI sets them (parallelism/cpu_threads.py, called by the
+# entry points; here before any test starts the CPU client): with XLA's own pool (one thread a device)
+# collective-heavy steps deadlock where cores < devices (a tp run through the CLI in the suite aborted
+# so, 2026-12-02). The suite ran with XLA's pool (MOEVLM_CPU_THREADS_PER_DEVICE=0) after four full runs
+# on 2 cores (2026-12-01) lost a worker in an XLA:CPU compile with the raised pool; those crashes were
+# the memory-map limit found later (the fixture below frees compiled executables), not the threads.
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-import moevlm_jax.parallelism as parallelism  # noqa: E402,F401 - sets PJRT_NPROC before any test starts the CPU client
+from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
+
+ensure_collective_threads()  # PJRT_NPROC for the 8 host devices, before any test starts the CPU client
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -111,30 +113,31 @@ def legacy_emitters():
     jax.clear_caches()
 
 
-# Modules by their time in full-suite runs on 2 cores (2026-12-02), slowest first: the xdist workers start
-# on them, each module on one worker (its module fixtures computed once), so that no long module is left
-# running alone at the end; the rest follow in collection order.
+# Modules by their time on 2 cores, slowest first (full-suite runs; the process-level modules re-measured
+# after sharing their compiles and shrinking their batches): the xdist workers start on them, each module on
+# one worker (its module fixtures computed once), so that no long module is left running alone at the end;
+# the rest follow in collection order (tests/bench/ and tests/plan/: the former tests/tools/ modules).
 SLOW_MODULES = (
     "tests/training/test_multiprocess.py",
-    "tests/training/test_faults.py",
     "tests/parallelism/test_layouts.py",
+    "tests/training/test_faults.py",
     "tests/parallelism/test_layouts_cli.py",
     "tests/parallelism/test_qwen3_5_layouts.py",
     "tests/training/test_train_cli.py",
-    "tests/parallelism/test_fp8_trainer.py",
-    "tests/tools/test_plan.py",
-    "tests/tools/test_bench.py",
-    "tests/training/test_portable_checkpoints.py",
+    "tests/plan/test_plan.py",
+    "tests/bench/test_bench.py",
     "tests/training/test_train_fsdp.py",
+    "tests/training/test_portable_checkpoints.py",
     "tests/parallelism/test_pipeline.py",
+    "tests/parallelism/test_fp8_trainer.py",
     "tests/training/test_bf16_params.py",
     "tests/training/test_autofit.py",
     "tests/training/test_qwen3_5_train.py",
-    "tests/tools/test_sweep.py",
+    "tests/bench/test_sweep.py",
     "tests/parallelism/test_dispatch.py",
     "tests/training/test_dataset_paths.py",
     "tests/parallelism/test_permute.py",
-    "tests/tools/test_bench_hf_qwen3_5.py",
+    "tests/bench/test_bench_hf_qwen3_5.py",
     "tests/training/test_bound_check.py",
     "tests/inference/test_generate.py",
     "tests/model/test_recompute.py",
@@ -147,11 +150,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest as collected
 
 
-def pytest_xdist_make_scheduler(config, log):
-    """Under ``-n`` (xdist's default distribution, 'load'): whole modules, in the order above."""
-    if config.getvalue("dist") != "load":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
+class _WholeModulesFirst:
+    """xdist's scheduler hook, registered only where pytest-xdist is installed (plain ``pytest`` without it
+    rejects an unknown ``pytest_xdist_*`` hook with INTERNALERROR)."""
 
-    config.option.loadscopereorder = False
-    return LoadScopeScheduling(config, log)
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        """Under ``-n`` (xdist's default distribution, 'load'): whole modules, in the order above."""
+        if config.getvalue("dist") != "load":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        config.option.loadscopereorder = False
+        return LoadScopeScheduling(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_WholeModulesFirst(), "moevlm-whole-modules-first")

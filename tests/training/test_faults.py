@@ -26,9 +26,8 @@ import numpy as np
 import pytest
 import yaml
 
-from moevlm_jax.training.metrics import read_metrics
-from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
-from tests.xla_options import LEGACY_EMITTERS_FLAG
+from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config, logged_losses
+from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS_FLAG
 
 # quick compiles (tests/xla_options.py): the straight run compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
@@ -43,17 +42,21 @@ def setup(tmp_path_factory):
     recipe.write_text(yaml.safe_dump({
         "name": "faults", "model": "tiny", "layout": "fsdp", "data": data_config(tmp / "cache"),
         "compute": COMPUTE, "optimizer": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.01},
-        "train": {"steps": STEPS, "global_batch_size": 8, "seq_len": SEQ_LEN, "log_every": 1,
+        # 2 rows a step: what is tested is the run's state across signals and restarts, not the batch; the
+        # 151936-token LM head makes a step's cost follow its rows
+        "train": {"steps": STEPS, "global_batch_size": 2, "seq_len": SEQ_LEN, "log_every": 1,
                   "checkpoint_every": 1, "keep_checkpoints": 3, "compilation_cache_dir": str(tmp / "jax_cache"),
                   "tensorboard": False},  # metrics.jsonl is what is read (tensorboardX imports torch: 2 s a run)
     }))
-    # optimised code (these runs take ~40 steps between them), legacy emitters (-40% compile, -10% a step)
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {LEGACY_EMITTERS_FLAG}",
+    # quick compiles as the rest of the suite (tests/xla_options.py): unoptimised LLVM code, legacy emitters; the
+    # steps of 2 rows stay cheap
+    flags = f"--xla_force_host_platform_device_count=1 {FAST_XLA_FLAGS} {LEGACY_EMITTERS_FLAG}"
+    env = {**os.environ, "XLA_FLAGS": flags,
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "PYTHONUNBUFFERED": "1"}
     straight = tmp / "straight"  # the reference losses: no checkpoints needed (8 writes of ~120 MB)
     done = _run(["--recipe", str(recipe), "--run-dir", str(straight), "train.checkpointing=false"], env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return recipe, env, _losses(straight)
+    return recipe, env, logged_losses(straight)
 
 
 def _cmd(args):
@@ -62,10 +65,6 @@ def _cmd(args):
 
 def _run(args, env, timeout=600):
     return subprocess.run(_cmd(args), env=env, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
 def _start(args, env) -> subprocess.Popen:
@@ -98,11 +97,11 @@ def test_sigterm_checkpoints_exits_0_and_resumes_exactly(setup, tmp_path):
     assert proc.returncode == 0, err[-3000:]
     lines = [ln for ln in out.splitlines() if ln.startswith("stopped by SIGTERM")]
     assert len(lines) == 1 and "checkpoint" in lines[0] and "--resume" in lines[0], out
-    stopped_at = max(_losses(run))
+    stopped_at = max(logged_losses(run))
     assert stopped_at < STEPS
     done = _run(["--run-dir", str(run), "--resume"], env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _losses(run) == want  # every step's loss, bitwise
+    assert logged_losses(run) == want  # every step's loss, bitwise
 
 
 def test_kill9_mid_save_and_mid_step_resume_from_the_last_complete_checkpoint(setup, tmp_path):
@@ -121,12 +120,12 @@ def test_kill9_mid_save_and_mid_step_resume_from_the_last_complete_checkpoint(se
     complete = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
     assert complete, "no complete checkpoint before the kill"
     proc = _start(["--run-dir", str(run), "--resume"], env)  # resumes, then is killed again mid-training
-    _wait_for(lambda: max(_losses(run), default=0) >= complete[-1] + 2, proc)
+    _wait_for(lambda: max(logged_losses(run), default=0) >= complete[-1] + 2, proc)
     proc.kill()
     proc.wait()
     done = _run(["--run-dir", str(run), "--resume"], env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _losses(run) == want, f"partial checkpoint dirs at the first kill: {partial}"
+    assert logged_losses(run) == want, f"partial checkpoint dirs at the first kill: {partial}"
 
 
 def test_nonfinite_updates_in_a_row_stop_the_run_with_the_last_good_state(setup, tmp_path):
@@ -165,7 +164,9 @@ def test_unwritable_or_full_run_dir_is_reported_before_compiling(setup, tmp_path
     ahead = []  # the disk is checked before the step compiled ahead starts (no compile thread left behind)
     monkeypatch.setattr(Trainer, "compile_ahead", lambda self, *a, **k: ahead.append(a))
     monkeypatch.setattr(faults.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 1024, 1024))
-    argv = ["--recipe", str(recipe), "--quiet", "train.reserve_largest_bucket=true", "train.compile_ahead=true"]
+    # in this process's 8 devices: a global batch of 8 rows (MBS 1 under fsdp), the recipe's 2 would not divide
+    argv = ["--recipe", str(recipe), "--quiet", "train.global_batch_size=8", "train.reserve_largest_bucket=true",
+            "train.compile_ahead=true"]
     assert main([*argv, "--run-dir", str(tmp_path / "full")]) == 2
     err = capsys.readouterr().err
     assert "GiB free, but the kept checkpoints need" in err and "train.keep_checkpoints" in err
@@ -207,4 +208,4 @@ def test_a_failed_checkpoint_write_is_reported_and_training_goes_on(setup, tmp_p
     assert "checkpoint at step 3 failed (OSError" in done.stderr and "No space left on device" in done.stderr
     steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [1, 2, 4]  # step 3 is missing, the earlier ones were kept, training went on
-    assert _losses(run) == {s: want[s] for s in range(1, 5)}  # as the straight run
+    assert logged_losses(run) == {s: want[s] for s in range(1, 5)}  # as the straight run

@@ -25,6 +25,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from tests.parallelism.packed_batch import packed_batch
+from tests.training.train_setup import logged_losses
 from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS_FLAG
 
 # quick compiles (tests/xla_options.py) here and in every subprocess: the 1-process references and the runs
@@ -32,6 +33,9 @@ from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS_FLAG
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 ROWS, SEQ = 16, 32  # 16 rows: pp's 4 microbatches over 4 fsdp devices per stage
+# the CLI runs: 2 processes train SHORT steps (a checkpoint every 2: one at SHORT), 1 process LONG straight, and
+# the 2-process run resumed in 1 process from SHORT to LONG (each side of the resume has an AdamW update)
+SHORT, LONG = 2, 4
 LAUNCH = [sys.executable, "-m", "moevlm_jax.launch", "--processes", "2", "--devices-per-process", "4", "--timeout",
           "900"]
 
@@ -96,8 +100,9 @@ def _recipe(tmp: Path, jax_cache: Path) -> Path:
     data = {**data_config(tmp / "cache"), "num_shards": 2}
     recipe.write_text(yaml.safe_dump({
         "name": "mp", "model": "tiny", "layout": "fsdp", "data": data, "compute": COMPUTE,
-        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.01, "decay_steps": 6},  # runs of 4 and 6 steps
-        "train": {"steps": 6, "global_batch_size": 8, "seq_len": SEQ_LEN, "log_every": 1, "checkpoint_every": 2,
+        # runs of SHORT and LONG steps on one schedule
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.01, "decay_steps": LONG},
+        "train": {"steps": LONG, "global_batch_size": 8, "seq_len": SEQ_LEN, "log_every": 1, "checkpoint_every": 2,
                   "keep_checkpoints": 3, "freeze_vision_model": True,
                   # the resumed 1-process run loads the straight 1-process run's compiled step
                   "compilation_cache_dir": str(jax_cache),
@@ -106,32 +111,28 @@ def _recipe(tmp: Path, jax_cache: Path) -> Path:
     return recipe
 
 
-def _losses(run: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
-
-
 def test_cli_as_two_processes_checkpoints_resume_in_one(tmp_path, jax_cache):
     recipe = _recipe(tmp_path, jax_cache)
     two, one = tmp_path / "two", tmp_path / "one"
     train = ["-m", "moevlm_jax.train", "--quiet", "--recipe", str(recipe)]
-    done = subprocess.run([*LAUNCH, "--", *train, "--run-dir", str(two), "train.steps=4"], env=_env(4),
+    done = subprocess.run([*LAUNCH, "--", *train, "--run-dir", str(two), f"train.steps={SHORT}"], env=_env(4),
                           capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert (two / "metrics.jsonl").exists() and (two / "config.yaml").exists()  # written by process 0
     straight = subprocess.run([sys.executable, *train, "--run-dir", str(one)], env=_env(8), capture_output=True,
                               text=True, timeout=900, check=False)
     assert straight.returncode == 0, straight.stderr[-4000:]
-    a, b = _losses(two), _losses(one)
-    assert sorted(a) == [1, 2, 3, 4]
+    a, b = logged_losses(two), logged_losses(one)
+    assert sorted(a) == list(range(1, SHORT + 1))
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=2e-6), step
-    # resume the 2-process run in 1 process (its config.yaml, checkpoint 4, both data shards)
+    # resume the 2-process run in 1 process (its config.yaml, checkpoint SHORT, both data shards)
     resumed = subprocess.run([sys.executable, "-m", "moevlm_jax.train", "--quiet", "--run-dir", str(two), "--resume",
-                              "train.steps=6"], env=_env(8), capture_output=True, text=True, timeout=900, check=False)
+                              f"train.steps={LONG}"], env=_env(8), capture_output=True, text=True, timeout=900,
+                              check=False)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    c = _losses(two)
-    for step in (5, 6):
+    c = logged_losses(two)
+    for step in range(SHORT + 1, LONG + 1):
         assert c[step] == pytest.approx(b[step], rel=2e-6), step
     # the HF export of the 2-process run's checkpoint (written by both processes) and the 1-process run's:
     # the export CLI's main in this process (it restores onto one device whatever the process has)
@@ -140,7 +141,7 @@ def test_cli_as_two_processes_checkpoints_resume_in_one(tmp_path, jax_cache):
     outs = {}
     for name, run in (("two", two), ("one", one)):
         outs[name] = tmp_path / f"hf_{name}"
-        assert export_main(["--run-dir", str(run), "--step", "4", "--out", str(outs[name])]) == 0
+        assert export_main(["--run-dir", str(run), "--step", str(SHORT), "--out", str(outs[name])]) == 0
     files = sorted(p.name for p in outs["one"].glob("*.safetensors"))
     assert files and files == sorted(p.name for p in outs["two"].glob("*.safetensors"))
     for f in files:
@@ -184,7 +185,7 @@ def test_a_killed_process_ends_every_process_within_60_s(tmp_path, jax_cache):
                   and b"MOEVLM_PROCESS_ID=1\x00" in env)
     os.kill(victim, signal.SIGKILL)
     t_kill = time.perf_counter()
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert time.perf_counter() - t_kill < 60
     assert proc.returncode != 0
     assert "process 1" in err and "SIGKILL" in err, err[-3000:]

@@ -22,7 +22,13 @@ import yaml
 
 from moevlm_jax.train import main
 from moevlm_jax.training.metrics import read_metrics
-from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config, leaves_by_path
+from tests.training.train_setup import (
+    COMPUTE,
+    SEQ_LEN,
+    data_config,
+    leaves_by_path,
+    logged_losses,
+)
 
 # quick compiles (tests/xla_options.py): the straight and the resumed run compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
@@ -42,10 +48,6 @@ def _recipe(tmp) -> str:
     return str(recipe)
 
 
-def _losses(run_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-
-
 def _restore(run_dir, step):
     with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), item_names=("state", "data")) as mgr:
         out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
@@ -60,12 +62,12 @@ def test_main_job_resume_freeze_and_outputs(tmp_path, capsys):
     # the summary says how long the process took to its first step (here the test worker's age)
     assert re.search(r"first step done \d+s after the process started", capsys.readouterr().out)
     assert main(["--recipe", recipe, "--run-dir", str(resumed), "--quiet"], stop_after=4) == 0
-    assert _losses(resumed).keys() == {1, 2, 3, 4}
+    assert logged_losses(resumed).keys() == {1, 2, 3, 4}
     assert main(["--run-dir", str(resumed), "--resume", "--quiet"]) == 0  # reloads resumed/config.yaml
 
     # the resumed run logs the uninterrupted run's losses, step for step (bitwise: same program,
     # same data, restored parameters, optimizer state, step, RNG and data iterator)
-    a, b = _losses(straight), _losses(resumed)
+    a, b = logged_losses(straight), logged_losses(resumed)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     assert [a[s] for s in a] == [b[s] for s in a]
     assert a[STEPS] < a[1]

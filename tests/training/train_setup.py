@@ -39,6 +39,13 @@ def host_batches(cache_dir: str | Path, n: int, rows: int = ROWS, **data: Any) -
         loader.close()
 
 
+def logged_losses(run_dir: str | Path) -> dict[int, float]:
+    """step -> loss of the training records a train CLI run logged to ``run_dir``/metrics.jsonl."""
+    from moevlm_jax.training.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(Path(run_dir)) if "loss" in r}
+
+
 def leaves_by_path(tree: Any) -> dict[str, np.ndarray]:
     """'/'-joined path -> numpy array for every leaf of ``tree``."""
     import jax
