@@ -131,7 +131,7 @@ SLOW_MODULES = (
     "tests/parallelism/test_pipeline.py",
     "tests/parallelism/test_fp8_trainer.py",
     "tests/training/test_bf16_params.py",
-    "tests/training/test_autofit.py",
+    "tests/plan/test_autofit.py",
     "tests/training/test_qwen3_5_train.py",
     "tests/bench/test_sweep.py",
     "tests/parallelism/test_dispatch.py",
