@@ -92,6 +92,21 @@ def _memory_maps_well_under_the_limit():
         _free_executables()
 
 
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """Every HF reference config (tests/model/hf_reference.py) as a random HF model saved with transformers'
+    save_pretrained: name -> HFFixture (config, model, path). One per session, for every test directory."""
+    from tests.model.hf_reference import HFFixture, build_hf, hf_config_dicts
+
+    out = {}
+    for seed, (name, cfg) in enumerate(hf_config_dicts().items()):
+        model = build_hf(cfg, seed)
+        path = tmp_path_factory.mktemp(f"hf_{name}")
+        model.save_pretrained(path)
+        out[name] = HFFixture(name, cfg, model, str(path))
+    return out
+
+
 @pytest.fixture(scope="module")
 def legacy_emitters():
     """Every compile of the module's tests (their module fixtures too: ``pytestmark =

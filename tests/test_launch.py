@@ -15,7 +15,7 @@ import pytest
 
 from moevlm_jax import launch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 # One child script, its behaviour picked by argv: DIR MODE. Files under DIR pass pids and readiness
 # between the children and the test.
