@@ -12,12 +12,12 @@ the experts run as without it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from moevlm_jax.parallelism import gmm_mgpu, gmm_triton
+from moevlm_jax.schema import near_miss
 
 Fusion = Literal["gather", "mgpu_dswiglu", "mgpu_dweighted"]
 PermuteKernel = Literal["dispatch", "combine_bwd"]
@@ -34,11 +34,6 @@ REMOVED_FUSIONS = {
 _TRITON_KEY = re.compile(r"^(fwd|dx|dw)(:\d+x\d+)?$")
 
 
-def _near(value: str, known: Sequence[str]) -> str:
-    close = difflib.get_close_matches(value, list(known), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
 def _names(where: str, values: Any, known: Sequence[str], removed: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """``values`` (a list of names) as a tuple, each checked against ``known``; a ValueError names the bad one."""
     if isinstance(values, str) or not isinstance(values, (list, tuple)):
@@ -48,7 +43,7 @@ def _names(where: str, values: Any, known: Sequence[str], removed: Mapping[str, 
             raise ValueError(f"{where}: '{v}' was removed ({removed[v]}; bench/results/moe_layer.md); "
                              f"known: {list(known)}")
         if v not in known:
-            raise ValueError(f"{where}: unknown '{v}'{_near(str(v), known)}; known: {list(known)}")
+            raise ValueError(f"{where}: unknown '{v}'{near_miss(str(v), known)} (known: {list(known)})")
     if len(set(values)) != len(values):
         raise ValueError(f"{where}: {list(values)} names one twice")
     return tuple(values)
