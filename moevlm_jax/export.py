@@ -5,6 +5,8 @@ The run's ``config.yaml`` gives the model; the checkpoint's ``params`` are resto
 whatever layout (and however many processes) the run trained under — orbax stores the global arrays
 — and written with ``moevlm_jax.hf.save_pretrained`` (safetensors shards + index + config.json, loadable
 by ``transformers``). The same state saved under any layout exports to the same files, bit for bit.
+Without ``--step`` the newest checkpoint that restores is exported (a damaged newer one is skipped with
+one log line, and left on disk); a ``--step`` that does not restore is an error.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moevlm_jax.training.checkpoint import RestoreError
+
 log = logging.getLogger("moevlm_jax.export")
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None, dtype: str | None = None,
                max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write checkpoint ``step`` (default: the latest) of the run in ``run_dir`` to ``out`` as an HF
-    directory; ``dtype`` casts the parameters (default: as saved). Returns ``out``."""
+    """Write checkpoint ``step`` (default: the newest that restores) of the run in ``run_dir`` to ``out`` as an
+    HF directory; ``dtype`` casts the parameters (default: as saved). Returns ``out``."""
     from moevlm_jax.hf import save_pretrained
     from moevlm_jax.inference.loading import restore_run
     from moevlm_jax.model.registry import build_model
@@ -40,10 +44,12 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: export a run's checkpoint; 2 on a missing run / checkpoint."""
+    """CLI: export a run's checkpoint; 2 on a missing run / checkpoint, 1 when none (or not the one asked
+    for) restores."""
     p = argparse.ArgumentParser(prog="python -m moevlm_jax.export", description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", required=True, help="a training run directory (config.yaml + checkpoints/)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    p.add_argument("--step", type=int, default=None,
+                   help="exactly this checkpoint step (default: the newest that restores)")
     p.add_argument("--out", required=True, help="the Hugging Face directory to write")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="cast the weights (default: as saved)")
@@ -56,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RestoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"exported {args.run_dir} to {out}")
     return 0
 

@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="a training run directory (config.yaml + checkpoints/)")
     src.add_argument("--hf", help="a Hugging Face model directory")
-    p.add_argument("--step", type=int, help="checkpoint step of --run-dir (default: the latest)")
+    p.add_argument("--step", type=int, help="checkpoint step of --run-dir (default: the newest that restores)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="the question (images go first, or at its <image> placeholders)")
     what.add_argument("--questions",
@@ -72,11 +72,12 @@ def read_questions(path: str | Path) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry; 2 on bad arguments or inputs."""
+    """CLI entry; 2 on bad arguments or inputs, 1 when the run's checkpoint does not restore."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from moevlm_jax import inference
+    from moevlm_jax.training.checkpoint import RestoreError
 
     t0 = time.perf_counter()
     try:
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RestoreError as e:  # no checkpoint of the run restores (or not the --step asked for)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     image_cfg = loaded.image_config
     pixels = {k: v for k, v in (("min_pixels", args.min_pixels), ("max_pixels", args.max_pixels)) if v is not None}
     if pixels:

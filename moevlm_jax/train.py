@@ -1,5 +1,5 @@
 """The main job: ``python -m moevlm_jax.train [--recipe R] [--model M] [--layout L] [--data D]
-[--steps N] [--run-dir DIR] [--resume] [key=value ...]`` (``--help-config``: every key).
+[--steps N] [--run-dir DIR] [--resume | --resume-step N] [key=value ...]`` (``--help-config``: every key).
 
 config (moevlm_jax.config, validated once) -> auto-fit (moevlm_jax.plan.autofit: a run that
 does not fit the devices gets the planner's fastest fitting settings, said in words) -> mesh over all devices
@@ -7,8 +7,8 @@ does not fit the devices gets the planner's fastest fitting settings, said in wo
 shard) -> loop:
 step, metrics (metrics.jsonl, TensorBoard, progress bar), held-out evaluation, async orbax
 checkpoints, profile window -> summary table (moevlm_jax.training.loop). ``--resume`` continues the
-run in ``--run-dir`` from its latest checkpoint: parameters, optimizer state, step, RNG and the data
-iterator.
+run in ``--run-dir`` from its newest checkpoint that restores (``--resume-step N``: exactly checkpoint N):
+parameters, optimizer state, step, RNG and the data iterator.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import os
 import sys
 from typing import Any
 
-from moevlm_jax.config.run import add_arguments, from_args, help_config
+from moevlm_jax.config.run import add_arguments, from_args, help_config, resumes
 from moevlm_jax.data.config import DataError
 from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
 from moevlm_jax.schema import ConfigError
 from moevlm_jax.training import capture, distributed
+from moevlm_jax.training.checkpoint import RestoreError
 from moevlm_jax.training.faults import TrainingStopped
 
 log = logging.getLogger("moevlm_jax.train")
@@ -68,6 +69,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  held-out        skipped: {summary['evals_skipped']}")
     if summary.get("curves"):
         lines.append(f"  curves          {summary['curves']} (loss, held-out loss, tokens/s against step)")
+    if summary.get("skipped_checkpoints"):
+        lines.append(f"  resumed         from step {summary['start_step']}, not the newest checkpoint: "
+                     + "; ".join(f"{s['step']} skipped ({s['reason']}), kept as {s['kept_as'] or s['step']}"
+                                 for s in summary["skipped_checkpoints"]))
     if summary.get("checkpoints"):
         lines.append(f"  checkpoints     {summary['checkpoints']} in {summary['run_dir']}/checkpoints")
     return "\n".join(lines)
@@ -134,7 +139,8 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     try:  # the capture's XLA flags, then the processes connected, before anything starts the jax backend
         capture.apply_capture(capture.recipe_compute(args.recipe, args.overrides, run_dir=args.run_dir,
-                                                     resume=args.resume))
+                                                     resume=resumes(args.resume, args.resume_step,
+                                                                    args.overrides)))
         if distributed.initialize(args) > 1 and distributed.process_index() > 0:
             setup_logging(logging.WARNING)  # one process logs the run; the others only their warnings
     except (ValueError, capture.CaptureError) as e:
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
     except (ConfigError, FileExistsError) as e:
         print_error(e)
         return 2
-    except (TrainingStopped, DataError) as e:  # the run cannot go on: why, and what was saved
+    except (TrainingStopped, DataError, RestoreError) as e:  # the run cannot go on: why, and what was saved
         print_error(e)
         return 1
     if distributed.process_index() > 0:

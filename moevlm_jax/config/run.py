@@ -62,7 +62,7 @@ from moevlm_jax.schema import (
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
 
 __all__ = ["CONFIG_DIR", "ConfigError", "RunConfig", "add_arguments", "build_run_config", "default_recipe",
-           "from_args", "help_config", "load_config", "resolve_raw", "save_config"]
+           "from_args", "help_config", "load_config", "resolve_raw", "resumes", "save_config"]
 
 log = logging.getLogger(__name__)
 
@@ -368,18 +368,32 @@ def _hf_config(ref: Any) -> Path | None:
     return path if path.suffix == ".json" and path.is_file() else None
 
 
+def resumes(resume: bool | None, resume_step: int | None = None, overrides: Sequence[str] = ()) -> bool:
+    """Whether a run continues from a checkpoint: ``--resume``, ``--resume-step N``, or ``train.resume`` /
+    ``train.resume_step`` among the ``key=value`` overrides."""
+    given = dict(parse_override(item) for item in overrides)
+    return bool(resume or resume_step is not None or given.get("train.resume")
+                or given.get("train.resume_step") is not None)
+
+
 def resolve_raw(recipe: str | Path | None = None, *, model: str | None = None, layout: str | None = None,
                 data: str | None = None, overrides: Sequence[str] = (), steps: int | None = None,
-                run_dir: str | None = None, resume: bool | None = None, platform: str | None = None
-                ) -> tuple[dict[str, Any], dict[str, str]]:
+                run_dir: str | None = None, resume: bool | None = None, resume_step: int | None = None,
+                platform: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """The layered raw mapping of a run (recipe -> referenced files -> overrides), before any check
-    or device query: ``(raw, sources)``; ``sources`` says which file each section came from."""
-    if resume and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists():
+    or device query: ``(raw, sources)``; ``sources`` says which file each section came from. Resuming
+    (:func:`resumes`) without a recipe starts from the run directory's ``config.yaml``, less the
+    ``train.resume_step`` an earlier start asked for."""
+    resuming = resumes(resume, resume_step, overrides)
+    own = resuming and recipe is None and run_dir and (Path(run_dir) / "config.yaml").exists()
+    if own:
         recipe = Path(run_dir) / "config.yaml"  # resuming: the run's own resolved config is the base
         log.info("resuming from %s", recipe)
     recipe = recipe if recipe is not None else default_recipe(platform)
     path = find_config("recipes", recipe)
     raw = read_yaml(path)
+    if own and isinstance(raw.get("train"), dict):
+        raw["train"].pop("resume_step", None)
     raw.setdefault("name", path.stem if path.name != "config.yaml" else path.parent.name)
     pairs = []
     for item in overrides:
@@ -395,7 +409,7 @@ def resolve_raw(recipe: str | Path | None = None, *, model: str | None = None, l
         if key in REFERENCED and isinstance(value, str):
             refs[key] = value
     init_from = next((value for key, value in pairs if key == "train.init_from"), None)
-    if init_from and refs["model"] is None and not resume:  # fine-tuning an HF checkpoint: its architecture
+    if init_from and refs["model"] is None and not resuming:  # fine-tuning an HF checkpoint: its architecture
         refs["model"] = str(init_from)
         log.info("model: %s's config.json (train.init_from; --model to take another)", init_from)
     sources: dict[str, str] = {"recipe": str(path)}
@@ -426,17 +440,20 @@ def resolve_raw(recipe: str | Path | None = None, *, model: str | None = None, l
         train["run_dir"] = str(run_dir)
     if resume is not None:
         train["resume"] = bool(resume)
+    if resume_step is not None:
+        train["resume_step"] = resume_step
     raw["train"] = train
     return raw, sources
 
 
 def load_config(recipe: str | Path | None = None, *, model: str | None = None, layout: str | None = None,
                 data: str | None = None, overrides: Sequence[str] = (), steps: int | None = None,
-                run_dir: str | None = None, resume: bool | None = None, num_devices: int | None = None,
-                num_processes: int | None = None, platform: str | None = None) -> RunConfig:
+                run_dir: str | None = None, resume: bool | None = None, resume_step: int | None = None,
+                num_devices: int | None = None, num_processes: int | None = None,
+                platform: str | None = None) -> RunConfig:
     """Defaults -> recipe -> model/layout/data files -> ``key=value`` overrides, validated."""
     raw, sources = resolve_raw(recipe, model=model, layout=layout, data=data, overrides=overrides, steps=steps,
-                               run_dir=run_dir, resume=resume, platform=platform)
+                               run_dir=run_dir, resume=resume, resume_step=resume_step, platform=platform)
     if num_devices is None or num_processes is None:
 
         num_devices = jax.device_count() if num_devices is None else num_devices
@@ -460,7 +477,7 @@ def save_config(cfg: RunConfig, path: str | Path) -> Path:
 # ----------------------------------------------------------------------------- command line
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --recipe/--model/--layout/--data/--steps/--run-dir/--resume and key=value overrides."""
+    """Add --recipe/--model/--layout/--data/--steps/--run-dir/--resume/--resume-step and key=value overrides."""
     parser.add_argument("--recipe", help="configs/recipes/NAME.yaml or a path (default: by platform)")
     parser.add_argument("--model", help="configs/models/NAME.yaml or a path")
     parser.add_argument("--layout", help="configs/layouts/NAME.yaml or a path")
@@ -468,7 +485,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="train.steps")
     parser.add_argument("--run-dir", help="train.run_dir")
     parser.add_argument("--resume", action="store_true", default=None,
-                        help="continue from the latest checkpoint in the run dir")
+                        help="train.resume: continue from the newest checkpoint in the run dir that restores")
+    parser.add_argument("--resume-step", type=int, metavar="N",
+                        help="train.resume_step: continue from exactly checkpoint N (implies --resume)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="any setting by dotted path, e.g. optimizer.lr=1e-4 train.grad_accum=4 "
                              "(--help-config lists them all)")
@@ -478,4 +497,4 @@ def from_args(args: argparse.Namespace, num_devices: int | None = None) -> RunCo
     """RunConfig from the arguments :func:`add_arguments` defined."""
     return load_config(args.recipe, model=args.model, layout=args.layout, data=args.data,
                        overrides=args.overrides, steps=args.steps, run_dir=args.run_dir,
-                       resume=args.resume, num_devices=num_devices)
+                       resume=args.resume, resume_step=args.resume_step, num_devices=num_devices)

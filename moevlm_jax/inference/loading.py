@@ -28,6 +28,7 @@ from moevlm_jax.model.qwen3_vl_moe import Qwen3VLMoe
 from moevlm_jax.model.registry import build_model
 from moevlm_jax.model.router import ExpertBias
 from moevlm_jax.schema import read_yaml
+from moevlm_jax.training import checkpoint as training_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,7 @@ def run_sections(run_dir: str | Path) -> tuple[ModelConfig, ComputeConfig, DataC
 def checkpoint_steps(run_dir: str | Path) -> list[int]:
     """Finished checkpoint steps of a run, ascending."""
     ckpt = Path(run_dir) / "checkpoints"
-    return sorted(int(p.name) for p in ckpt.iterdir() if p.is_dir() and p.name.isdigit() and (p / "state").is_dir()) \
-        if ckpt.is_dir() else []
+    return [s for s in training_checkpoint.checkpoint_steps(ckpt) if (ckpt / str(s) / "state").is_dir()]
 
 
 def restore_params(state_dir: str | Path, abstract_params: Any, device: jax.Device | None = None) -> Any:
@@ -153,28 +153,35 @@ def restore_params(state_dir: str | Path, abstract_params: Any, device: jax.Devi
 
 
 def restore_run(run_dir: str | Path, step: int | None = None) -> tuple[Any, ComputeConfig, DataConfig | None, int, Any]:
-    """(model config, compute, data, step, params) of checkpoint ``step`` (default: the latest) of a
-    training run: the ``params`` of its train state on one device, in the dtype they were saved in,
-    whatever layout or process count wrote them."""
+    """(model config, compute, data, step, params) of checkpoint ``step`` of a training run (default: the
+    newest that restores; a damaged newer one is skipped with one log line and left on disk; a ``step``
+    given that does not restore is a ``RestoreError``): the ``params`` of its train state on one device, in
+    the dtype they were saved in, whatever layout or process count wrote them."""
 
     run_dir = Path(run_dir)
+    where = run_dir / "checkpoints"
     model_cfg, compute, data = run_sections(run_dir)
     steps = checkpoint_steps(run_dir)
     if not steps:
-        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
-    step = steps[-1] if step is None else int(step)
-    if step not in steps:
-        raise FileNotFoundError(f"no checkpoint for step {step} in {run_dir / 'checkpoints'}; have {steps}")
+        raise FileNotFoundError(f"no checkpoint in {where}")
+    if step is not None and int(step) not in steps:
+        raise FileNotFoundError(f"no checkpoint for step {step} in {where}; have {steps}")
     abstract = nnx.eval_shape(lambda: build_model(model_cfg, compute, nnx.Rngs(0)))
     abstract_params = nnx.to_pure_dict(nnx.state(abstract, (nnx.Param, ExpertBias)))  # the train state's params
-    return model_cfg, compute, data, step, restore_params(run_dir / "checkpoints" / str(step) / "state",
-                                                          abstract_params)
+
+    def restore(s: int) -> Any:
+        return restore_params(where / str(s) / "state", abstract_params)
+
+    if step is not None:
+        return model_cfg, compute, data, int(step), training_checkpoint.restore_exactly(restore, int(step), str(where))
+    step, params, _ = training_checkpoint.first_restorable(steps, restore, str(where))
+    return model_cfg, compute, data, step, params
 
 
 def load_run(run_dir: str | Path, step: int | None = None, *, dtype: str | None = None,
              tokenizer: str | None = None) -> Loaded:
     """A training run directory -> Loaded: the model of its ``config.yaml`` with the ``params`` of
-    checkpoint ``step`` (default: the latest), on one device. ``dtype``: the compute dtype (default
+    checkpoint ``step`` (default: the newest that restores), on one device. ``dtype``: the compute dtype (default
     the run's); parameters keep the dtype they were saved in."""
     run_dir = Path(run_dir)
     model_cfg, compute, data, step, params = restore_run(run_dir, step)

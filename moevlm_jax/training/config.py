@@ -82,7 +82,12 @@ class TrainConfig:
     param_groups: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: dict(PARAM_GROUP_PATTERNS))
     init_from: str | None = None  # a Hugging Face checkpoint directory to start from (null: random init)
     run_dir: str | None = None  # where config, metrics and checkpoints go (null: runs/<recipe name>)
-    resume: bool = False  # continue from the run directory's latest checkpoint
+    # continue from the run directory's newest checkpoint that restores (a damaged one is skipped, named in the
+    # log and the summary, and kept on disk)
+    resume: bool = False
+    # continue from exactly this checkpoint step (implies resume; an error when it is not there or does not
+    # restore); newer checkpoints are set aside as <step>.superseded. null: as train.resume says
+    resume_step: int | None = None
     tensorboard: bool = True  # also write TensorBoard events
     profile_steps: int = 0  # trace this many steps with the JAX profiler (0: none)
     profile_start_step: int = 10  # the first profiled step
@@ -112,12 +117,20 @@ class TrainConfig:
         return legacy_compile(raw)
 
     @property
+    def resuming(self) -> bool:
+        """Whether the run continues from a checkpoint (``resume``, or a ``resume_step`` given)."""
+        return self.resume or self.resume_step is not None
+
+    @property
     def reuse_shapes(self) -> bool:
         """Whether batches are padded to a compiled step's shapes (every mode but ``exact``)."""
         return self.compile != "exact"
 
     def __post_init__(self) -> None:
         coerce_fields(self, "train")  # types, as the loader checks them
+        if self.resume_step is not None and self.resume_step < 1:
+            raise ValueError(f"train.resume_step={self.resume_step}: checkpoint steps start at 1 (null: the newest "
+                             "checkpoint that restores)")
         if self.compile_bucket is not None and self.compile not in ("reserve", "ahead"):
             raise ValueError(f"train.compile_bucket={self.compile_bucket} reserves a patch bucket, which "
                              f"train.compile={self.compile!r} does not: set train.compile=reserve (or ahead), or "

@@ -2,8 +2,10 @@
 evaluation, checkpoints, profile window, curves and generated answers hung on it as hooks -> the run summary.
 
 ``run(cfg)`` is what ``python -m moevlm_jax.train`` runs (the CLI owns the terminal: progress bar,
-summary table); ``--resume`` continues the run in its directory from its latest checkpoint:
-parameters, optimizer state, step, RNG and the data iterator. The parts, each its own module:
+summary table); ``--resume`` continues the run in its directory from its newest checkpoint that
+restores (``train.resume_step``: exactly that one): parameters, optimizer state, step, RNG and the
+data iterator. Newer checkpoints it passed over (damaged, or newer than the step asked for) are set
+aside on disk, and the log and the summary name them. The parts, each its own module:
 ``compile_policy`` (``train.compile``: what compiles when), ``evaluator`` (the held-out evaluation),
 ``hooks`` (the hook protocol and the evaluation / checkpoint / profile / plot / answers hooks),
 ``faults`` (stop signals, non-finite updates, the run directory's room).
@@ -11,6 +13,7 @@ parameters, optimizer state, step, RNG and the data iterator. The parts, each it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -28,7 +31,7 @@ from moevlm_jax.perf import flops, memory
 from moevlm_jax.schema import ConfigError
 from moevlm_jax.training import capture
 from moevlm_jax.training import optimizer as optim
-from moevlm_jax.training.checkpoint import Checkpointer, resume_step
+from moevlm_jax.training.checkpoint import Checkpointer, Skipped, resume_steps, set_aside
 from moevlm_jax.training.compile_policy import CompilePolicy, apply_compilation_cache
 from moevlm_jax.training.evaluator import Evaluator, eval_record, evaluate
 from moevlm_jax.training.faults import (
@@ -70,7 +73,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     without the final checkpoint, as an interrupted run would (tests, time boxes). ``hooks``: more
     hooks, called after the train job's own (``moevlm_jax.training.hooks``)."""
     tr = cfg.train
-    start, trainer, policy, evaluator = _setup(cfg)
+    resumable, trainer, policy, evaluator = _setup(cfg)
     abstract = trainer.abstract_state()
     # room for the checkpoints kept at once (+1 while the next is written), as many as the run writes; checked
     # before a compile starts (a process leaving with XLA compiling in a thread can crash on its way out)
@@ -81,7 +84,8 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     checkpoints = CheckpointHook(Checkpointer(cfg.run_dir / "checkpoints", save_every=tr.checkpoint_every,
                                               keep=tr.keep_checkpoints, async_save=tr.async_checkpointing),
                                  enabled=tr.checkpointing)
-    ctx, records = _context(cfg, trainer, abstract, start, checkpoints.checkpointer, progress)
+    ctx, records = _context(cfg, trainer, abstract, resumable, checkpoints.checkpointer, progress)
+    start = records.start
     shape = flops.ModelShape.from_config(cfg.model)
     hooks = [ProfileHook(ProfileWindow(tr.profile_dir or cfg.run_dir / "profile", tr.profile_start_step,
                                        tr.profile_steps)),
@@ -125,17 +129,18 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     return _summary(ctx, records, step, time.perf_counter() - t0, loader_summary, checkpoints.saved)
 
 
-def _setup(cfg: RunConfig) -> tuple[int, Trainer, CompilePolicy, Evaluator]:
+def _setup(cfg: RunConfig) -> tuple[list[int], Trainer, CompilePolicy, Evaluator]:
     """Everything before the state exists: the capture flags, the compilation cache, the run directory
-    (checked, config.yaml written), the step to resume from, the evaluator, the compile policy and the
-    trainer with its shapes reserved. Returns ``(start step, trainer, policy, evaluator)``."""
+    (checked, config.yaml written), the steps the run may resume from, the evaluator, the compile policy
+    and the trainer with its shapes reserved. Returns ``(resumable steps newest first, trainer, policy,
+    evaluator)``."""
     try:  # the CLI set the flags before the backend started; in-process callers must have the same
         capture.apply_capture(cfg.compute)
     except capture.CaptureError as e:
         raise ConfigError(f"compute.capture {cfg.compute.capture}: {e}") from None
     tr = cfg.train
     apply_compilation_cache(tr.compilation_cache_dir)
-    start = resume_step(cfg.run_dir / "checkpoints", tr.resume) or 0
+    resumable = resume_steps(cfg.run_dir / "checkpoints", tr.resuming, tr.resume_step)
     _check_run_dir(cfg.run_dir)
     if jax.process_index() == 0:
         save_config(cfg, cfg.run_dir)
@@ -151,19 +156,18 @@ def _setup(cfg: RunConfig) -> tuple[int, Trainer, CompilePolicy, Evaluator]:
         raise ConfigError(f"data-parallel size {trainer.data_parallel_size} != config's {cfg.data_parallel_size}")
     log.info("batch: global %d rows x %d tokens = micro %d x accumulation %d x data-parallel %d",
              cfg.global_batch_size, tr.seq_len, tr.micro_batch_size, tr.grad_accum, cfg.data_parallel_size)
-    return start, trainer, policy, evaluator
+    return resumable, trainer, policy, evaluator
 
 
-def _context(cfg: RunConfig, trainer: Trainer, abstract: Any, start: int, ckpt: Checkpointer,
+def _context(cfg: RunConfig, trainer: Trainer, abstract: Any, resumable: list[int], ckpt: Checkpointer,
              progress: bool | None) -> tuple[LoopContext, StepRecords]:
-    """The state (restored from checkpoint ``start`` or initialised), the loader (at the checkpoint's data
-    position), the metrics writer, step tracker and progress bar, as one :class:`LoopContext`, and the
-    :class:`StepRecords` its ``record`` is."""
+    """The state (restored from the newest of ``resumable`` that restores, or initialised), the loader (at
+    the checkpoint's data position), the metrics writer, step tracker and progress bar, all from the step
+    actually restored, as one :class:`LoopContext`, and the :class:`StepRecords` its ``record`` is."""
     tr = cfg.train
-    data_state = None
-    if start:
-        state, data_state = ckpt.restore(abstract, step=start)
-        log.info("resumed from step %d (%s)", start, cfg.run_dir / "checkpoints")
+    start, data_state, skipped = 0, None, []
+    if resumable:
+        start, state, data_state, skipped = _resume(cfg, ckpt, abstract, resumable)
     else:
         state = trainer.init_state(tr.seed, params=_pretrained(tr.init_from, cfg, trainer))
     # the data's logical shards (data.num_shards, else one per process of the run's first start), kept by
@@ -182,8 +186,50 @@ def _context(cfg: RunConfig, trainer: Trainer, abstract: Any, start: int, ckpt: 
                                         int(jax.device_get(optim.skipped_updates(state["opt_state"])))),
                          log_every=tr.log_every, steps=tr.steps, start=start)
     summary: dict[str, Any] = {"run_dir": str(cfg.run_dir), "start_step": start, "steps": tr.steps, "evals": []}
+    if skipped:
+        summary["skipped_checkpoints"] = [dataclasses.asdict(s) for s in skipped]
     return LoopContext(cfg=cfg, trainer=trainer, state=state, loader=loader, writer=writer, tracker=tracker,
                        summary=summary, primary=primary, record=record), record
+
+
+def _resume(cfg: RunConfig, ckpt: Checkpointer, abstract: Any, resumable: list[int]
+            ) -> tuple[int, Any, Any, list[Skipped]]:
+    """``(step, state, data state, skipped)`` of the checkpoint the run resumes from: exactly
+    ``train.resume_step`` (a RestoreError when it does not restore), else the newest of ``resumable`` that
+    restores. Newer checkpoints are set aside (damaged ones, or those past the step asked for), so that the
+    run writes those steps anew; the resume's log line names them."""
+    asked = cfg.train.resume_step
+    if asked is not None:
+        state, data_state = ckpt.restore(abstract, step=asked)
+        step, tag = asked, "superseded"
+        skipped = [Skipped(s, f"newer than train.resume_step={asked}") for s in ckpt.all_steps()[::-1] if s > asked]
+    else:
+        restored = ckpt.restore_newest(abstract, resumable)
+        step, state, data_state, skipped, tag = (restored.step, restored.state, restored.data_state,
+                                                 list(restored.skipped), "damaged")
+    skipped = _set_aside(ckpt, skipped, tag)
+    where = cfg.run_dir / "checkpoints"
+    if skipped:
+        log.warning("resumed from step %d, not the newest checkpoint %d, in %s: %s", step, skipped[0].step, where,
+                    "; ".join(f"{s.step} skipped ({s.reason}), kept as {s.kept_as or s.step}" for s in skipped))
+    else:
+        log.info("resumed from step %d (%s)", step, where)
+    return step, state, data_state, skipped
+
+
+def _set_aside(ckpt: Checkpointer, skipped: list[Skipped], tag: str) -> list[Skipped]:
+    """``skipped``'s directories renamed ``<step>.<tag>`` by the primary process (every process waits for it),
+    and the checkpointer's steps read again."""
+    if not skipped:
+        return []
+    if jax.process_index() == 0:
+        skipped = set_aside(ckpt.directory, skipped, tag)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("checkpoints set aside")
+    ckpt.reload()
+    return skipped
 
 
 class StepRecords:

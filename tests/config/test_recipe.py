@@ -196,6 +196,24 @@ def test_resolved_config_round_trips(files, tmp_path):
     assert resumed.optimizer.lr == 2e-4 and resumed.train.steps == 99 and resumed.train.resume
 
 
+def test_resume_step_implies_resume_and_is_not_inherited(files, tmp_path):
+    """train.resume_step (--resume-step N) resumes without --resume, from the run's own config.yaml; it goes to
+    config.yaml, and a later --resume of that run does not inherit it (the newest checkpoint that restores)."""
+    run = str(tmp_path / "run")
+    cfg = load_config(files["recipe"], overrides=["optimizer.lr=2e-4"], run_dir=run, num_devices=8, num_processes=1)
+    recipe.save_config(cfg, cfg.run_dir)
+    picked = load_config(None, run_dir=run, resume_step=4, num_devices=8, num_processes=1)
+    assert picked.optimizer.lr == 2e-4 and picked.train.resume_step == 4 and picked.train.resuming
+    recipe.save_config(picked, picked.run_dir)
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["resume_step"] == 4
+    later = load_config(None, run_dir=run, resume=True, num_devices=8, num_processes=1)
+    assert later.train.resume_step is None and later.train.resuming and later.optimizer.lr == 2e-4
+    by_key = load_config(None, run_dir=run, overrides=["train.resume_step=2"], num_devices=8, num_processes=1)
+    assert by_key.train.resume_step == 2 and by_key.optimizer.lr == 2e-4
+    assert recipe.resumes(None, None, ["train.resume_step=null"]) is False
+    assert "checkpoint steps start at 1" in _error(files["recipe"], "train.resume_step=0")
+
+
 def test_help_config_lists_every_key_with_its_meaning():
     """--help-config: every key of every section with type, default and a one-line meaning."""
     from moevlm_jax.schema import describe

@@ -1,6 +1,10 @@
-"""Checkpoints: sharded save/restore (same and different sharding), retention, iterator state, resume."""
+"""Checkpoints: sharded save/restore (same and different sharding), retention, iterator state, resume; a
+damaged checkpoint (a data file truncated after its commit) skipped for the newest that restores, kept on disk."""
 
 from __future__ import annotations
+
+import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +13,20 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moevlm_jax.schema import ConfigError
 from moevlm_jax.training import optimizer as optim
-from moevlm_jax.training.checkpoint import Checkpointer, abstract_like, resume_step
+from moevlm_jax.training.checkpoint import (
+    Checkpointer,
+    RestoreError,
+    Skipped,
+    abstract_like,
+    error_reason,
+    first_restorable,
+    resume_steps,
+    set_aside,
+)
 from moevlm_jax.training.config import OptimizerConfig
+from tests.training.train_setup import damage_checkpoint
 
 
 def _mesh(shape, names):
@@ -104,11 +119,82 @@ def test_iterator_state_bytes_and_none(tmp_path):
 
 
 def test_resume_rules(tmp_path):
-    assert resume_step(tmp_path / "nothing", resume=False) is None
-    assert resume_step(tmp_path / "nothing", resume=True) is None
+    assert resume_steps(tmp_path / "nothing", resume=False) == []
+    assert resume_steps(tmp_path / "nothing", resume=True) == []
     with Checkpointer(tmp_path, save_every=1) as ckpt:
         ckpt.save(3, {"x": jnp.zeros(2)})
         ckpt.save(5, {"x": jnp.zeros(2)})
-    assert resume_step(tmp_path, resume=True) == 5
+    assert resume_steps(tmp_path, resume=True) == [5, 3]  # newest first: the order they are tried in
+    assert resume_steps(tmp_path, resume=True, step=3) == [3]
+    with pytest.raises(ConfigError, match=r"train.resume_step=4: no checkpoint for step 4 .*have \[3, 5\]"):
+        resume_steps(tmp_path, resume=True, step=4)
     with pytest.raises(FileExistsError, match="pass --resume"):
-        resume_step(tmp_path, resume=False)
+        resume_steps(tmp_path, resume=False)
+
+
+def _two_checkpoints(directory):
+    """Checkpoints 4 and 8 of a small state (different values) with their data positions; the states."""
+    states = {s: {"w": jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64) * s, "b": jnp.full(3, s, jnp.int32)}
+              for s in (4, 8)}
+    with Checkpointer(directory, save_every=4, keep=3, async_save=False) as ckpt:
+        for s, state in states.items():
+            assert ckpt.save(s, state, {"batches": s})
+    return states
+
+
+def test_a_damaged_checkpoint_is_skipped_with_one_line_and_kept(tmp_path, caplog, capsys):
+    states = _two_checkpoints(tmp_path)
+    truncated = damage_checkpoint(tmp_path / "8")
+    size = truncated.stat().st_size
+    ckpt = Checkpointer(tmp_path, save_every=4, keep=3)
+    with caplog.at_level(logging.INFO, logger="moevlm_jax.training.checkpoint"):
+        restored = ckpt.restore_newest(abstract_like(states[4]))
+    assert restored.step == 4 and restored.data_state == {"batches": 4}
+    _assert_bitwise_equal(restored.state, states[4])
+    (skipped,) = restored.skipped
+    assert skipped.step == 8 and "OUT_OF_RANGE" in skipped.reason and len(skipped.reason) <= 300
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "checkpoint 8" in warnings[0] and skipped.reason in warnings[0]
+    assert "Traceback" not in capsys.readouterr().err
+    assert truncated.stat().st_size == size and ckpt.all_steps() == [4, 8]  # left as it was
+
+    # asked for explicitly: no fallback, the reason in one message
+    with pytest.raises(RestoreError, match=r"checkpoint 8 in .* does not restore: .*OUT_OF_RANGE"):
+        ckpt.restore(abstract_like(states[8]), step=8)
+    # set aside (renamed, never deleted), the step can be written again; a second time gets its own name
+    (moved,) = set_aside(tmp_path, restored.skipped, "damaged")
+    assert moved.kept_as == str(tmp_path / "8.damaged") and (tmp_path / "8.damaged" / "state").is_dir()
+    ckpt.reload()
+    assert ckpt.all_steps() == [4] and resume_steps(tmp_path, resume=True) == [4]
+    assert ckpt.save(8, states[8], {"batches": 8}, force=True)
+    ckpt.wait()
+    assert ckpt.restore_newest(abstract_like(states[8])).step == 8
+    assert set_aside(tmp_path, [Skipped(8, "again")], "damaged")[0].kept_as == str(tmp_path / "8.damaged-2")
+    ckpt.close()
+
+
+def test_none_restores_lists_every_step_tried(tmp_path):
+    states = _two_checkpoints(tmp_path)
+    for step in (4, 8):
+        damage_checkpoint(tmp_path / str(step))
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(RestoreError) as e:
+            ckpt.restore_newest(abstract_like(states[4]))
+    tried = r"no checkpoint in .* restores \(tried 8, 4\): 8: .*OUT_OF_RANGE.*; 4: .*OUT_OF_RANGE"
+    assert re.search(tried, str(e.value))
+
+
+def test_first_restorable_reason_is_the_innermost_cause():
+    def restore(step):
+        if step > 2:
+            try:
+                raise ValueError(f"OUT_OF_RANGE: byte range of step {step}\nmore detail")
+            except ValueError as e:
+                raise Exception("Encountered error while reading array index: " + "x" * 5000) from e
+        return {"step": step}
+
+    step, out, skipped = first_restorable([1, 3, 2, 4], restore, "here")
+    assert (step, out) == (2, {"step": 2})
+    assert [(s.step, s.reason) for s in skipped] == [(4, "ValueError: OUT_OF_RANGE: byte range of step 4"),
+                                                     (3, "ValueError: OUT_OF_RANGE: byte range of step 3")]
+    assert error_reason(RuntimeError("y" * 1000)).endswith("...") and len(error_reason(RuntimeError("y" * 1000))) == 300

@@ -1,9 +1,13 @@
 """Checkpoints move between layouts: a train state saved under fsdp restores under every other preset
 with identical parameters and optimizer state (orbax reshards onto the new mesh), the next step's
 losses there equal fsdp's, and ``python -m moevlm_jax.export`` writes the same Hugging Face files,
-bit for bit, from a checkpoint of any layout, in float32 and bfloat16."""
+bit for bit, from a checkpoint of any layout, in float32 and bfloat16, and from the newest checkpoint that
+restores (a damaged newer one skipped)."""
 
 from __future__ import annotations
+
+import logging
+import shutil
 
 import jax
 import numpy as np
@@ -18,6 +22,7 @@ from moevlm_jax.training.checkpoint import Checkpointer
 from moevlm_jax.training.trainer import Trainer
 from tests.parallelism.packed_batch import packed_batch
 from tests.parallelism.test_layouts import COMPUTE, FAST, OPTIMIZER
+from tests.training.train_setup import damage_checkpoint
 
 # quick compiles (tests/xla_options.py): fsdp's step and export compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
@@ -119,3 +124,29 @@ def test_export_from_any_layout_is_bitwise_the_same(saved, tmp_path, dtype):
                 for k in a:
                     assert a[k].dtype == np.dtype(dtype if dtype == "float32" else "bfloat16")
                     np.testing.assert_array_equal(a[k].view(np.uint8), b[k].view(np.uint8), err_msg=k)
+
+
+def test_export_skips_a_damaged_checkpoint_and_honours_the_step_asked_for(saved, tmp_path, capsys, caplog):
+    """Without --step, export takes the newest checkpoint that restores (a damaged newer one: one log line, left on
+    disk) and writes the files the intact run exports; --step of a damaged one is an error naming it."""
+    _, _, _, _, fsdp_run = saved
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_run, run)
+    shutil.copytree(run / "checkpoints" / "1", run / "checkpoints" / "2")  # a newer step, then damaged
+    truncated = damage_checkpoint(run / "checkpoints" / "2")
+    assert export_main(["--run-dir", str(fsdp_run), "--out", str(tmp_path / "want")]) == 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert export_main(["--run-dir", str(run), "--out", str(tmp_path / "got")]) == 0
+    skips = [r.getMessage() for r in caplog.records if "does not restore" in r.getMessage()]
+    assert len(skips) == 1 and "checkpoint 2 in" in skips[0] and "OUT_OF_RANGE" in skips[0]
+    assert any(r.getMessage().endswith(f"step 1 to {tmp_path / 'got'}") for r in caplog.records)
+    assert "Traceback" not in capsys.readouterr().err and truncated.exists()
+    names = sorted(p.name for p in (tmp_path / "want").iterdir())
+    assert sorted(p.name for p in (tmp_path / "got").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "got" / name).read_bytes() == (tmp_path / "want" / name).read_bytes(), name
+    assert export_main(["--run-dir", str(run), "--step", "2", "--out", str(tmp_path / "asked")]) == 1
+    err = capsys.readouterr().err
+    assert "error: checkpoint 2 in" in err and "does not restore: ValueError: OUT_OF_RANGE" in err
+    assert not (tmp_path / "asked").exists()

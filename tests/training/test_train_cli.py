@@ -1,9 +1,11 @@
 """The main job end to end, in process: ``python -m moevlm_jax.train --recipe R --run-dir D`` on the
 8 CPU devices (FSDP, MBS 1, global batch 8) with the tiny model, real VQA images, a frozen vision
-tower, checkpoints every 3 steps and a final held-out evaluation.
+tower, checkpoints every 4 steps and a final held-out evaluation.
 
-- a run interrupted after step 4 (last checkpoint: step 3) and resumed with ``--resume`` logs the
-  losses of the uninterrupted run, step for step;
+- the run's step-8 checkpoint damaged (a data file truncated after its commit): ``--resume`` skips it with
+  one log line, keeps it on disk as ``8.damaged``, continues from step 4 and logs the uninterrupted run's
+  losses step for step, its summary naming the skipped checkpoint; ``--resume-step 4`` with step 8 intact
+  resumes from exactly 4 (8 kept as ``8.superseded``), again with those losses;
 - frozen parameters are bitwise unchanged between checkpoints, trained ones change, and frozen
   parameters have no optimizer state;
 - metrics.jsonl, TensorBoard events, config.yaml, retained checkpoints; config errors name the key.
@@ -25,6 +27,7 @@ from moevlm_jax.training.metrics import read_metrics
 from tests.training.train_setup import (
     COMPUTE,
     SEQ_LEN,
+    damage_checkpoint,
     data_config,
     leaves_by_path,
     logged_losses,
@@ -33,7 +36,7 @@ from tests.training.train_setup import (
 # quick compiles (tests/xla_options.py): the straight and the resumed run compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
-STEPS = 6
+STEPS = 8
 
 
 def _recipe(tmp) -> str:
@@ -43,7 +46,7 @@ def _recipe(tmp) -> str:
         "compute": COMPUTE,
         "optimizer": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.01},
         "train": {"steps": STEPS, "micro_batch_size": 1, "seq_len": SEQ_LEN, "log_every": 1, "eval_every": 0,
-                  "eval_batches": 1, "checkpoint_every": 3, "keep_checkpoints": 2, "freeze_vision_model": True},
+                  "eval_batches": 1, "checkpoint_every": 4, "keep_checkpoints": 2, "freeze_vision_model": True},
     }))
     return str(recipe)
 
@@ -54,23 +57,20 @@ def _restore(run_dir, step):
     return out["state"], out["data"]
 
 
+def _checkpoint_dirs(run_dir) -> list[str]:
+    return sorted((p.name for p in (run_dir / "checkpoints").iterdir()), key=lambda n: (len(n), n))
+
+
 def test_main_job_resume_freeze_and_outputs(tmp_path, capsys):
-    """One test (one xdist worker, one compile): three CLI runs, then their files."""
+    """One test (one xdist worker, one compile): the uninterrupted run and its files, then two resumes in its
+    directory (past a damaged step-8 checkpoint; from --resume-step 4) that log its losses again."""
     recipe = _recipe(tmp_path)
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight = tmp_path / "straight"
     assert main(["--recipe", recipe, "--layout", "fsdp", "--run-dir", str(straight), "--quiet"]) == 0
     # the summary says how long the process took to its first step (here the test worker's age)
     assert re.search(r"first step done \d+s after the process started", capsys.readouterr().out)
-    assert main(["--recipe", recipe, "--run-dir", str(resumed), "--quiet"], stop_after=4) == 0
-    assert logged_losses(resumed).keys() == {1, 2, 3, 4}
-    assert main(["--run-dir", str(resumed), "--resume", "--quiet"]) == 0  # reloads resumed/config.yaml
-
-    # the resumed run logs the uninterrupted run's losses, step for step (bitwise: same program,
-    # same data, restored parameters, optimizer state, step, RNG and data iterator)
-    a, b = logged_losses(straight), logged_losses(resumed)
-    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
-    assert [a[s] for s in a] == [b[s] for s in a]
-    assert a[STEPS] < a[1]
+    want = logged_losses(straight)
+    assert sorted(want) == list(range(1, STEPS + 1)) and want[STEPS] < want[1]
 
     # outputs: metrics.jsonl, TensorBoard events, config.yaml (a recipe), retained checkpoints
     records = read_metrics(straight)
@@ -78,22 +78,22 @@ def test_main_job_resume_freeze_and_outputs(tmp_path, capsys):
     # throughput leaves out the first two steps (compilation; the second's start read late) and checkpoint steps
     # (null there)
     rates = {r["step"]: r["tokens_per_s"] for r in records if "loss" in r}
-    assert rates[1] is None and rates[2] is None and rates[3] is None and rates[4] > 0 and rates[5] > 0
+    assert rates[1] is None and rates[2] is None and rates[4] is None and rates[3] > 0 and rates[5] > 0
     evals = [r for r in records if "eval_accuracy" in r]
     assert len(evals) == 1 and evals[0]["step"] == STEPS and 0 <= evals[0]["eval_accuracy"] <= 1
     assert evals[0]["eval_answers"] > 0
     assert list((straight / "tensorboard").glob("events.out.tfevents.*"))
     saved = yaml.safe_load((straight / "config.yaml").read_text())
     assert saved["train"]["steps"] == STEPS and saved["model"]["name"] == "tiny"
-    assert sorted(int(p.name) for p in (straight / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
+    assert _checkpoint_dirs(straight) == ["4", "8"]
 
     # freezing: the vision tower is bitwise unchanged between the checkpoints, trained parts move,
     # and frozen parameters have no optimizer state
     from moevlm_jax.training.optimizer import param_group
 
-    s3, d3 = _restore(straight, 3)
-    s6, _ = _restore(straight, 6)
-    p3, p6 = leaves_by_path(s3["params"]), leaves_by_path(s6["params"])
+    s4, d4 = _restore(straight, 4)
+    s8, _ = _restore(straight, 8)
+    p3, p6 = leaves_by_path(s4["params"]), leaves_by_path(s8["params"])
     groups = {k: param_group(k) for k in p3}
     assert {"vision_model", "vision_projection", "language_model"} <= set(groups.values())
     for k, g in groups.items():
@@ -102,10 +102,10 @@ def test_main_job_resume_freeze_and_outputs(tmp_path, capsys):
     changed = {g: any(not np.array_equal(p6[k], p3[k]) for k in p3 if groups[k] == g)
                for g in ("vision_projection", "language_model")}
     assert changed == {"vision_projection": True, "language_model": True}
-    opt_paths = list(leaves_by_path(s6["opt_state"]))
+    opt_paths = list(leaves_by_path(s8["opt_state"]))
     assert not any("visual/blocks" in k or "visual/patch_embed" in k or "visual/pos_embed" in k for k in opt_paths)
     assert any("visual/merger" in k for k in opt_paths) and any("embed_tokens" in k for k in opt_paths)
-    assert int(s3["step"]) == 3 and int(s6["step"]) == 6
+    assert int(s4["step"]) == 4 and int(s8["step"]) == 8
 
     # the summary's held-out answers: greedy generation from the final parameters, as the generate
     # path gives from the checkpoint (restored on its own)
@@ -130,7 +130,48 @@ def test_main_job_resume_freeze_and_outputs(tmp_path, capsys):
     assert len(shown) == 4 and all(r["step"] == STEPS for r in shown)
     assert [(r["question"], r["answer"], r["generated"], r["match"]) for r in shown] == \
         [(r["question"], r["answer"], r["generated"], r["match"]) for r in rows]
-    assert json.loads(json.dumps(d3))["iterator"]["batches"] == 3  # the data iterator state
+    assert json.loads(json.dumps(d4))["iterator"]["batches"] == 4  # the data iterator state
+    _resume_past_a_damaged_checkpoint(straight, want, capsys)
+    _resume_from_the_step_asked_for(straight, want, capsys)
+
+
+def _loss_steps(run_dir) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def _resume_past_a_damaged_checkpoint(run, want, capsys):
+    """Step 8's checkpoint truncated after its commit: --resume restores step 4 (one log line for 8, no traceback),
+    keeps 8 as 8.damaged, logs the uninterrupted run's losses bitwise (metrics truncated after 4, the data at 4's
+    position: same program, data, parameters, optimizer state, step, RNG) and writes step 8 anew."""
+    truncated = damage_checkpoint(run / "checkpoints" / str(STEPS))
+    size = truncated.stat().st_size
+    # reloads run/config.yaml; the generated answers were checked above
+    assert main(["--run-dir", str(run), "--resume", "--quiet", "train.show_answers=0"]) == 0
+    out, err = capsys.readouterr()
+    skips = [ln for ln in err.splitlines() if "does not restore" in ln]
+    assert len(skips) == 1 and f"checkpoint {STEPS} in" in skips[0] and "OUT_OF_RANGE" in skips[0], err
+    assert "Traceback" not in err and "Exception ignored" not in err
+    assert f"resumed from step 4, not the newest checkpoint {STEPS}" in err
+    assert f"steps 4 -> {STEPS} of {STEPS}" in out
+    assert re.search(rf"resumed +from step 4, not the newest checkpoint: {STEPS} skipped \(.*OUT_OF_RANGE.*\), kept "
+                     rf"as .*/checkpoints/{STEPS}\.damaged", out), out
+    assert _loss_steps(run) == list(range(1, STEPS + 1))  # truncated after the step restored, not the one tried
+    assert logged_losses(run) == want
+    kept = run / "checkpoints" / f"{STEPS}.damaged" / truncated.relative_to(run / "checkpoints" / str(STEPS))
+    assert kept.stat().st_size == size and _checkpoint_dirs(run) == ["4", "8", "8.damaged"]
+
+
+def _resume_from_the_step_asked_for(run, want, capsys):
+    """--resume-step 4 with step 8 intact: exactly 4 (8 kept as 8.superseded), the losses of the uninterrupted run;
+    the key goes to config.yaml. Interrupted after step 5: the summary is what is checked."""
+    assert main(["--run-dir", str(run), "--resume-step", "4", "--quiet"], stop_after=5) == 0
+    out, err = capsys.readouterr()
+    assert "does not restore" not in err and f"resumed from step 4, not the newest checkpoint {STEPS}" in err
+    assert re.search(rf"resumed +from step 4, not the newest checkpoint: {STEPS} skipped \(newer than "
+                     rf"train.resume_step=4\), kept as .*/checkpoints/{STEPS}\.superseded", out), out
+    assert logged_losses(run) == {s: want[s] for s in range(1, 6)}
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["resume_step"] == 4
+    assert _checkpoint_dirs(run) == ["4", "8.damaged", "8.superseded"]
 
 
 def test_refuses_to_overwrite_and_names_bad_keys(tmp_path, capsys):
@@ -139,6 +180,9 @@ def test_refuses_to_overwrite_and_names_bad_keys(tmp_path, capsys):
     (run / "checkpoints" / "3").mkdir(parents=True)
     assert main(["--recipe", recipe, "--run-dir", str(run), "--quiet"]) == 2
     assert "--resume" in capsys.readouterr().err
+    assert main(["--recipe", recipe, "--run-dir", str(run), "--resume-step", "5", "--quiet"]) == 2
+    assert "error: train.resume_step=5: no checkpoint for step 5 in" in capsys.readouterr().err
+    assert not (run / "config.yaml").exists()
     assert main(["--recipe", recipe, "--run-dir", str(tmp_path / "x"), "train.stepz=3"]) == 2
     assert "did you mean 'steps'" in capsys.readouterr().err
     assert main(["--recipe", recipe, "--model", "tiny-v512", "--run-dir", str(tmp_path / "y")]) == 2

@@ -53,3 +53,13 @@ def leaves_by_path(tree: Any) -> dict[str, np.ndarray]:
     from moevlm_jax.parallelism.sharding import path_str
 
     return {path_str(kp): np.asarray(x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def damage_checkpoint(step_dir: str | Path) -> Path:
+    """Truncate the largest array data file of the checkpoint in ``step_dir`` (``checkpoints/<step>``) to half its
+    size, as a full disk or a partial copy leaves it after the checkpoint was committed; returns the file."""
+    files = [p for p in (Path(step_dir) / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    target = max(files, key=lambda p: p.stat().st_size)
+    with open(target, "r+b") as f:
+        f.truncate(target.stat().st_size // 2)
+    return target
