@@ -147,6 +147,7 @@ SLOW_MODULES = (
     "tests/parallelism/test_fp8_trainer.py",
     "tests/training/test_bf16_params.py",
     "tests/plan/test_autofit.py",
+    "tests/plan/test_compiled.py",
     "tests/training/test_qwen3_5_train.py",
     "tests/bench/test_sweep.py",
     "tests/parallelism/test_dispatch.py",

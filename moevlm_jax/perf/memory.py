@@ -18,6 +18,7 @@ CLI table: ``python -m moevlm_jax.tools.memory``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -105,14 +106,24 @@ def memory_fields(compiled: Any) -> dict[str, int]:
     return out
 
 
-def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: int, patches: int | None = None,
-                  grad_accum: int = 1, devices: Sequence[Any] | None = None, optimizer: Any = None,
-                  capacity: int | None = None, compiler_options: Mapping[str, Any] | None = None,
-                  frozen: Sequence[str] = (), param_groups: Mapping[str, Sequence[str]] | None = None,
-                  bounded: bool = True) -> dict[str, Any]:
-    """Compile (never run) the train step for this setting and return the memory fields per device
-    plus ``compile_s`` and the setting. ``model``/``layout``: configs or names; ``compute`` a
-    ComputeConfig or a mapping of its fields; ``compiler_options`` go to ``Lowered.compile`` (e.g.
+@dataclasses.dataclass
+class CompiledStep:
+    """A compiled (never run) train step: :func:`memory_report`'s fields, the executable and its trainer."""
+
+    report: dict[str, Any]
+    compiled: Any  # jax.stages.Compiled: memory_analysis(), as_text()
+    trainer: Any
+
+
+def compile_step(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: int, patches: int | None = None,
+                 grad_accum: int = 1, devices: Sequence[Any] | None = None, mesh: Any = None, optimizer: Any = None,
+                 capacity: int | None = None, compiler_options: Mapping[str, Any] | None = None,
+                 frozen: Sequence[str] = (), param_groups: Mapping[str, Sequence[str]] | None = None,
+                 bounded: bool = True) -> CompiledStep:
+    """Compile (never run) the train step for this setting: the memory fields per device plus ``compile_s``
+    and the setting (``.report``), and the executable. ``model``/``layout``: configs or names; ``compute`` a
+    ComputeConfig or a mapping of its fields; ``mesh``: the layout's mesh built by the caller (e.g. hybrid over
+    hosts; default: ``Trainer.create``'s over ``devices``); ``compiler_options`` go to ``Lowered.compile`` (e.g.
     ``xla_backend_optimization_level=0`` compiles faster on CPU; buffer assignment comes before it);
     ``frozen`` / ``param_groups``: frozen parameter groups as ``Trainer.create`` takes them (no gradients
     or optimizer state for them: ``train.freeze_*``); ``bounded``: the batch within cuDNN's ragged bound
@@ -122,19 +133,27 @@ def memory_report(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: i
     layout = load_layout(layout) if isinstance(layout, str) else layout
     compute = compute if isinstance(compute, ComputeConfig) else ComputeConfig.from_dict(compute)
     patches = default_patches(seq_len) if patches is None else patches
-    devices = list(devices if devices is not None else jax.devices())
+    devices = list(mesh.devices.flat) if mesh is not None else list(devices if devices is not None else jax.devices())
     trainer = Trainer.create(model, compute, layout, optimizer or OptimizerConfig(), steps=1000,
-                             grad_accum=grad_accum, devices=devices, frozen=frozen, param_groups=param_groups)
+                             grad_accum=grad_accum, devices=devices, mesh=mesh, frozen=frozen,
+                             param_groups=param_groups)
     validate_layout(model, layout, trainer.mesh, batch_size=mbs * trainer.data_parallel_size, seq_len=seq_len)
     t0 = time.perf_counter()
     lowered = lower_step(trainer, trainer.abstract_state(), trainer.abstract_batch(mbs, seq_len, patches), capacity,
                          bounded)
-    fields = memory_fields(lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile())
-    return {"model": model.name, "layout": layout.name, "devices": len(devices), "mbs": mbs, "grad_accum": grad_accum,
-            "seq_len": seq_len, "patches": patches, "recompute": compute.recompute,
-            "recompute_modules": list(compute.recompute_modules), "offload": list(compute.offload),
-            "vision_recompute": compute.stack_recompute("vision")[0], "frozen": sorted(frozen), **fields,
-            "compile_s": round(time.perf_counter() - t0, 2)}
+    compiled = lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile()
+    fields = memory_fields(compiled)
+    report = {"model": model.name, "layout": layout.name, "devices": len(devices), "mbs": mbs,
+              "grad_accum": grad_accum, "seq_len": seq_len, "patches": patches, "recompute": compute.recompute,
+              "recompute_modules": list(compute.recompute_modules), "offload": list(compute.offload),
+              "vision_recompute": compute.stack_recompute("vision")[0], "frozen": sorted(frozen), **fields,
+              "compile_s": round(time.perf_counter() - t0, 2)}
+    return CompiledStep(report, compiled, trainer)
+
+
+def memory_report(model: Any, layout: Any, compute: Any, **kwargs: Any) -> dict[str, Any]:
+    """:func:`compile_step`'s report alone (same arguments)."""
+    return compile_step(model, layout, compute, **kwargs).report
 
 
 def format_bytes(n: float | None) -> str:

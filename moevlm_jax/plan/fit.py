@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from moevlm_jax.parallelism.logical import data_parallel_size
-from moevlm_jax.perf.memory import default_patches, memory_report
+from moevlm_jax.perf.memory import CompiledStep, compile_step, default_patches
 from moevlm_jax.plan.memory import GIB, estimate_memory
 from moevlm_jax.plan.report import format_table
 from moevlm_jax.plan.search import (
@@ -36,14 +36,14 @@ from moevlm_jax.training.config import OptimizerConfig
 log = logging.getLogger(__name__)
 
 
-def compiled_memory(c: Candidate, w: Workload, devices: Sequence[Any] | None = None, *, compute: Any = None,
-                    optimizer: Any = None, patches: int | None = None, compiler_options: Mapping[str,
-                                                                                                 Any] | None = None,
-                    ) -> dict[str, Any]:
-    """XLA's compiled memory analysis of the candidate's train step (``memory_report``) on ``devices``
-    (default: all; their count must be the workload's), plus the analytic estimate for the same backend."""
-
-
+def compile_candidate(c: Candidate, w: Workload, devices: Sequence[Any] | None = None, *, compute: Any = None,
+                      optimizer: Any = None, patches: int | None = None,
+                      compiler_options: Mapping[str, Any] | None = None, hosts: Sequence[int] | None = None,
+                      ) -> CompiledStep:
+    """The candidate's train step compiled (never run) on ``devices`` (default: all; their count must be the
+    workload's; ``hosts``: each device's host, for a mesh hybrid over hosts as a multi-host run builds it):
+    ``.report`` holds XLA's memory analysis (``memory_report``) and the analytic estimate for the same
+    backend, ``.compiled`` the executable."""
     devices = list(devices if devices is not None else jax.devices())[: w.devices]
     if len(devices) < w.devices:
         raise ValueError(f"{w.devices} devices needed for the compiled check, {len(devices)} present "
@@ -52,15 +52,25 @@ def compiled_memory(c: Candidate, w: Workload, devices: Sequence[Any] | None = N
     platform = devices[0].platform
     comp = candidate_compute(c, w, compute)
     opt = dataclasses.replace(optimizer or OptimizerConfig(), state_dtype=c.state_dtype, grad_accum_dtype=c.accum_dtype)
-    report = memory_report(w.model, c.layout, comp, mbs=c.mbs, seq_len=w.seq, patches=w.patches if patches is None
-                           else patches, grad_accum=c.grad_accum, devices=devices, optimizer=opt,
-                           capacity=knobs.loss_capacity, frozen=("vision_model",) if c.freeze_vision else (),
-                           compiler_options=compiler_options)
+    mesh = c.layout.make_mesh(devices, list(hosts)[: w.devices]) if hosts is not None else None
+    step = compile_step(w.model, c.layout, comp, mbs=c.mbs, seq_len=w.seq, patches=w.patches if patches is None
+                        else patches, grad_accum=c.grad_accum, devices=devices, mesh=mesh, optimizer=opt,
+                        capacity=knobs.loss_capacity, frozen=("vision_model",) if c.freeze_vision else (),
+                        compiler_options=compiler_options)
     same = dataclasses.replace(w, platform="gpu" if platform == "gpu" else "cpu")
     g = candidate_geometry(c, same)
-    report["analytic_same_backend_bytes"] = estimate_memory(same.model, g, knobs_of(c, same, compute)).total
-    report["platform"] = platform
-    return report
+    step.report["analytic_same_backend_bytes"] = estimate_memory(same.model, g, knobs_of(c, same, compute)).total
+    step.report["platform"] = platform
+    return step
+
+
+def compiled_memory(c: Candidate, w: Workload, devices: Sequence[Any] | None = None, *, compute: Any = None,
+                    optimizer: Any = None, patches: int | None = None,
+                    compiler_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """XLA's compiled memory analysis of the candidate's train step (``memory_report``) on ``devices``
+    (default: all; their count must be the workload's), plus the analytic estimate for the same backend."""
+    return compile_candidate(c, w, devices, compute=compute, optimizer=optimizer, patches=patches,
+                             compiler_options=compiler_options).report
 
 
 def check_compiled(estimates: Sequence[Estimate], w: Workload, top: int, devices: Sequence[Any] | None = None,
