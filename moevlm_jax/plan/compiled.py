@@ -37,6 +37,7 @@ import json
 import os
 import re
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -134,7 +135,7 @@ def compiled_layout(cfg: Any, target: Target, devices: Sequence[Any] | None = No
     planned = estimate(cand, w, cfg.compute)
     host_of = [int(d.id) // target.gpus_per_host for d in devices]
     step = compile_candidate(cand, w, devices, compute=cfg.compute, optimizer=cfg.optimizer,
-                             compiler_options=compiler_options, hosts=host_of if hosts > 1 else None)
+                             compiler_options=compiler_options, hosts=host_of)
     mesh = step.trainer.mesh
     text = step.compiled.as_text()
     if hlo_path is not None:
@@ -297,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             hlo_path = Path(args.out) / f"{cfg.layout.name}.hlo.txt" if args.out else None
             rows.append(compiled_layout(cfg, target, devices, compiler_options=options, hlo_path=hlo_path))
         except Exception as e:  # noqa: BLE001 - report the layout and go on
+            traceback.print_exc()
             rows.append({"layout": layout or "(recipe's)", "error": f"{type(e).__name__}: {e}"[:600]})
     ok = next((r for r in rows if "error" not in r), None)
     title = (f"compiled plan: {args.model or args.recipe or 'gpu-default'} on {target.gpus} x {target.spec.name} "

@@ -108,8 +108,9 @@ def _flop_parts(model: Any, g: Geometry, knobs: Any, image_patches: int, fill: f
     h = t.hidden_size
     q, kv = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     n_moe = m.num_moe_layers or 0
+    dense_mlps = t.num_hidden_layers - n_moe  # Qwen3.5-MoE has none (and no dense intermediate size)
     dense_params = t.num_hidden_layers * (2 * h * q + 2 * h * kv) + n_moe * h * t.num_experts \
-        + (t.num_hidden_layers - n_moe) * 3 * h * t.intermediate_size + h * t.vocab_size
+        + (dense_mlps * 3 * h * t.intermediate_size if dense_mlps else 0) + h * t.vocab_size
     expert_params = n_moe * t.num_experts_per_tok * 3 * h * t.moe_intermediate_size
     doc = g.seq * fill  # one packed document a row (the proxy data)
     att = 6.0 * t.num_hidden_layers * t.num_attention_heads * t.head_dim * doc * doc * rows
