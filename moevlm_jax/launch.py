@@ -41,10 +41,13 @@ whole prefixed lines instead of garbling its neighbours. Launcher messages go to
 
 Failure: the first child that exits non-zero or dies by a signal is named, with its code or signal
 and its last lines of output; the others get SIGTERM, then SIGKILL after ``--grace`` seconds
-(default 10). Children run in their own process groups, and the signals go to the whole group, so
-their subprocesses (data workers) die too. The launcher exits with the failing child's code, or 1
-when it died by a signal. SIGINT / SIGTERM to the launcher is forwarded to every group (then the same
-grace and SIGKILL; a second one kills at once) and the launcher exits 128 + signal. ``--timeout S``
+(default 10). Children run in their own process groups (a terminal's Ctrl-C reaches the launcher
+alone). The first signal goes to the child process only: the train job stops and ends its own
+subprocesses (data workers), while a compiler's (ptxas) finish their work instead of failing the
+compile; SIGKILL goes to the whole group, and whatever is left in a group at the end is killed. The
+launcher exits with the failing child's code, or 1 when it died by a signal. SIGINT / SIGTERM to the
+launcher is forwarded to every child (then the same grace and SIGKILL; a second one kills at once)
+and the launcher exits 128 + signal. ``--timeout S``
 stops everything after S seconds and exits 124. All children exiting 0 exits 0.
 
 The module uses only the standard library, so ``python moevlm_jax/launch.py`` works too; ``python -m
@@ -478,13 +481,16 @@ class Launcher:
     # -- stopping
 
     def _stop(self, reason: str | None, first_signal: int = signal.SIGTERM) -> None:
-        """``first_signal`` to every running child's group, then SIGKILL after the grace period."""
+        """``first_signal`` to every running child, then SIGKILL to its group after the grace period."""
         running = [c for c in self.children if c.proc.poll() is None]
         if not running:
             return
         log.info("stopping %d process(es) (%s)", len(running), reason)
-        for child in running:
-            _signal_group(child, first_signal)
+        for child in running:  # the process alone: its compiler's and data workers' subprocesses are its to end
+            try:
+                child.proc.send_signal(first_signal)
+            except ProcessLookupError:
+                pass
         n_signals = len(self._signals)
         deadline = time.monotonic() + self.grace
         while time.monotonic() < deadline and any(c.proc.poll() is None for c in running):

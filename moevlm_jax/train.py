@@ -26,7 +26,7 @@ from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
 from moevlm_jax.schema import ConfigError
 from moevlm_jax.training import capture, distributed
 from moevlm_jax.training.checkpoint import RestoreError
-from moevlm_jax.training.faults import TrainingStopped
+from moevlm_jax.training.faults import StopSignals, TrainingStopped
 
 log = logging.getLogger("moevlm_jax.train")
 
@@ -146,27 +146,38 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
     except (ValueError, capture.CaptureError) as e:
         print_error(e)
         return 2
-    try:
-        from moevlm_jax.plan.autofit import auto_fit
-        from moevlm_jax.training.loop import apply_compilation_cache, run
+    # SIGTERM / SIGINT from here on: a stop request (training.faults), honoured before the first step too
+    with StopSignals() as stop:
+        try:
+            from moevlm_jax.plan.autofit import auto_fit
+            from moevlm_jax.training.loop import apply_compilation_cache, run
 
-        cfg = from_args(args)
-        if args.auto_fit:  # the persistent cache first: a rerun loads the fit check's compiles too
-            apply_compilation_cache(cfg.train.compilation_cache_dir)
-            cfg = auto_fit(cfg, lambda change: from_args(argparse.Namespace(
-                **{**vars(args), "overrides": [*args.overrides, *change]})), device_memory_gib=args.device_memory,
-                report=print if distributed.process_index() == 0 else (lambda _: None))
-        summary = run(cfg, stop_after=stop_after)
-    except (ConfigError, FileExistsError) as e:
-        print_error(e)
-        return 2
-    except (TrainingStopped, DataError, RestoreError) as e:  # the run cannot go on: why, and what was saved
-        print_error(e)
-        return 1
+            cfg = from_args(args)
+            try:
+                if args.auto_fit:  # the persistent cache first: a rerun loads the fit check's compiles too
+                    apply_compilation_cache(cfg.train.compilation_cache_dir)
+                    cfg = auto_fit(cfg, lambda change: from_args(argparse.Namespace(
+                        **{**vars(args), "overrides": [*args.overrides, *change]})),
+                        device_memory_gib=args.device_memory,
+                        report=print if distributed.process_index() == 0 else (lambda _: None))
+            except Exception as e:  # a fit check's compile the signal ended (its compiler's child processes)
+                if stop.received is None:
+                    raise
+                log.info("stopping: auto-fit ended with %s: %s", type(e).__name__, (str(e).splitlines() or [""])[0])
+            summary = run(cfg, stop_after=stop_after, stop=stop)
+        except (ConfigError, FileExistsError) as e:
+            print_error(e)
+            return 2
+        except (TrainingStopped, DataError, RestoreError) as e:  # the run cannot go on: why, and what was saved
+            print_error(e)
+            return 1
     if distributed.process_index() > 0:
         return 0
-    print(format_summary(summary))
     stopped = summary.get("stopped")
+    if stopped and stopped["step"] is None:  # before the first step: no run to summarise
+        print(stopped["line"])
+        return 0
+    print(format_summary(summary))
     if stopped:
         if stopped["checkpoint"] is None:  # train.checkpointing=false: nothing to resume from
             print(f"stopped by {stopped['signal']} after step {stopped['step']}: no checkpoint written "

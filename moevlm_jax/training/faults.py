@@ -5,6 +5,10 @@ an unusable run directory, a checkpoint that fails to write.
   the current step; the loop then writes a checkpoint and returns normally (exit 0). A second signal
   exits at once (exit 128 + signal). Every process must stop at the same step (they share
   collectives), so the request is agreed across processes (``parallelism.multihost.agreed_max``).
+  Before the first step (auto-fit, the state, the data start, the first compile: :attr:`StopSignals.phase`)
+  a request is honoured as soon as what runs returns, or fails: a signal sent to the process group also
+  ends the compiler's child processes (ptxas) and the data workers, and the error that follows is the
+  stop, not a failure. Nothing ran, so nothing is saved.
 - :class:`NonFiniteGuard`: updates whose gradients are not finite are skipped by the optimizer
   (``optimizer.apply_if_finite``: the parameters stay the last good ones) and counted; ``limit`` in a row
   stops the run (:class:`TrainingStopped`) after a checkpoint of that last good state.
@@ -37,10 +41,13 @@ class TrainingStopped(RuntimeError):
 
 class StopSignals:
     """A context manager that turns SIGTERM / SIGINT into a stop request the loop polls (:meth:`agreed`);
-    outside the main thread (no signal handlers there) it does nothing."""
+    outside the main thread (no signal handlers there) it does nothing. ``phase``: what the run is doing
+    (``start-up``, ``compile``, ``training``: set by the loop); ``during``: the phase a signal arrived in."""
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.phase = "start-up"
+        self.during: str | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -57,14 +64,21 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:  # the second signal: no checkpoint, out at once
             os._exit(128 + signum)
-        self.received = signum
-        log.warning("%s received: stopping after this step with a checkpoint (send it again to exit at once)",
-                    signal.Signals(signum).name)
+        self.received, self.during = signum, self.phase
+        when = ("after this step with a checkpoint" if self.phase == "training"
+                else f"once the {self.phase} is done, before the first step: nothing to save")
+        log.warning("%s received: stopping %s (send it again to exit at once)", signal.Signals(signum).name, when)
 
     @property
     def name(self) -> str | None:
         """The signal's name (SIGTERM, SIGINT) once one arrived, else None."""
         return None if self.received is None else signal.Signals(self.received).name
+
+    @property
+    def before_start_line(self) -> str:
+        """The one line a run stopped before its first step ends with."""
+        by = self.name or "another process's signal"
+        return f"stopped by {by} during {self.during or self.phase}: nothing to save (no step ran)"
 
     def agreed(self) -> bool:
         """Whether any process received a stop signal (every process gets the same answer)."""

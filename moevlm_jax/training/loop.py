@@ -13,6 +13,7 @@ aside on disk, and the log and the summary name them. The parts, each its own mo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -68,11 +69,29 @@ log = logging.getLogger("moevlm_jax.train")
 # ----------------------------------------------------------------------------- the loop
 
 def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None = None,
-        hooks: Sequence[Hook] = ()) -> dict[str, Any]:
+        hooks: Sequence[Hook] = (), stop: StopSignals | None = None) -> dict[str, Any]:
     """Train per ``cfg``; returns the run summary. ``stop_after``: leave the loop after that step
     without the final checkpoint, as an interrupted run would (tests, time boxes). ``hooks``: more
-    hooks, called after the train job's own (``moevlm_jax.training.hooks``)."""
+    hooks, called after the train job's own (``moevlm_jax.training.hooks``). ``stop``: the stop signals'
+    handler when the caller installed it already (the CLI, before auto-fit), else the run installs its own.
+    A stop signal before the first step ran (start-up, data start, first compile) ends the run as soon as what
+    runs returns or fails: the summary is then ``{"run_dir", "start_step", "stopped": {..., "step": None}}``."""
+    with contextlib.nullcontext(stop) if stop is not None else StopSignals() as signals:
+        try:
+            return _run(cfg, signals, stop_after, progress, hooks)
+        except Exception as e:  # before the first step: the signal ended a compile's child or a data worker
+            if signals.received is None or signals.phase == "training":
+                raise
+            _log_interrupted(e)
+            return {"run_dir": str(cfg.run_dir), "start_step": None, "stopped": _stopped_before_start(signals)}
+
+
+def _run(cfg: RunConfig, stop: StopSignals, stop_after: int | None, progress: bool | None,
+         extra_hooks: Sequence[Hook]) -> dict[str, Any]:
     tr = cfg.train
+    stop.phase = "start-up"
+    if stop.agreed():  # during auto-fit: nothing written yet
+        return {"run_dir": str(cfg.run_dir), "start_step": None, "stopped": _stopped_before_start(stop)}
     resumable, trainer, policy, evaluator = _setup(cfg)
     abstract = trainer.abstract_state()
     # room for the checkpoints kept at once (+1 while the next is written), as many as the run writes; checked
@@ -80,6 +99,10 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     saves = (tr.steps // tr.checkpoint_every if tr.checkpoint_every else 0) + 1 if tr.checkpointing else 0
     _check_run_dir(cfg.run_dir, min(tr.keep_checkpoints + 1, saves)
                    * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
+    if stop.agreed():
+        return {"run_dir": str(cfg.run_dir), "start_step": None, "stopped": _stopped_before_start(stop)}
+    if policy.ahead:
+        stop.phase = "compile"
     policy.start(trainer, abstract)  # compiles while the state initialises and the data pipeline starts
     checkpoints = CheckpointHook(Checkpointer(cfg.run_dir / "checkpoints", save_every=tr.checkpoint_every,
                                               keep=tr.keep_checkpoints, async_save=tr.async_checkpointing),
@@ -90,43 +113,61 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
     hooks = [ProfileHook(ProfileWindow(tr.profile_dir or cfg.run_dir / "profile", tr.profile_start_step,
                                        tr.profile_steps)),
              EvalHook(evaluator, tr.steps), checkpoints, AnswersHook(tr.show_answers, evaluator.enabled), PlotHook(),
-             *hooks]
+             *extra_hooks]
     if evaluator.skipped:
         ctx.summary["evals_skipped"] = evaluator.skipped
     t0 = time.perf_counter()
     step = start
-    with StopSignals() as stop:
-        try:
-            for step in range(start + 1, tr.steps + 1):
-                _train_step(ctx, hooks, step, start, shape)
-                for hook in hooks:
-                    hook.on_step(ctx, step)
-                # diverged: the parameters are the last good ones (non-finite updates were skipped)
-                if records.diverged is not None:
-                    _stop_diverged(ctx, checkpoints, records.guard, step)
-                if stop.agreed():  # preemption / Ctrl-C: a checkpoint of this step, then a normal exit
+    try:
+        for step in range(start + 1, tr.steps + 1):
+            if not _train_step(ctx, hooks, step, start, shape, stop):  # stopped before the step ran
+                step -= 1
+                if step > start:
                     _stop_signalled(ctx, checkpoints, stop, step)
-                    break
-                if stop_after is not None and step >= stop_after:
-                    log.info("stopping after step %d (interrupted run)", step)
-                    break
-            ctx.flush()
-            interrupted = ((stop_after is not None and step >= stop_after and step < tr.steps)
-                           or "stopped" in ctx.summary)
-            if not interrupted and step > start:
-                checkpoints.save(ctx, step, force=True)
-                for hook in hooks:
-                    hook.on_end(ctx, step)
-        finally:
+                else:
+                    ctx.summary["stopped"] = _stopped_before_start(stop)
+                break
+            stop.phase = "training"
             for hook in hooks:
-                hook.close(ctx)
-            records.bar.close()
-            ctx.writer.close()
-            loader_summary = ctx.loader.summary()
-            ctx.loader.close()
+                hook.on_step(ctx, step)
+            # diverged: the parameters are the last good ones (non-finite updates were skipped)
+            if records.diverged is not None:
+                _stop_diverged(ctx, checkpoints, records.guard, step)
+            if stop.agreed():  # preemption / Ctrl-C: a checkpoint of this step, then a normal exit
+                _stop_signalled(ctx, checkpoints, stop, step)
+                break
+            if stop_after is not None and step >= stop_after:
+                log.info("stopping after step %d (interrupted run)", step)
+                break
+        ctx.flush()
+        interrupted = ((stop_after is not None and step >= stop_after and step < tr.steps)
+                       or "stopped" in ctx.summary)
+        if not interrupted and step > start:
+            checkpoints.save(ctx, step, force=True)
+            for hook in hooks:
+                hook.on_end(ctx, step)
+    finally:
+        for hook in hooks:
+            hook.close(ctx)
+        records.bar.close()
+        ctx.writer.close()
+        loader_summary = ctx.loader.summary()
+        ctx.loader.close()
+    if ctx.summary.get("stopped", {}).get("step", 0) is None:  # no step ran: no summary to make
+        return {"run_dir": str(cfg.run_dir), "start_step": start, "stopped": ctx.summary["stopped"]}
     for hook in hooks:
         hook.on_summary(ctx)
     return _summary(ctx, records, step, time.perf_counter() - t0, loader_summary, checkpoints.saved)
+
+
+def _stopped_before_start(stop: StopSignals) -> dict[str, Any]:
+    """The summary's ``stopped`` of a run that a stop signal ended before its first step."""
+    return {"signal": stop.name or "another process's signal", "step": None, "checkpoint": None,
+            "line": stop.before_start_line}
+
+
+def _log_interrupted(e: BaseException) -> None:
+    log.info("stopping: what ran ended with %s: %s", type(e).__name__, (str(e).splitlines() or [""])[0][:300])
 
 
 def _setup(cfg: RunConfig) -> tuple[list[int], Trainer, CompilePolicy, Evaluator]:
@@ -263,19 +304,40 @@ class StepRecords:
             log.info("step %d/%d: %s", step, self.steps, progress_postfix(record))
 
 
-def _train_step(ctx: LoopContext, hooks: Sequence[Hook], step: int, start: int, shape: flops.ModelShape) -> None:
-    """One step: the next batch, the step dispatched (``ctx.state`` replaced), its metrics queued with
-    the batch's counts and FLOPs (``shape``: the model's, for them); out of device memory becomes a ConfigError
-    saying what to change."""
-    cfg, trainer, tracker = ctx.cfg, ctx.trainer, ctx.tracker
-    host = next(ctx.loader)
-    batch: DeviceBatch = trainer.prepare(host)
+def _train_step(ctx: LoopContext, hooks: Sequence[Hook], step: int, start: int, shape: flops.ModelShape,
+                stop: StopSignals) -> bool:
+    """One step: the next batch, its step compiled when new, the step dispatched (``ctx.state`` replaced), its
+    metrics queued with the batch's counts and FLOPs (``shape``: the model's, for them); out of device memory
+    becomes a ConfigError saying what to change. False, with nothing dispatched, when a stop signal came before
+    the step could run: while the batch was read or its step compiled, or (the first step) any time before, also
+    when the compile or the data failed then (the signal reaches the compiler's and the data's child processes)."""
+    trainer, tracker = ctx.trainer, ctx.tracker
+    first = step == start + 1
+    try:
+        if first:
+            trainer.wait_ahead()  # a compile started ahead (it may have failed: the signal reached its compiler)
+            stop.phase = "start-up"  # the data's first batch
+            if stop.agreed():
+                return False
+        host = next(ctx.loader)
+        batch: DeviceBatch = trainer.prepare(host)
+        compiles = len(trainer.compiled)
+        if first:
+            stop.phase = "compile"
+        if (trainer.compile_step(ctx.state, batch) or first) and stop.agreed():
+            return False
+    except Exception as e:
+        if stop.received is not None:  # the signal ended the compile's or the data's child processes
+            _log_interrupted(e)
+            return False
+        if memory.is_oom(e):
+            raise _oom_error(ctx, step, e) from None
+        raise
     for hook in hooks:
         hook.before_step(ctx, step)
     try:
-        compiles = len(trainer.compiled)
         ctx.state, metrics = trainer.step(ctx.state, batch)
-        if step == start + 1:  # time to the first step: the one sync of the run that is not a read
+        if first:  # time to the first step: the one sync of the run that is not a read
             jax.block_until_ready(metrics)
             ctx.summary["first_step_s"] = process_age_s()
         for hook in hooks:
@@ -290,18 +352,25 @@ def _train_step(ctx: LoopContext, hooks: Sequence[Hook], step: int, start: int, 
                                                 "data_skipped": float(sum(skipped.values()))}))
         if fresh:
             tracker.discard_next_interval()
-    except Exception as e:  # out of device memory: say what does not fit and what to change
+    except Exception as e:
         if not memory.is_oom(e):
             raise
-        tr, name = cfg.train, cfg.model.name or "MODEL"
-        raise ConfigError(
-            f"out of device memory in train step {step} ({name}, layout "
-            f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} "
-            "tokens "
-            f"per data-parallel rank, param_dtype {cfg.compute.param_dtype}, optimizer state "
-            f"{cfg.optimizer.state_dtype}, recompute {cfg.compute.recompute}): "
-            f"{str(e).splitlines()[0][:300]}. "
-            + memory.oom_advice(name, cfg.layout.name, tr.micro_batch_size, tr.seq_len)) from None
+        raise _oom_error(ctx, step, e) from None
+    return True
+
+
+def _oom_error(ctx: LoopContext, step: int, e: Exception) -> ConfigError:
+    """Out of device memory in (the compile of) train step ``step``: what does not fit and what to change."""
+    cfg, trainer = ctx.cfg, ctx.trainer
+    tr, name = cfg.train, cfg.model.name or "MODEL"
+    return ConfigError(
+        f"out of device memory in train step {step} ({name}, layout "
+        f"{cfg.layout.name}, {trainer.mesh.devices.size} device(s), MBS {tr.micro_batch_size} x {tr.seq_len} "
+        "tokens "
+        f"per data-parallel rank, param_dtype {cfg.compute.param_dtype}, optimizer state "
+        f"{cfg.optimizer.state_dtype}, recompute {cfg.compute.recompute}): "
+        f"{str(e).splitlines()[0][:300]}. "
+        + memory.oom_advice(name, cfg.layout.name, tr.micro_batch_size, tr.seq_len))
 
 
 def _stop_diverged(ctx: LoopContext, checkpoints: CheckpointHook, guard: NonFiniteGuard, step: int) -> None:

@@ -556,13 +556,29 @@ class Trainer:
         self.ahead_steps += 1
         return ahead(state, batch.arrays)
 
-    def _compiled_ahead(self, kind: str, batch: DeviceBatch) -> Any:
-        """The executable of ``kind`` compiled ahead for ``batch`` (the first call waits for the compile started
-        ahead), or None: the jit path compiles the batch's step (logged when new)."""
+    def wait_ahead(self, kind: str = "train") -> None:
+        """Wait for the compile of ``kind`` (train / eval) started ahead, if one runs (it may have failed: logged)."""
         thread = self._ahead_threads[kind]
         if thread is not None:
             thread.join()
             self._ahead_threads[kind] = None
+
+    def compile_step(self, state: dict[str, Any], batch: DeviceBatch) -> bool:
+        """Have ``batch``'s train step compiled before :meth:`step` runs it: wait for the compile started ahead, else
+        compile the step now unless an earlier batch did (it fills :meth:`step`'s cache: the step then runs without
+        compiling). True when the batch's step had not been compiled before this call, so the caller can act between
+        the compile and the step (a stop requested while it compiled)."""
+        key = ("train", *compile_key(batch.arrays, batch.capacity, batch.bounded))
+        if key in self.compiled:
+            return False
+        if self._compiled_ahead("train", batch) is None:
+            self.lower_step(state, batch.arrays, batch.capacity, bounded=batch.bounded).compile()
+        return True
+
+    def _compiled_ahead(self, kind: str, batch: DeviceBatch) -> Any:
+        """The executable of ``kind`` compiled ahead for ``batch`` (the first call waits for the compile started
+        ahead), or None: the jit path compiles the batch's step (logged when new)."""
+        self.wait_ahead(kind)
         ahead = self._ahead[kind].get(_ahead_key(batch.arrays, batch.capacity, batch.bounded))
         if ahead is None:
             self._note_compile(kind, batch.arrays, batch.capacity, batch.bounded)

@@ -160,3 +160,19 @@ def test_the_policy_sets_the_trainers_shapes():
         if mode != "exact":
             want["eval"] = [(256, float("inf"))]
         assert trainer._shapes == want, mode
+
+
+def test_gpu_default_compiles_one_training_shape_at_the_largest_bucket_ahead():
+    """configs/recipes/gpu-default.yaml (on 8 GPUs: MBS 8) as recipe h200: the training step compiled ahead, every
+    batch padded to the proxy data's largest patch bucket, so no larger bucket recompiles mid-run."""
+    cfg = load_config("gpu-default", num_devices=8, num_processes=1)
+    assert cfg.train.compile == "ahead" and cfg.train.compile_bucket is None
+    policy = CompilePolicy.from_config(cfg, evaluates=cfg.train.eval_every > 0)
+    largest = max(cfg.data.patch_buckets)
+    assert policy.bucket == largest == 3456 and policy.ahead == ("train", "eval")
+    trainer = RecordingTrainer()
+    policy.reserve(trainer)
+    policy.start(trainer, ABSTRACT)
+    assert [c for c in trainer.calls if c[0] == "compile ahead"] == [
+        ("compile ahead", ABSTRACT, ("train batch", 8, 4096, largest), 96)]
+    assert ("reserve", "train", largest, 96) in trainer.calls

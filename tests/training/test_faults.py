@@ -3,6 +3,8 @@ shared persistent compilation cache so each process loads the compiled step):
 
 - SIGTERM: the run finishes the step, writes a checkpoint, exits 0 with one line naming it; resumed,
   it logs the uninterrupted run's losses step for step (bitwise);
+- SIGTERM during the first compile, which then fails (as when the signal ends the compiler's ptxas): exit 0
+  with one line, no traceback, no step, nothing saved;
 - kill -9 during an asynchronous checkpoint write, and again in the middle of training: ``--resume``
   takes the latest complete checkpoint (never the partial one) and continues with the uninterrupted
   run's losses;
@@ -102,6 +104,33 @@ def test_sigterm_checkpoints_exits_0_and_resumes_exactly(setup, tmp_path):
     done = _run(["--run-dir", str(run), "--resume"], env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert logged_losses(run) == want  # every step's loss, bitwise
+
+
+# the module's recipe with the first step's compile interrupted: the compile sends the process SIGTERM and then fails
+# as XLA's does when the signal ended ptxas (the moment is fixed: no step can have run)
+_SIGNAL_IN_COMPILE = """
+import os, signal, sys
+from moevlm_jax.training.trainer import Trainer
+class Interrupted:
+    def compile(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise RuntimeError("INTERNAL: ptxas exited with non-zero error code 15, output: ")
+Trainer.lower_step = lambda self, *args, **kwargs: Interrupted()
+from moevlm_jax.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_the_first_compile_exits_0_with_nothing_saved(setup, tmp_path):
+    recipe, env, _ = setup
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_IN_COMPILE, "--recipe", str(recipe), "--run-dir", str(run),
+                           "--quiet"], env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["stopped by SIGTERM during compile: nothing to save (no step ran)"], done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert _steps_logged(run) == 0
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
 
 
 def test_kill9_mid_save_and_mid_step_resume_from_the_last_complete_checkpoint(setup, tmp_path):
