@@ -244,6 +244,7 @@ def prepare_backend(gpus: int, platform: str, mock: str, local_gpus: int | None 
             os.environ["XLA_FLAGS"] = merge_flags(flags, {"--xla_force_host_platform_device_count": str(gpus)})
         ensure_collective_threads()
         return platform, None
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # what the train command lets a step use
     topology = None
     if mock == "on" or (mock == "auto" and gpus > max(local, 1)):
         topology = mock_topology(gpus, max(local, 1))
