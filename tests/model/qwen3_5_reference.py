@@ -108,3 +108,11 @@ def hf_forward(model: Qwen3_5MoeForConditionalGeneration, batch: HFBatch, labels
         kw.update(pixel_values=torch.tensor(batch.pixel_values), image_grid_thw=torch.tensor(batch.image_grid_thw))
     with torch.no_grad():
         return model(**kw)
+
+
+def tiny_hf(layer_types: list[str]) -> Qwen3_5MoeForConditionalGeneration:
+    """The "tiny" config's random HF model (vocabulary 512, conditioned as :func:`build_hf`) with these
+    decoder layers."""
+    cfg = config_dicts()["tiny"]
+    cfg["text_config"] = {**cfg["text_config"], "layer_types": layer_types, "num_hidden_layers": len(layer_types)}
+    return build_hf(cfg, 0)

@@ -1,14 +1,18 @@
-"""Model configs round-trip through HF's Qwen3VLMoeConfig; compute configs validate with clear errors."""
+"""Model configs round-trip through HF's Qwen3VLMoeConfig; Qwen3.5 configs default as HF's Qwen3_5MoeConfig;
+compute configs validate with clear errors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
-from transformers import Qwen3VLMoeConfig
+from transformers import Qwen3_5MoeConfig, Qwen3VLMoeConfig
 
 from moevlm_jax.config import find_config
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
+from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig, Qwen35TextConfig, Qwen35VisionConfig
 from moevlm_jax.model.registry import load_model_config
 
 
@@ -63,6 +67,39 @@ def test_yaml_typos_are_errors(tmp_path):
         load_model_config(tmp_path / "bad.yaml")
     with pytest.raises(ValueError, match="mrope_section"):
         load_model_config("tiny-v512").replace_text(head_dim=32)
+
+
+def test_qwen3_5_config_defaults_and_checks():
+    """Our defaults are HF's class defaults (out_hidden_size aside: HF's default 3584 does not fit its
+    2048-wide decoder, which we refuse); layer_types from full_attention_interval as HF; clear errors."""
+    hf = Qwen3_5MoeConfig().to_dict()
+    hf["vision_config"]["out_hidden_size"] = 2048
+    ours = Qwen35ModelConfig.from_hf_dict(hf)
+    strip = lambda c: dataclasses.replace(c, extra={}, text_config=dataclasses.replace(c.text_config, extra={}),
+                                          vision_config=dataclasses.replace(c.vision_config, extra={}))
+    default = Qwen35ModelConfig(vision_config=Qwen35VisionConfig(out_hidden_size=2048))
+    assert strip(ours).text_config == default.text_config
+    assert dataclasses.replace(strip(ours).vision_config, rope_parameters=None) == default.vision_config
+    assert ours.text_config.rotary_dim == 64 and ours.text_config.mrope_section == (11, 11, 10)
+    t = Qwen35TextConfig(num_hidden_layers=6, full_attention_interval=3)
+    hf_types = Qwen3_5MoeConfig(text_config=dict(num_hidden_layers=6, full_attention_interval=3)
+                                ).text_config.layer_types
+    assert list(t.layer_types) == hf_types == ["linear_attention", "linear_attention", "full_attention"] * 2
+    with pytest.raises(ValueError, match="layer_types entries"):
+        Qwen35TextConfig(num_hidden_layers=2, layer_types=("linear_attention", "sliding_attention"))
+    with pytest.raises(ValueError, match="layer_types has 1 entries"):
+        Qwen35TextConfig(num_hidden_layers=2, layer_types=("linear_attention",))
+    with pytest.raises(ValueError, match="mrope_section"):
+        Qwen35TextConfig(rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.5,
+                                          "mrope_section": [11, 11, 10]})
+    with pytest.raises(ValueError, match="linear_num_value_heads"):
+        Qwen35TextConfig(linear_num_key_heads=3, linear_num_value_heads=32)
+    # HF's older top-level rotary spellings are folded into rope_parameters, as HF does
+    old = Qwen35ModelConfig.from_hf_dict({"text_config": {"rope_theta": 1e6, "partial_rotary_factor": 0.5,
+                                                          "mrope_section": [22, 22, 20]},
+                                          "vision_config": {"out_hidden_size": 2048}})
+    assert (old.text_config.rope_theta, old.text_config.rotary_dim) == (1e6, 128)
+    assert type(load_model_config("tiny")) is ModelConfig  # a Qwen3-VL config (no model_type): that family
 
 
 @pytest.mark.parametrize("kwargs, message", [

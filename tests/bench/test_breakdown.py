@@ -1,7 +1,7 @@
 """Qwen3.5-MoE in the step breakdowns: ``bench.breakdown`` (each component compiled on its
 own; Qwen3.5's rows: gated attention, Gated DeltaNet, shared expert) and ``bench.trace_breakdown``
 (kernels of a real trace by the model's named scopes: the chunked delta rule, the rest of the GDN
-layer, the shared expert get their own rows)."""
+layer, the shared expert get their own rows). Qwen3-VL's breakdowns: test_bench.py (one ``bench.step`` run)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""The HF peer of ``python -m bench.step --peer hf`` for Qwen3.5-MoE (qwen3.5-tiny, float32
+"""``bench.hf_step``, the HF peer of ``python -m bench.step --peer hf``, for Qwen3.5-MoE (qwen3.5-tiny, float32
 on CPU): transformers' ``Qwen3_5MoeForConditionalGeneration`` from our initial weights (written by
 ``hf.save_pretrained``) trained on our batches to our losses, step by step; what it records about
 HF's Gated DeltaNet code; HF's GDN on packed rows (its state leaks across samples, attention does
-not); the clear error when transformers lacks Qwen3.5.
+not); the clear error when transformers lacks Qwen3.5. The Qwen3-VL peer, and the compiled mode of
+both families: test_bench.py.
 
 Shapes: one device, rows of 48 tokens holding one sample each (square 128 px images, 64 patches, and
 a 64-patch bucket: a second sample never fits a row), so HF's GDN computes what ours does and the
@@ -134,16 +135,6 @@ def test_gdn_implementation_reads_the_resolved_function():
     assert bench_hf.gdn_implementation(modeling_qwen3_vl_moe) == {}
 
 
-def _hf(layer_types: list[str]):
-    """A random tiny HF Qwen3.5-MoE text stack with these layers (vocabulary 512; see
-    tests/model/qwen3_5_reference.py for the conditioning)."""
-    from tests.model.qwen3_5_reference import build_hf, config_dicts
-
-    cfg = config_dicts()["tiny"]
-    cfg["text_config"] = {**cfg["text_config"], "layer_types": layer_types, "num_hidden_layers": len(layer_types)}
-    return build_hf(cfg, 0)
-
-
 def test_hf_gdn_state_leaks_across_packed_samples():
     """What the bench_hf docstring says about packed rows, on HF itself (float32): a row packing samples
     A (7 tokens) and B (9) with the text-position row restarting at B, as hf_batch builds it. With
@@ -161,8 +152,10 @@ def test_hf_gdn_state_leaks_across_packed_samples():
         with torch.no_grad():
             return model(input_ids=ids, position_ids=positions, use_cache=False).logits[0].numpy()
 
+    from tests.model.qwen3_5_reference import tiny_hf
+
     for layers, leaks in ((["full_attention"] * 2, False), (["linear_attention", "full_attention"], True)):
-        model = _hf(layers)
+        model = tiny_hf(layers)
         both = logits(model, packed_ids, packed_pos)
         alone_a, alone_b = logits(model, torch.tensor(a[None])), logits(model, torch.tensor(b[None]))
         scale = np.abs(alone_b).max()
@@ -228,19 +221,3 @@ def test_a_failing_compiled_run_is_a_result_and_a_failing_eager_run_an_error(mon
     spec.write_text(json.dumps({"compile": "on", "runs": [{"name": "a", "eager_fails": True}]}))
     with pytest.raises(RuntimeError, match="inductor failed"):
         bench_hf.main(["--spec", str(spec), "--out", str(out)])
-
-
-def test_hf_peer_compiles_each_qwen3_5_block_and_undoes_it():
-    """The compiled mode on Qwen3.5: torch.compile on every vision block and every decoder layer (GDN and
-    gated attention alike), the model itself eager; undone after the run (as for Qwen3-VL, test_bench)."""
-    from bench.hf_step import compile_blocks, uncompile_blocks
-
-    model = _hf(["linear_attention", "full_attention"])
-    blocks = [*model.model.visual.blocks, *model.model.language_model.layers]
-    assert len(blocks) == model.config.vision_config.depth + 2
-    assert {type(b.linear_attn if hasattr(b, "linear_attn") else b.self_attn).__name__
-            for b in model.model.language_model.layers} == {"Qwen3_5MoeGatedDeltaNet", "Qwen3_5MoeAttention"}
-    assert compile_blocks(model) is model and all(b._compiled_call_impl is not None for b in blocks)
-    assert model._compiled_call_impl is None
-    uncompile_blocks(model)
-    assert all(b._compiled_call_impl is None for b in blocks)
