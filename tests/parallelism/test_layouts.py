@@ -111,14 +111,19 @@ FAMILIES = {"qwen3_vl": (lambda: load_model_config("tiny-v512"), _draw_qwen3_vl)
             "qwen3_5": (qwen3_5_test_config, _draw_qwen3_5)}
 
 
+def random_params(config, draw=_draw_qwen3_vl):
+    """Parameters of ``config`` drawn in numpy by ``draw`` (seed 0): no init compile. Also the several-process
+    tests' (tests/training/test_multiprocess.py, multiprocess_child.py)."""
+    abstract = Trainer.create(config, COMPUTE, load_layout("fsdp"), OPTIMIZER, steps=STEPS,
+                              devices=jax.devices()[:1]).abstract_params
+    return jax.tree_util.tree_map_with_path(draw(np.random.default_rng(0)), abstract)
+
+
 def make_setup(family: str):
     """(config, parameters drawn in numpy: no init compile, packed batch) of ``family``."""
     make_config, draw = FAMILIES[family]
     config = make_config()
-    abstract = Trainer.create(config, COMPUTE, load_layout("fsdp"), OPTIMIZER, steps=STEPS,
-                              devices=jax.devices()[:1]).abstract_params
-    params = jax.tree_util.tree_map_with_path(draw(np.random.default_rng(0)), abstract)
-    return config, params, packed_batch(config, ROWS[family], SEQ)
+    return config, random_params(config, draw), packed_batch(config, ROWS[family], SEQ)
 
 
 def train(setup, layout, devices=None):
