@@ -15,18 +15,9 @@ import re
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `bench` is not installed
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
-_SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64|s64)\[([\d,]*)\]")
-
-
-def shape_bytes(text: str) -> int:
-    """Bytes of every array shape written in ``text`` (one shape or a tuple of them)."""
-    return sum(_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-               for dt, dims in _SHAPE.findall(text))
+from moevlm_jax.parallelism.hlo import shape_bytes  # noqa: E402
 
 
 def hlo_table(text: str) -> tuple[dict[str, str], dict[str, int]]:
@@ -43,7 +34,7 @@ def hlo_table(text: str) -> tuple[dict[str, str], dict[str, int]]:
             ops.setdefault(name.replace(".", "_"), on.group(1))
         kind = re.match(r"(\(.*?\)|\S+)\s+([\w-]+)\(", rest)
         if kind and name not in out:
-            out[name] = shape_bytes(kind.group(1))
+            out[name] = int(shape_bytes(kind.group(1)))
             lines[name] = rest[kind.end():]
     nbytes = {}
     for name, args in lines.items():
