@@ -83,7 +83,7 @@ def run(cfg: RunConfig, *, stop_after: int | None = None, progress: bool | None 
             if signals.received is None or signals.phase == "training":
                 raise
             _log_interrupted(e)
-            return {"run_dir": str(cfg.run_dir), "start_step": None, "stopped": _stopped_before_start(signals)}
+            return _stopped_before_start(cfg, signals)
 
 
 def _run(cfg: RunConfig, stop: StopSignals, stop_after: int | None, progress: bool | None,
@@ -91,7 +91,7 @@ def _run(cfg: RunConfig, stop: StopSignals, stop_after: int | None, progress: bo
     tr = cfg.train
     stop.phase = "start-up"
     if stop.agreed():  # during auto-fit: nothing written yet
-        return {"run_dir": str(cfg.run_dir), "start_step": None, "stopped": _stopped_before_start(stop)}
+        return _stopped_before_start(cfg, stop)
     resumable, trainer, policy, evaluator = _setup(cfg)
     abstract = trainer.abstract_state()
     # room for the checkpoints kept at once (+1 while the next is written), as many as the run writes; checked
@@ -100,7 +100,7 @@ def _run(cfg: RunConfig, stop: StopSignals, stop_after: int | None, progress: bo
     _check_run_dir(cfg.run_dir, min(tr.keep_checkpoints + 1, saves)
                    * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
     if stop.agreed():
-        return {"run_dir": str(cfg.run_dir), "start_step": None, "stopped": _stopped_before_start(stop)}
+        return _stopped_before_start(cfg, stop)
     if policy.ahead:
         stop.phase = "compile"
     policy.start(trainer, abstract)  # compiles while the state initialises and the data pipeline starts
@@ -125,7 +125,7 @@ def _run(cfg: RunConfig, stop: StopSignals, stop_after: int | None, progress: bo
                 if step > start:
                     _stop_signalled(ctx, checkpoints, stop, step)
                 else:
-                    ctx.summary["stopped"] = _stopped_before_start(stop)
+                    ctx.summary["stopped"] = _stopped_before_start(cfg, stop)["stopped"]
                 break
             stop.phase = "training"
             for hook in hooks:
@@ -154,16 +154,18 @@ def _run(cfg: RunConfig, stop: StopSignals, stop_after: int | None, progress: bo
         loader_summary = ctx.loader.summary()
         ctx.loader.close()
     if ctx.summary.get("stopped", {}).get("step", 0) is None:  # no step ran: no summary to make
-        return {"run_dir": str(cfg.run_dir), "start_step": start, "stopped": ctx.summary["stopped"]}
+        return _stopped_before_start(cfg, stop, start)
     for hook in hooks:
         hook.on_summary(ctx)
     return _summary(ctx, records, step, time.perf_counter() - t0, loader_summary, checkpoints.saved)
 
 
-def _stopped_before_start(stop: StopSignals) -> dict[str, Any]:
-    """The summary's ``stopped`` of a run that a stop signal ended before its first step."""
-    return {"signal": stop.name or "another process's signal", "step": None, "checkpoint": None,
-            "line": stop.before_start_line}
+def _stopped_before_start(cfg: RunConfig, stop: StopSignals, start: int | None = None) -> dict[str, Any]:
+    """The summary of a run that a stop signal ended before its first step (``start``: the step it would have
+    started from, None when it stopped before knowing)."""
+    return {"run_dir": str(cfg.run_dir), "start_step": start,
+            "stopped": {"signal": stop.name or "another process's signal", "step": None, "checkpoint": None,
+                        "line": stop.before_start_line}}
 
 
 def _log_interrupted(e: BaseException) -> None:
