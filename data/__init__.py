@@ -14,7 +14,15 @@ if __name__ != "moevlm_jax.data":  # the folder is the package moevlm_jax.data, 
 
 from moevlm_jax.data.batch import MODEL_KEYS
 from moevlm_jax.data.config import QUESTION_TYPES, DataConfig, DataError, ImageConfig, load_data_config
-from moevlm_jax.data.loader import HOST_KEYS, Loader, build_loader, merge_states, model_inputs, throughput_line
+from moevlm_jax.data.loader import (
+    HOST_KEYS,
+    Loader,
+    build_loader,
+    merge_states,
+    merge_summaries,
+    model_inputs,
+    throughput_line,
+)
 from moevlm_jax.data.metrics import answer_accuracy, merge_accuracy, question_chance
 from moevlm_jax.data.packing import EVAL_KEYS
 from moevlm_jax.data.sample import SKIP_REASONS
@@ -25,5 +33,6 @@ from moevlm_jax.data.vqa import CHANCE
 __all__ = [
     "CHANCE", "EVAL_KEYS", "HOST_KEYS", "MODEL_KEYS", "QUESTION_TYPES", "SKIP_REASONS", "DataConfig", "DataError",
     "ImageConfig", "Loader", "answer_accuracy", "build_loader", "dataset_source", "has_heldout", "load_data_config",
-    "load_tokenizer", "merge_accuracy", "merge_states", "model_inputs", "question_chance", "throughput_line",
+    "load_tokenizer", "merge_accuracy", "merge_states", "merge_summaries", "model_inputs", "question_chance",
+    "throughput_line",
 ]

@@ -197,16 +197,10 @@ class Loader:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """Run totals so far: samples, tokens, useful/trained tokens, patches, fill fractions, skips by reason."""
+        """Run totals so far of this loader's shards: samples, tokens, useful/trained tokens, patches, fill
+        fractions, skips by reason (``merge_summaries`` joins the processes')."""
         t = {k: sum(s.totals[k] for s in self._streams) for k in _TOTAL_KEYS}
-        return {
-            "source": self.label, "mock": self.is_mock, "batches": self._streams[0].batches, **t,
-            "token_fill": t["useful_tokens"] / t["tokens"] if t["tokens"] else 0.0,
-            "token_padding": 1 - t["useful_tokens"] / t["tokens"] if t["tokens"] else 0.0,
-            "patch_fill": t["useful_patches"] / t["patch_slots"] if t["patch_slots"] else 0.0,
-            "patch_padding": 1 - t["useful_patches"] / t["patch_slots"] if t["patch_slots"] else 0.0,
-            "skipped": dict(self._total_skipped()),
-        }
+        return _summary(self.label, self.is_mock, self._streams[0].batches, t, self._total_skipped())
 
     def _header(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "fingerprint": self.config.fingerprint(), "split": self.split,
@@ -241,6 +235,29 @@ class Loader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _summary(label: str, mock: bool, batches: int, t: Mapping[str, int], skipped: Mapping[str, int]
+             ) -> dict[str, Any]:
+    return {
+        "source": label, "mock": mock, "batches": batches, **t,
+        "token_fill": t["useful_tokens"] / t["tokens"] if t["tokens"] else 0.0,
+        "token_padding": 1 - t["useful_tokens"] / t["tokens"] if t["tokens"] else 0.0,
+        "patch_fill": t["useful_patches"] / t["patch_slots"] if t["patch_slots"] else 0.0,
+        "patch_padding": 1 - t["useful_patches"] / t["patch_slots"] if t["patch_slots"] else 0.0,
+        "skipped": dict(skipped),
+    }
+
+
+def merge_summaries(summaries: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The processes' ``summary()`` results -> the run's: totals and skips summed, fills of the sums (the
+    batches are steps, the same in every process)."""
+    t = {k: sum(int(s[k]) for s in summaries) for k in _TOTAL_KEYS}
+    skipped: collections.Counter = collections.Counter()
+    for s in summaries:
+        skipped.update(s["skipped"])
+    first = summaries[0]
+    return _summary(first["source"], first["mock"], first["batches"], t, skipped)
 
 
 def merge_states(states: list[Mapping[str, Any]]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from flax import nnx
 import moevlm_jax.data as data_lib
 from moevlm_jax.config.run import RunConfig, save_config
 from moevlm_jax.model.router import ExpertBias
+from moevlm_jax.parallelism.multihost import gather_json, sum_values
 from moevlm_jax.perf import flops, memory
 from moevlm_jax.schema import ConfigError
 from moevlm_jax.training import capture
@@ -278,7 +279,14 @@ def _set_aside(ckpt: Checkpointer, skipped: list[Skipped], tag: str) -> list[Ski
 class StepRecords:
     """A finished step's record (from the tracker) -> the non-finite guard, the run's timed totals, the
     progress bar, and every ``train.log_every`` steps (and the first and last) metrics.jsonl plus a log
-    line when no bar is shown. ``diverged``: the step at which too many updates in a row were skipped."""
+    line when no bar is shown. ``diverged``: the step at which too many updates in a row were skipped.
+
+    Several processes: a record's host counts (tokens, useful tokens, FLOPs, samples, data skips) are this
+    process's rows'; a logged record has them summed over the processes with the throughput window
+    (``StepTracker.window``), and the bar shows between logged steps the last logged record's (run's) skips and
+    throughput. ``timed`` is this process's until the summary sums it."""
+
+    SHOWN = ("tokens_per_s", "useful_fraction", "mfu", "data_skipped")  # kept on the bar from the last logged
 
     def __init__(self, writer: MetricsWriter, tracker: StepTracker, bar: Progress, guard: NonFiniteGuard, *,
                  log_every: int, steps: int, start: int) -> None:
@@ -286,6 +294,7 @@ class StepRecords:
         self.log_every, self.steps, self.start = log_every, steps, start
         self.timed = {"time": 0.0, "useful_tokens": 0.0, "flops": 0.0}
         self.diverged: int | None = None
+        self._shown: dict[str, Any] = {}
 
     def __call__(self, record: dict[str, Any] | None) -> None:
         if record is None:
@@ -297,12 +306,14 @@ class StepRecords:
             self.timed["time"] += record["step_time_s"]
             self.timed["useful_tokens"] += record.get("useful_tokens", 0.0)
             self.timed["flops"] += record.get("flops", 0.0)
+        if not (step % self.log_every == 0 or step == self.steps or step == self.start + 1):
+            self.bar.update(step, {**record, **self._shown})
+            return
+        record = {**record, "tokens_per_s": None, **self.tracker.window(record)}  # the run's counts
+        self._shown = {k: record.get(k) for k in self.SHOWN}
+        self.writer.write(step, record)
         self.bar.update(step, record)
-        if step % self.log_every == 0 or step == self.steps or step == self.start + 1:
-            record = {**record, "tokens_per_s": None, **self.tracker.window()}
-            self.writer.write(step, record)
-            if not self.bar.bar.disable:
-                return
+        if self.bar.bar.disable:
             log.info("step %d/%d: %s", step, self.steps, progress_postfix(record))
 
 
@@ -344,14 +355,18 @@ def _train_step(ctx: LoopContext, hooks: Sequence[Hook], step: int, start: int, 
             ctx.summary["first_step_s"] = process_age_s()
         for hook in hooks:
             hook.after_step(ctx, step, metrics)
-        skipped = host["stats"].get("skipped_total", {})
+        stats = host["stats"]
+        # this process's rows' counts (summed over the processes when logged); trained_tokens is the step's own
+        # (a device metric of the global batch)
+        counts = {"tokens": batch.counts["tokens"], "useful_tokens": batch.counts["useful_tokens"],
+                  "flops": flops.batch_flops(shape, host), "samples": float(stats["samples"]),
+                  "data_skipped": float(sum(stats.get("skipped_total", {}).values()))}
         # a step that compiled (a new patch bucket): the interval before it holds the compile, and its own
         # starts from that late reading (the H200 read 0.549 s for 0.70 s): neither counts
         fresh = len(trainer.compiled) > compiles
         if fresh:
             tracker.discard_next_interval()
-        ctx.record(tracker.push(step, metrics, {**batch.counts, "flops": flops.batch_flops(shape, host),
-                                                "data_skipped": float(sum(skipped.values()))}))
+        ctx.record(tracker.push(step, metrics, counts))
         if fresh:
             tracker.discard_next_interval()
     except Exception as e:
@@ -401,7 +416,11 @@ def _summary(ctx: LoopContext, records: StepRecords, step: int, wall: float, loa
              saved: list[int]) -> dict[str, Any]:
     """The run summary: steps, wall time, compiles, loss first -> last, throughput, skips, data, checkpoints,
     peak memory (with what the hooks put there: evaluations, answers, curves)."""
-    trainer, timed, summary = ctx.trainer, records.timed, ctx.summary
+    trainer, summary = ctx.trainer, ctx.summary
+    # the run's totals: every process's tokens, FLOPs and data (one exchange); the timed span is this process's
+    parts = gather_json({"timed": {k: records.timed[k] for k in ("useful_tokens", "flops")},
+                         "data": loader_summary})
+    timed = {**sum_values([p["timed"] for p in parts]), "time": records.timed["time"]}
     every = read_metrics(ctx.run_dir) if (ctx.run_dir / "metrics.jsonl").exists() else []
     losses = [r for r in every if "loss" in r]
     summary.update({
@@ -413,7 +432,8 @@ def _summary(ctx: LoopContext, records: StepRecords, step: int, wall: float, loa
         "tflops_per_device": (timed["flops"] / timed["time"] / trainer.mesh.devices.size / 1e12
                               if timed["time"] else None),
         "skipped_updates": int(jax.device_get(optim.skipped_updates(ctx.state["opt_state"]))),
-        "data": loader_summary, "checkpoints": saved, "peak_memory_gib": peak_memory_gib(),
+        "data": data_lib.merge_summaries([p["data"] for p in parts]), "checkpoints": saved,
+        "peak_memory_gib": peak_memory_gib(),
     })
     return summary
 

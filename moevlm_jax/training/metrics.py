@@ -8,6 +8,9 @@ interval the caller marks (checkpoint, evaluation) are left out of throughput.
 
 Throughput counts useful tokens (``segment_ids > 0``), not padding; MFU is model FLOPs
 (moevlm_jax.perf.flops) / (time x devices x peak), reported only when the peak is known (GPUs, TPUs).
+Several processes: the host counts of a logged step and of the window (each process's of its own rows) are
+summed over the processes at logging time (``multihost.summed_on_primary``), so process 0's records are the
+run's, with its devices the run's (the mesh's).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from moevlm_jax.parallelism.multihost import summed_on_primary
 
 log = logging.getLogger(__name__)
 
@@ -157,18 +162,23 @@ class StepTracker:
     """Async step bookkeeping: push step k's device metrics, get step k-1's record back.
 
     ``host`` values per step (computed on the host from the numpy batch, no device sync):
-    ``tokens`` (all rows x seq), ``useful_tokens`` (segment_ids > 0), optionally ``trained_tokens``
-    and ``flops`` (moevlm_jax.perf.flops.batch_flops). Records carry the step's own metrics plus
-    throughput over the window since the last :meth:`window` call.
+    ``tokens`` (all rows x seq), ``useful_tokens`` (segment_ids > 0), optionally ``flops``
+    (moevlm_jax.perf.flops.batch_flops), samples, skips. Records carry the step's own metrics plus
+    throughput over the window since the last :meth:`window` call. Host values count this process's rows;
+    :meth:`window` sums them over the processes (``combine``, in process 0) for the step it logs, and
+    ``num_devices`` is every process's (the mesh's).
     """
 
     def __init__(self, *, num_devices: int = 1, peak_flops: float | None = None, skip_first: int = 2,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 combine: Callable[[dict[str, Any]], dict[str, Any]] = summed_on_primary) -> None:
         self.num_devices = num_devices
         self.peak_flops = peak_flops
         self.skip_first = skip_first
         self.clock = clock
+        self.combine = combine
         self._pending: tuple[int, Any, dict[str, float]] | None = None
+        self._finished: tuple[int, dict[str, float]] | None = None  # the last finished step's host values
         self._last_done: float | None = None
         self._done = 0
         self._skip = 0  # intervals still to leave out of throughput (after a checkpoint, evaluation or flush)
@@ -219,17 +229,26 @@ class StepTracker:
                 self._win[k] += float(host.get(k, 0.0))
         self._last_done = now
         record.update({k: _scalar(v) for k, v in host.items()})
+        self._finished = (step, host)
         return record
 
-    def window(self) -> dict[str, float]:
+    def window(self, record: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Throughput since the previous call (and reset): tokens_per_s (useful), useful_fraction,
-        step_time_s, tflops_per_device, mfu (when the peak is known); {} if no timed steps."""
+        step_time_s, tflops_per_device, mfu (when the peak is known); none of them if no timed steps.
+        With ``record`` (the last finished step's, being logged), also its host values. Both are summed over
+        the processes in one exchange (``combine``): every process calls this at the same steps."""
         w, self._win = self._win, dict.fromkeys(self._win, 0.0)
+        logged = record is not None and self._finished is not None and self._finished[0] == record["step"]
+        host = self._finished[1] if logged else {}
+        sums = self.combine({"host": {k: float(v) for k, v in host.items()},
+                             "window": {k: w[k] for k in ("tokens", "useful_tokens", "flops")}})
+        w.update(sums["window"])
+        out: dict[str, Any] = {k: sums["host"][k] for k in host}
         if w["steps"] == 0 or w["time"] <= 0:
-            return {}
-        out = {"tokens_per_s": w["useful_tokens"] / w["time"],
-               "tokens_per_s_per_device": w["useful_tokens"] / w["time"] / self.num_devices,
-               "step_time_s": w["time"] / w["steps"]}
+            return out
+        out["tokens_per_s"] = w["useful_tokens"] / w["time"]
+        out["tokens_per_s_per_device"] = w["useful_tokens"] / w["time"] / self.num_devices
+        out["step_time_s"] = w["time"] / w["steps"]
         if w["tokens"] > 0:
             out["useful_fraction"] = w["useful_tokens"] / w["tokens"]
         if w["flops"] > 0:

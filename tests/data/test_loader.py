@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moevlm_jax.data.config import DataError
-from moevlm_jax.data.loader import build_loader, model_inputs, throughput_line
+from moevlm_jax.data.loader import build_loader, merge_summaries, model_inputs, throughput_line
 
 SMALL = ["source.num_train=150", "source.num_heldout=30", "seq_len=384", "batch_size=3",
          "patch_buckets=[256, 512, 1024, 1536]", "pack_lookahead=4"]
@@ -79,6 +79,21 @@ def test_hosts_get_disjoint_shards_covering_the_data(cache):
     assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2])
     assert seen[0] | seen[1] | seen[2] == set(range(150))
     assert all(45 <= len(s) <= 55 for s in seen)
+
+
+def test_summaries_of_the_processes_merge_into_the_runs(cache):
+    """Two processes reading one of 2 shards each: their summaries merged are those of one process reading both
+    (samples, tokens, skips summed; fills of the sums)."""
+    one = build_loader("vqa", batch_size=4, num_shards=2, overrides=[*SMALL, cache])
+    halves = [build_loader("vqa", batch_size=2, shard_index=p, shard_count=2, num_shards=2,
+                           overrides=[*SMALL, cache]) for p in (0, 1)]
+    for _ in range(2):
+        next(one)
+        for h in halves:
+            next(h)
+    merged = merge_summaries([h.summary() for h in halves])
+    assert merged == one.summary() and merged["samples"] > halves[0].summary()["samples"]
+    assert merge_summaries([one.summary()]) == one.summary()
 
 
 def test_mock_is_labelled_in_every_throughput_line(cache):

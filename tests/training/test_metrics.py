@@ -105,6 +105,33 @@ def test_step_tracker_async_pattern_and_throughput():
     assert "mfu" not in StepTracker(peak_flops=None).window()
 
 
+def test_step_tracker_window_sums_host_counts_over_processes():
+    """Two processes of one run, each pushing its half of the rows: the logged step's host counts and the
+    window's throughput and MFU come from the processes' sums (one exchange per window), over the mesh's
+    devices; the device metrics (already global) are left as they are."""
+    calls = []
+
+    def two_processes(values):  # the other process had the same counts
+        calls.append(values)
+        return {part: {k: 2 * v for k, v in d.items()} for part, d in values.items()}
+
+    times = iter([0.0, 1.0, 2.0, 3.0, 4.0])
+    tracker = StepTracker(num_devices=8, peak_flops=1e3, clock=lambda: next(times), combine=two_processes)
+    half = {"tokens": 1024.0, "useful_tokens": 800.0, "flops": 4000.0, "samples": 5.0, "data_skipped": 1.0}
+    record = None
+    for step in range(5):
+        record = tracker.push(step, {"loss": jnp.asarray(1.0), "trained_tokens": jnp.asarray(1500.0)}, half)
+    assert record["step"] == 3 and record["tokens"] == 1024.0  # this process's, until logged
+    logged = tracker.window(record)  # steps 2 and 3 timed: 1 s each
+    assert len(calls) == 1
+    assert logged["tokens"] == 2048.0 and logged["useful_tokens"] == 1600.0 and logged["samples"] == 10.0
+    assert logged["data_skipped"] == 2.0 and "trained_tokens" not in logged and "loss" not in logged
+    assert logged["tokens_per_s"] == pytest.approx(1600.0) and logged["useful_fraction"] == pytest.approx(800 / 1024)
+    assert logged["tokens_per_s_per_device"] == pytest.approx(200.0)
+    assert logged["mfu"] == pytest.approx(2 * 4000.0 / 8 / 1e3)
+    assert tracker.window() == {} and len(calls) == 2  # an empty window is still one exchange for every process
+
+
 def test_batch_counts_and_progress_text():
     seg = np.array([[1, 1, 2, 0], [1, 0, 0, 0]])
     mask = np.array([[0, 1, 1, 0], [1, 0, 0, 0]], np.float32)

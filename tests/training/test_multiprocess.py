@@ -2,10 +2,11 @@
 
 - 2 processes x 4 CPU devices train like 1 process x 8 devices under fsdp, ep and pp (the trainer's
   step: per-step losses and gradient norms to the layout tests' tolerance);
-- the train CLI as 2 processes: per-step losses of 1 process; its checkpoint (every process writes its
-  shards, one commit; each process's data shards in the data item) resumes in 1 process with the
-  uninterrupted 1-process run's next losses; the HF export of the 2-process checkpoint matches the
-  1-process run's;
+- the train CLI as 2 processes: per-step losses of 1 process, and its records (process 0's, once) count the
+  global batch as the 1-process run's do (tokens, useful / trained tokens, samples, skips, FLOPs); its
+  checkpoint (every process writes its shards, one commit; each process's data shards in the data item)
+  resumes in 1 process with the uninterrupted 1-process run's next losses; the HF export of the 2-process
+  checkpoint matches the 1-process run's;
 - one process killed mid-run: the launcher and the other process exit non-zero within 60 s, naming it.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +114,9 @@ def _recipe(tmp: Path, jax_cache: Path) -> Path:
 
 
 def test_cli_as_two_processes_checkpoints_resume_in_one(tmp_path, jax_cache):
+    from moevlm_jax.training.metrics import read_metrics
+    from tests.training.train_setup import SEQ_LEN
+
     recipe = _recipe(tmp_path, jax_cache)
     two, one = tmp_path / "two", tmp_path / "one"
     train = ["-m", "moevlm_jax.train", "--quiet", "--recipe", str(recipe)]
@@ -126,6 +131,16 @@ def test_cli_as_two_processes_checkpoints_resume_in_one(tmp_path, jax_cache):
     assert sorted(a) == list(range(1, SHORT + 1))
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=2e-6), step
+    # the records are the run's, written once: the batch's counts of both processes' rows, the 1-process run's
+    two_records, one_records = ({r["step"]: r for r in read_metrics(d) if "loss" in r} for d in (two, one))
+    assert len(read_metrics(two)) == SHORT
+    for step in a:
+        for k in ("tokens", "useful_tokens", "trained_tokens", "samples", "data_skipped", "flops"):
+            assert two_records[step][k] == pytest.approx(one_records[step][k], rel=1e-12), (step, k)
+    assert two_records[1]["tokens"] == 8 * SEQ_LEN  # the global batch: 8 rows
+    # and the summary (process 0's table) counts both processes' samples
+    samples = re.findall(r"  data +.*: (\d+) samples", done.stdout)
+    assert samples == [str(int(sum(one_records[s]["samples"] for s in a)))], done.stdout[-3000:]
     # resume the 2-process run in 1 process (its config.yaml, checkpoint SHORT, both data shards)
     resumed = subprocess.run([sys.executable, "-m", "moevlm_jax.train", "--quiet", "--run-dir", str(two), "--resume",
                               f"train.steps={LONG}"], env=_env(8), capture_output=True, text=True, timeout=900,
