@@ -15,29 +15,33 @@ Per value head, chunks of C tokens, ``gc`` the log decay summed from the chunk s
 The decomposition (flash-linear-attention's): everything within a chunk depends on the chunk's own tokens only
 and runs for all chunks at once; only the state recurrence is sequential. So:
 
-- :func:`_prepare` (XLA, batched over all chunks): the q/k L2 norm, ``gc``, the ``[C, C]`` UT matrix, its unit
-  lower inverse (:func:`unit_lower_inverse`, log2(C) levels of batched matmuls) and ``w``, ``u``. The q.k and
-  k.k products are formed per *key* head and broadcast over the ``Hv / Hk`` value heads of its group (HF's
-  ``repeat_interleave``), so repeated q / k never exist.
+- :func:`_prepare` (XLA, batched over all chunks): the q/k L2 norm, ``gc``, the gates (``e = exp(gc)``,
+  ``f = exp(gc_C - gc)``, the chunk decay), the ``[C, C]`` UT matrix, its unit lower inverse
+  (:func:`unit_lower_inverse`: log2(C) levels of batched matmuls, a closed-form backward), ``w``, ``u`` and the
+  causal decayed ``A = q k^T * exp(gc_i - gc_j)``. The q.k and k.k products are formed per *key* head and
+  broadcast over the ``Hv / Hk`` value heads of its group (HF's ``repeat_interleave``), so repeated q / k never
+  exist; the packed-row masks are applied here too.
 - :func:`_fwd_kernel` (Pallas): one program per (value head, Dv block) walks the chunks in order with its
-  ``[Dk, BV]`` state tile in registers: ``v_new``, the chunk's output (its ``q.k^T`` formed in the kernel) and
-  the next state, each a few tile matmuls, no HBM round trip of the state between chunks (``lax.scan`` writes
-  and reads it every chunk). The key head of value head ``h`` is ``h // (Hv / Hk)``, read by index.
-- The backward recomputes (residuals are the inputs only, O(S x D) a layer, never the O(S x C) UT factors):
+  ``[Dk, BV]`` float32 state tile in registers: ``v_new = u - w S``, the chunk's output ``(q e) S + A v_new`` and
+  the next state, four tile matmuls a chunk and no HBM round trip of the state between chunks (``lax.scan``
+  writes and reads it every chunk). The key head of value head ``h`` is ``h // (Hv / Hk)``, read by index.
+  A, the gates and the masks come ready from the preparation, so the kernel's registers go to the state tile
+  and the matmul operands.
+- The backward recomputes (residuals are the inputs only, O(S x D) a layer, never the O(S x C) chunk factors):
   :func:`_prepare` again under ``jax.vjp``, the chunk-start states and ``v_new`` (the forward kernel in its
   ``states`` mode), then :func:`_bwd_kernel` walks the chunks in reverse carrying ``dS`` (``dv_new = A^T do +
-  (k exp(gc_C - gc)) dS``, ``dS <- exp(gc_C) dS + (q exp(gc))^T do - w^T dv_new``), storing ``dv_new`` and each
-  chunk's end-state gradient. The remaining gradients need no recurrence and are batched matmuls over all
-  chunks (:func:`_chunk_grads`, XLA): d(w), d(q), d(k), d(gc); the pullback of :func:`_prepare` (through
-  :func:`unit_lower_inverse`'s closed-form backward) takes them to q, k, v, g, beta.
+  (k f) dS``, ``dS <- cd dS + (q e)^T do - w^T dv_new``), storing ``dv_new`` and each chunk's end-state gradient.
+  The gradients of the kernel inputs need no recurrence given those and are batched matmuls over all chunks
+  (:func:`_chunk_grads`, XLA); the pullback of :func:`_prepare` takes them to q, k, v, g, beta.
 
 Packed rows: ``segment_ids`` become a run index per token (+1 at every id change); a token receives the state
-carried into its chunk only if it is in the run of the token before the chunk, its update reaches the chunk's
-end only if it is in the chunk's last run, and intra-chunk pairs only within a run: the masks of the reference,
-recomputed in the kernels from the run index. Padding (id 0) tokens have zero inputs and no decay.
+carried into its chunk only if it is in the run of the token before the chunk (``e``), its update reaches the
+chunk's end only if it is in the chunk's last run (``f``), the carried state survives the chunk only if no run
+starts in it (``cd``), and ``A`` and the UT matrix pair tokens of one run: the masks of the reference. Padding
+(id 0) tokens have zero inputs and no decay.
 
 Numerics: the state, the gates and every accumulation are float32; the matmul operands of the kernels (q, k,
-w, u, the state tile, v_new) are in the input dtype (bf16 in training, as flash-linear-attention's kernels),
+w, u, A, the state tile, v_new) are in the input dtype (bf16 in training, as flash-linear-attention's kernels),
 float32 inputs keep everything float32 (the tests). Triton's constraints hold by construction: every block
 (C, Dk, BV) a power of two >= 16, both operands of a dot of one dtype, no slicing of register values.
 """
@@ -183,7 +187,7 @@ def _gates(gc: jax.Array, runs: jax.Array, hk: int) -> tuple[jax.Array, ...]:
     """gc [B, Hv, N, C] float32, runs [B, T] -> per value head, grouped [B, Hk, r, N, ...]: e = exp(gc) where the
     carried state reaches the token [.., C], f = exp(gc_C - gc) where the token's update reaches the chunk end
     [.., C], cd = the carried state's decay over the chunk (0 across a boundary) [..], decay = exp(gc_i - gc_j)
-    for i >= j within a run [.., C, C]. The masks are the reference's; the kernels form the same (_chunk_gates)."""
+    for i >= j within a run [.., C, C]: the masks of the reference."""
     b, hv, n, c = gc.shape
     rc = runs.reshape(b, 1, 1, n, c)
     prev = jnp.concatenate([rc[..., :1, :1], rc[..., :-1, -1:]], axis=-2)  # run of the token before each chunk
@@ -198,9 +202,22 @@ def _gates(gc: jax.Array, runs: jax.Array, hk: int) -> tuple[jax.Array, ...]:
     return e, f, cd, decay
 
 
-def _prepare(q, k, v, g, beta, runs, valid, st: _Static) -> tuple[jax.Array, ...]:
-    """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], g, beta [B, S, Hv], runs [B, T], valid [B, S] -> float32 kernel
-    inputs: q, k [B, Hk, T, Dk] (L2-normed, q scaled), w [B, Hv, T, Dk], u [B, Hv, T, Dv], gc [B, Hv, T]."""
+class Prepared(NamedTuple):
+    """The kernels' inputs, float32 (:func:`_prepare`); T = S padded to whole chunks, N = T / C."""
+
+    q: jax.Array  # [B, Hk, T, Dk] L2-normed (if asked), scaled
+    k: jax.Array  # [B, Hk, T, Dk] L2-normed (if asked)
+    w: jax.Array  # [B, Hv, T, Dk] T^-1 (beta k exp(gc)), masked to the carried run
+    u: jax.Array  # [B, Hv, T, Dv] T^-1 (beta v)
+    a: jax.Array  # [B, Hv, T, C] row t: q_t.k_j exp(gc_t - gc_j) for j <= t in t's run and chunk (else 0)
+    e: jax.Array  # [B, Hv, T] exp(gc) where the carried state reaches the token, else 0
+    f: jax.Array  # [B, Hv, T] exp(gc_C - gc) where the token's update reaches the chunk's end, else 0
+    cd: jax.Array  # [B, Hv, N] the carried state's decay over the chunk (0 where a new run starts in it)
+
+
+def _prepare(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
+    """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], g, beta [B, S, Hv], runs [B, T], valid [B, S] -> the kernels'
+    float32 inputs, all chunks at once; q.k^T and k.k^T per key head, broadcast over its value heads."""
     b, s, hk, dk = q.shape
     hv, dv = v.shape[2:]
     r, c, t = hv // hk, st.chunk, runs.shape[1]
@@ -216,37 +233,21 @@ def _prepare(q, k, v, g, beta, runs, valid, st: _Static) -> tuple[jax.Array, ...
     heads = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, t - s)) + ((0, 0),) * (x.ndim - 3))
     q, k, v, g, beta = (heads(x) for x in (q, k, v, g, beta))  # [B, H, T, (D)]
     gc = jnp.cumsum(g.reshape(b, hv, n, c), axis=-1)
-    e, _, _, decay = _gates(gc, runs, hk)
-    kc = k.reshape(b, hk, n, c, dk)
+    e, f, cd, decay = _gates(gc, runs, hk)
+    qc, kc = q.reshape(b, hk, n, c, dk), k.reshape(b, hk, n, c, dk)
     bc = beta.reshape(b, hk, r, n, c)
     ein = functools.partial(jnp.einsum, precision=st.precision)
-    kk = ein("bhnid,bhnjd->bhnij", kc, kc)  # per key head
+    kk = ein("bhnid,bhnjd->bhnij", kc, kc)[:, :, None]  # per key head
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    t_inv = _inverse(jnp.where(strict, bc[..., :, None] * kk[:, :, None] * decay, 0.0), st.precision)
+    t_inv = _inverse(jnp.where(strict, bc[..., :, None] * kk * decay, 0.0), st.precision)
     w = ein("bhrnij,bhnjd->bhrnid", t_inv * (bc * e)[..., None, :], kc)  # T^-1 diag(beta exp(gc)) k
     u = ein("bhrnij,bhrnjd->bhrnid", t_inv * bc[..., None, :], v.reshape(b, hk, r, n, c, dv))
-    return q, k, w.reshape(b, hv, t, dk), u.reshape(b, hv, t, dv), gc.reshape(b, hv, t)
+    a = ein("bhnid,bhnjd->bhnij", qc, kc)[:, :, None] * decay
+    per_token = lambda x: x.reshape(b, hv, t, *x.shape[5:])
+    return Prepared(q, k, per_token(w), per_token(u), per_token(a), per_token(e), per_token(f), cd.reshape(b, hv, n))
 
 
 # ----------------------------------------------------------------------------- the recurrence kernels
-
-def _chunk_gates(g_ref, r_ref, b, h, t0, c: int):
-    """In a kernel: chunk ``[t0, t0 + C)`` of head ``h``'s gc and row ``b``'s runs -> e [C], f [C], cd (scalar),
-    decay [C, C] float32, as :func:`_gates`."""
-    g = plgpu.load(g_ref.at[b, h, pl.ds(t0, c)])
-    g_last = g_ref[b, h, t0 + c - 1]
-    runs = plgpu.load(r_ref.at[b, pl.ds(t0, c)])
-    r_prev = r_ref[b, jnp.maximum(t0 - 1, 0)]  # chunk 0: run 0 (the initial state reaches the first run)
-    r_last = r_ref[b, t0 + c - 1]
-    ninf = jnp.float32(-jnp.inf)
-    e = jnp.exp(jnp.where(runs == r_prev, g, ninf))
-    f = jnp.exp(jnp.where(runs == r_last, g_last - g, ninf))
-    cd = jnp.exp(jnp.where(r_last == r_prev, g_last, ninf))
-    i = jnp.arange(c, dtype=jnp.int32)
-    pair = (i[:, None] >= i[None, :]) & (runs[:, None] == runs[None, :])
-    decay = jnp.exp(jnp.where(pair, g[:, None] - g[None, :], ninf))
-    return e, f, cd, decay
-
 
 def _program(w_ref, bv: int, ratio: int):
     """This program's (row, value head, key head, value-column slice)."""
@@ -256,8 +257,8 @@ def _program(w_ref, bv: int, ratio: int):
     return b, h, h // ratio, pl.ds(pl.multiple_of(v_i * bv, bv), bv)
 
 
-def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, r_ref, h0_ref, *out_refs, c: int, ratio: int, bv: int,
-                states: bool):
+def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, a_ref, e_ref, f_ref, cd_ref, h0_ref, *out_refs, c: int, ratio: int,
+                bv: int, states: bool):
     """Chunks in order, the ``[Dk, BV]`` state in registers; then the final state (last output). ``states``: store
     each chunk's start state and v_new (the backward's recompute, the unfused forward) instead of the outputs."""
     b, h, hk, vs = _program(w_ref, bv, ratio)
@@ -265,10 +266,7 @@ def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, r_ref, h0_ref, *out_refs, c: 
     keys = pl.ds(0, dk)
 
     def body(n, state):
-        t0 = pl.multiple_of(n * c, c)
-        ts = pl.ds(t0, c)
-        e, f, cd, decay = _chunk_gates(g_ref, r_ref, b, h, t0, c)
-        k = plgpu.load(k_ref.at[b, hk, ts, keys])
+        ts = pl.ds(pl.multiple_of(n * c, c), c)
         sd = state.astype(dt)
         v_new = plgpu.load(u_ref.at[b, h, ts, vs]).astype(f32) - plgpu.dot(plgpu.load(w_ref.at[b, h, ts, keys]), sd)
         vd = v_new.astype(dt)
@@ -278,41 +276,39 @@ def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, g_ref, r_ref, h0_ref, *out_refs, c: 
             plgpu.store(vn_ref.at[b, h, ts, vs], vd)
         else:
             o_ref = out_refs[0]
-            q = plgpu.load(q_ref.at[b, hk, ts, keys])
-            a = (plgpu.dot(q, k, trans_b=True) * decay).astype(dt)
-            o = plgpu.dot((q * e[:, None]).astype(dt), sd) + plgpu.dot(a, vd)
+            qe = plgpu.load(q_ref.at[b, hk, ts, keys]) * plgpu.load(e_ref.at[b, h, ts])[:, None]
+            o = plgpu.dot(qe.astype(dt), sd) + plgpu.dot(plgpu.load(a_ref.at[b, h, ts, pl.ds(0, c)]), vd)
             plgpu.store(o_ref.at[b, ts, h, vs], o.astype(o_ref.dtype))
-        return state * cd + plgpu.dot((k * f[:, None]).astype(dt), vd, trans_a=True)
+        kf = plgpu.load(k_ref.at[b, hk, ts, keys]) * plgpu.load(f_ref.at[b, h, ts])[:, None]
+        return state * cd_ref[b, h, n] + plgpu.dot(kf.astype(dt), vd, trans_a=True)
 
-    state = jax.lax.fori_loop(0, g_ref.shape[-1] // c, body, plgpu.load(h0_ref.at[b, h, keys, vs]))
+    state = jax.lax.fori_loop(0, w_ref.shape[2] // c, body, plgpu.load(h0_ref.at[b, h, keys, vs]))
     plgpu.store(out_refs[-1].at[b, h, keys, vs], state)
 
 
-def _bwd_kernel(q_ref, k_ref, w_ref, g_ref, r_ref, do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *, c: int,
-                ratio: int, bv: int):
+def _bwd_kernel(q_ref, k_ref, w_ref, a_ref, e_ref, f_ref, cd_ref, do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *,
+                c: int, ratio: int, bv: int):
     """Chunks in reverse, carrying the state gradient ``dS [Dk, BV]``: stores each chunk's d(v_new) and the
     gradient of its end state, then the initial state's gradient."""
     b, h, hk, vs = _program(w_ref, bv, ratio)
     dk, dt = w_ref.shape[-1], w_ref.dtype
     keys = pl.ds(0, dk)
-    n_chunks = g_ref.shape[-1] // c
+    n_chunks = w_ref.shape[2] // c
 
     def body(i, ds):
         n = n_chunks - 1 - i
-        t0 = pl.multiple_of(n * c, c)
-        ts = pl.ds(t0, c)
-        e, f, cd, decay = _chunk_gates(g_ref, r_ref, b, h, t0, c)
-        q = plgpu.load(q_ref.at[b, hk, ts, keys])
-        k = plgpu.load(k_ref.at[b, hk, ts, keys])
+        ts = pl.ds(pl.multiple_of(n * c, c), c)
         do = plgpu.load(do_ref.at[b, ts, h, vs]).astype(dt)
         dsd = ds.astype(dt)
         plgpu.store(dhs_ref.at[b, h, n, keys, vs], dsd)
-        a = (plgpu.dot(q, k, trans_b=True) * decay).astype(dt)
-        dvn = plgpu.dot(a, do, trans_a=True) + plgpu.dot((k * f[:, None]).astype(dt), dsd)
+        kf = plgpu.load(k_ref.at[b, hk, ts, keys]) * plgpu.load(f_ref.at[b, h, ts])[:, None]
+        dvn = (plgpu.dot(plgpu.load(a_ref.at[b, h, ts, pl.ds(0, c)]), do, trans_a=True)
+               + plgpu.dot(kf.astype(dt), dsd))
         dvd = dvn.astype(dt)
         plgpu.store(dvn_ref.at[b, h, ts, vs], dvd)
-        w = plgpu.load(w_ref.at[b, h, ts, keys])
-        return ds * cd + plgpu.dot((q * e[:, None]).astype(dt), do, trans_a=True) - plgpu.dot(w, dvd, trans_a=True)
+        qe = plgpu.load(q_ref.at[b, hk, ts, keys]) * plgpu.load(e_ref.at[b, h, ts])[:, None]
+        return (ds * cd_ref[b, h, n] + plgpu.dot(qe.astype(dt), do, trans_a=True)
+                - plgpu.dot(plgpu.load(w_ref.at[b, h, ts, keys]), dvd, trans_a=True))
 
     ds = jax.lax.fori_loop(0, n_chunks, body, plgpu.load(dht_ref.at[b, h, keys, vs]))
     plgpu.store(dh0_ref.at[b, h, keys, vs], ds)
@@ -324,13 +320,14 @@ def _launch(kernel, st: _Static, bv: int, dv: int, bh: int, out_shape, name: str
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=st.config.num_stages))
 
 
-def _recurrence(q, k, w, u, gc, runs, h0, out_dtype, st: _Static, states: bool):
-    """The forward kernel: (out [B, T, Hv, Dv], final state [B, Hv, Dk, Dv] float32), or with ``states``
-    (chunk-start states [B, Hv, N, Dk, Dv], v_new [B, Hv, T, Dv] in the operand dtype, final state)."""
-    b, hv, t, dk = w.shape
-    dv = u.shape[-1]
+def _recurrence(x: Prepared, h0, out_dtype, st: _Static, states: bool):
+    """The forward kernel on the kernel inputs ``x``: (out [B, T, Hv, Dv], final state [B, Hv, Dk, Dv] float32),
+    or with ``states`` (chunk-start states [B, Hv, N, Dk, Dv], v_new [B, Hv, T, Dv] in the operand dtype, final
+    state)."""
+    b, hv, t, dk = x.w.shape
+    dv = x.u.shape[-1]
     bv = block_v(st.config, b * hv, dv)
-    kernel = functools.partial(_fwd_kernel, c=st.chunk, ratio=hv // q.shape[1], bv=bv, states=states)
+    kernel = functools.partial(_fwd_kernel, c=st.chunk, ratio=hv // x.q.shape[1], bv=bv, states=states)
     if states:
         out_shape = (jax.ShapeDtypeStruct((b, hv, t // st.chunk, dk, dv), st.dtype),
                      jax.ShapeDtypeStruct((b, hv, t, dv), st.dtype))
@@ -338,85 +335,78 @@ def _recurrence(q, k, w, u, gc, runs, h0, out_dtype, st: _Static, states: bool):
         out_shape = (jax.ShapeDtypeStruct((b, t, hv, dv), out_dtype),)
     out_shape += (jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32),)
     return _launch(kernel, st, bv, dv, b * hv, out_shape, "gdn_states" if states else "gdn_fwd",
-                   st.config.num_warps)(q, k, w, u, gc, runs, h0)
+                   st.config.num_warps)(*x, h0)
 
 
-def _reverse(q, k, w, gc, runs, do, dht, st: _Static):
+def _reverse(x: Prepared, do, dht, st: _Static):
     """The backward kernel: (d v_new [B, Hv, T, Dv], end-state gradients [B, Hv, N, Dk, Dv], d initial state)."""
-    b, hv, t, dk = w.shape
+    b, hv, t, dk = x.w.shape
     dv = do.shape[-1]
     bv = block_v(st.config, b * hv, dv)
-    kernel = functools.partial(_bwd_kernel, c=st.chunk, ratio=hv // q.shape[1], bv=bv)
+    kernel = functools.partial(_bwd_kernel, c=st.chunk, ratio=hv // x.q.shape[1], bv=bv)
     out_shape = (jax.ShapeDtypeStruct((b, hv, t, dv), st.dtype),
                  jax.ShapeDtypeStruct((b, hv, t // st.chunk, dk, dv), st.dtype),
                  jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32))
-    return _launch(kernel, st, bv, dv, b * hv, out_shape, "gdn_bwd",
-                   st.config.bwd_num_warps or st.config.num_warps)(q, k, w, gc, runs, do, dht)
+    return _launch(kernel, st, bv, dv, b * hv, out_shape, "gdn_bwd", st.config.bwd_num_warps or st.config.num_warps)(
+        x.q, x.k, x.w, x.a, x.e, x.f, x.cd, do, dht)
 
 
 # ----------------------------------------------------------------------------- the chunk-parallel parts (XLA)
 
-def _chunk_outputs(x: tuple[jax.Array, ...], hs, vn, runs, st: _Static) -> jax.Array:
+def _grouped(x: Prepared, hs, st: _Static):
+    """Views over all chunks, value heads grouped by key head: q, k [B, Hk, N, C, Dk], e, f [B, Hk, r, N, C],
+    start states [B, Hk, r, N, Dk, Dv] (kernel dtypes)."""
+    b, hk, t, dk = x.q.shape
+    hv, dv = x.u.shape[1], x.u.shape[-1]
+    n = t // st.chunk
+    view = lambda y: y.reshape(b, hk, hv // hk, n, st.chunk, *y.shape[3:])
+    return (x.q.reshape(b, hk, n, st.chunk, dk), x.k.reshape(b, hk, n, st.chunk, dk), view(x.e), view(x.f),
+            hs.reshape(b, hk, hv // hk, n, dk, dv), view)
+
+
+def _chunk_outputs(x: Prepared, hs, vn, st: _Static) -> jax.Array:
     """The outputs [B, T, Hv, Dv] float32 from each chunk's start state ``hs`` and v_new (the unfused forward):
-    ``o = e q S + (q k^T * decay) v_new``, all chunks at once (q.k^T per key head)."""
-    q, k, _, _, gc = x
-    b, hk, t, dk = q.shape
-    hv, dv = vn.shape[1], vn.shape[-1]
-    r, c = hv // hk, st.chunk
-    n = t // c
+    ``o = e q S + A v_new``, all chunks at once (q per key head)."""
     ein = functools.partial(jnp.einsum, precision=st.precision, preferred_element_type=jnp.float32)
-    e, _, _, decay = _gates(gc.reshape(b, hv, n, c), runs, hk)
-    qc, kc = (y.reshape(b, hk, n, c, dk) for y in (q, k))
-    a = (ein("bhnid,bhnjd->bhnij", qc, kc)[:, :, None] * decay).astype(st.dtype)
-    out = (e[..., None] * ein("bhnck,bhrnkv->bhrncv", qc, hs.reshape(b, hk, r, n, dk, dv))
-           + ein("bhrnij,bhrnjv->bhrniv", a, vn.reshape(b, hk, r, n, c, dv)))
+    q, _, e, _, s_, view = _grouped(x, hs, st)
+    out = e[..., None] * ein("bhnck,bhrnkv->bhrncv", q, s_) + ein("bhrnij,bhrnjv->bhrniv", view(x.a), view(vn))
+    b, hv, t, dv = vn.shape
     return jnp.swapaxes(out.reshape(b, hv, t, dv), 1, 2)
 
 
-def _chunk_grads(x: tuple[jax.Array, ...], hs, vn, dvn, dhs, do, runs, st: _Static) -> tuple[jax.Array, ...]:
-    """Given each chunk's start state ``hs``, v_new, d(v_new) and end-state gradient ``dhs`` (the kernels), the
-    gradients of the kernel inputs (q, k, w, u, gc of :func:`_prepare`), float32, all chunks at once:
+def _chunk_grads(x: Prepared, hs, vn, dvn, dhs, do, st: _Static) -> Prepared:
+    """Given the kernel inputs ``x`` (operand dtype), each chunk's start state ``hs``, v_new, d(v_new) and
+    end-state gradient ``dhs`` (the kernels), the float32 gradients of the kernel inputs, all chunks at once
+    (per value head; q and k summed over the value heads of their key head):
 
-        dw = -dv_new S^T                      dA = (do v_new^T) * decay
-        dq = e do S^T + dA k                  dk = dA^T q + f v_new dS^T
-        dgc_i = e_i q_i.(do S^T)_i - f_i k_i.(v_new dS^T)_i + sum_j dA_ij qk_ij - sum_j dA_ji qk_ji
-                (+ at the chunk's last token: sum_i f_i k_i.(v_new dS^T)_i + cd <S, dS>)
+        du = dv_new      dw = -dv_new S^T      dA = do v_new^T      dcd = <S, dS>
+        dq = e do S^T    de = q.(do S^T)       dk = f v_new dS^T    df = k.(v_new dS^T)
     """
-    q, k, _, _, gc = x
-    b, hk, t, dk = q.shape
-    hv, dv = vn.shape[1], vn.shape[-1]
-    r, c = hv // hk, st.chunk
-    n = t // c
-    f32, dt = jnp.float32, st.dtype
+    f32 = jnp.float32
     ein = functools.partial(jnp.einsum, precision=st.precision, preferred_element_type=f32)
-    e, f, cd, decay = _gates(gc.reshape(b, hv, n, c), runs, hk)
-    qc, kc = (y.astype(dt).reshape(b, hk, n, c, dk) for y in (q, k))
-    grouped = lambda y: y.reshape(b, hk, r, n, c, -1)
-    s_, ds_ = (y.reshape(b, hk, r, n, dk, dv) for y in (hs, dhs))
-    vn_, dvn_ = grouped(vn), grouped(dvn)
-    do_ = grouped(jnp.swapaxes(jnp.pad(do, ((0, 0), (0, t - do.shape[1]), (0, 0), (0, 0))), 1, 2).astype(dt))
+    q, k, e, f, s_, view = _grouped(x, hs, st)
+    ds_ = dhs.reshape(s_.shape)
+    b, hv, t = vn.shape[:3]
+    do_ = view(jnp.swapaxes(do, 1, 2).astype(st.dtype))
     x_q = ein("bhrncv,bhrnkv->bhrnck", do_, s_)  # do S^T
-    y_k = ein("bhrncv,bhrnkv->bhrnck", vn_, ds_)  # v_new dS^T
-    dw = -ein("bhrncv,bhrnkv->bhrnck", dvn_, s_)
-    qk = ein("bhnid,bhnjd->bhnij", qc, kc)[:, :, None]  # per key head
-    da = ein("bhrniv,bhrnjv->bhrnij", do_, vn_) * decay
-    dq = jnp.sum(e[..., None] * x_q, axis=2) + ein("bhrnij,bhnjd->bhnid", da.astype(dt), kc)
-    dk_ = jnp.sum(f[..., None] * y_k, axis=2) + ein("bhrnij,bhnid->bhnjd", da.astype(dt), qc)
-    qdot = e * jnp.sum(qc[:, :, None].astype(f32) * x_q, axis=-1)
-    kdot = f * jnp.sum(kc[:, :, None].astype(f32) * y_k, axis=-1)
-    qa = da * qk
-    dgc = qdot - kdot + jnp.sum(qa, axis=-1) - jnp.sum(qa, axis=-2)
-    end = jnp.sum(kdot, axis=-1) + cd * jnp.sum(s_.astype(f32) * ds_.astype(f32), axis=(-2, -1))
-    dgc = dgc.at[..., -1].add(end)
-    return (dq.reshape(b, hk, t, dk), dk_.reshape(b, hk, t, dk), dw.reshape(b, hv, t, dk),
-            dvn.astype(f32), dgc.reshape(b, hv, t))
+    y_k = ein("bhrncv,bhrnkv->bhrnck", view(vn), ds_)  # v_new dS^T
+    per_token = lambda y: y.reshape(b, hv, t, *y.shape[5:])
+    return Prepared(
+        q=jnp.sum(e[..., None] * x_q, axis=2).reshape(x.q.shape),
+        k=jnp.sum(f[..., None] * y_k, axis=2).reshape(x.k.shape),
+        w=-per_token(ein("bhrncv,bhrnkv->bhrnck", view(dvn), s_)),
+        u=dvn.astype(f32),
+        a=per_token(ein("bhrniv,bhrnjv->bhrnij", do_, view(vn))),
+        e=per_token(jnp.sum(q[:, :, None].astype(f32) * x_q, axis=-1)),
+        f=per_token(jnp.sum(k[:, :, None].astype(f32) * y_k, axis=-1)),
+        cd=jnp.sum(s_.astype(f32) * ds_.astype(f32), axis=(-2, -1)).reshape(x.cd.shape))
 
 
 # ----------------------------------------------------------------------------- the rule under one custom VJP
 
-def _kernel_inputs(x: tuple[jax.Array, ...], st: _Static) -> tuple[jax.Array, ...]:
-    """The prepared float32 q, k, w, u in the kernels' operand dtype (gc stays float32)."""
-    return tuple(y.astype(st.dtype) for y in x[:4]) + (x[4],)
+def _kernel_inputs(x: Prepared, st: _Static) -> Prepared:
+    """The prepared float32 inputs, the matmul operands in the kernels' operand dtype (the gates stay float32)."""
+    return x._replace(**{name: getattr(x, name).astype(st.dtype) for name in ("q", "k", "w", "u", "a")})
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -428,23 +418,22 @@ def _rule(st: _Static, q, k, v, g, beta, h0, runs, valid):
 def _rule_fwd(st: _Static, q, k, v, g, beta, h0, runs, valid):
     x = _kernel_inputs(_prepare(q, k, v, g, beta, runs, valid, st), st)
     if st.config.fused_output:
-        out, state = _recurrence(*x, runs, h0, q.dtype, st, states=False)
+        out, state = _recurrence(x, h0, q.dtype, st, states=False)
     else:
-        hs, vn, state = _recurrence(*x, runs, h0, q.dtype, st, states=True)
-        out = _chunk_outputs(x, hs, vn, runs, st).astype(q.dtype)
+        hs, vn, state = _recurrence(x, h0, q.dtype, st, states=True)
+        out = _chunk_outputs(x, hs, vn, st).astype(q.dtype)
     return (out[:, :q.shape[1]], state), (q, k, v, g, beta, h0, runs, valid)
 
 
 def _rule_bwd(st: _Static, res, cotangents):
     q, k, v, g, beta, h0, runs, valid = res
     d_out, d_state = cotangents
-    x, pullback = jax.vjp(lambda *a: _prepare(*a, runs, valid, st), q, k, v, g, beta)
-    xk = _kernel_inputs(x, st)
-    hs, vn, _ = _recurrence(*xk, runs, h0, q.dtype, st, states=True)
-    qk, kk, wk, _, gc = xk
+    x32, pullback = jax.vjp(lambda *a: _prepare(*a, runs, valid, st), q, k, v, g, beta)
+    x = _kernel_inputs(x32, st)
+    hs, vn, _ = _recurrence(x, h0, q.dtype, st, states=True)
     d_out = jnp.pad(d_out, ((0, 0), (0, runs.shape[1] - d_out.shape[1]), (0, 0), (0, 0)))
-    dvn, dhs, dh0 = _reverse(qk, kk, wk, gc, runs, d_out, d_state.astype(jnp.float32), st)
-    grads = pullback(_chunk_grads(x, hs, vn, dvn, dhs, d_out, runs, st))
+    dvn, dhs, dh0 = _reverse(x, d_out, d_state.astype(jnp.float32), st)
+    grads = pullback(_chunk_grads(x, hs, vn, dvn, dhs, d_out, st))
     return (*grads, dh0.astype(h0.dtype), None, None)
 
 
