@@ -72,6 +72,7 @@ class Config:
 
 
 DEFAULT_CONFIG = Config()
+_MAX_ELEMENTS = 2**31 - 1  # the kernels' offsets are 32-bit
 MIN_PROGRAMS = 256  # the automatic block_v keeps at least this many programs (an H100 has 132 SMs) down to 16 columns
 
 
@@ -462,6 +463,10 @@ def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
     if dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
         raise ValueError(f"gdn_triton: q dtype {dtype} is not bfloat16, float16 or float32")
     t = -(-s // chunk_size) * chunk_size
+    biggest = b * hv * t * max(dk, dv) * max(dk, dv) // chunk_size  # the chunk states of the backward
+    if max(biggest, b * hv * t * max(dk, dv, chunk_size)) > _MAX_ELEMENTS:
+        raise ValueError(f"gdn_triton: B={b} x S={s} x Hv={hv} needs buffers over 2^31 elements (32-bit offsets in "
+                         "the Triton kernels); split the rows (smaller micro-batch)")
     runs, valid = _runs(segment_ids, b, s, t)
     if initial_state is None:
         h0 = jnp.zeros((b, hv, dk, dv), jnp.float32)
