@@ -198,13 +198,31 @@ def context_parallel_map(fn: Callable[..., Any], args: Sequence[jax.Array], in_a
     if not cp_axes:
         raise ValueError("context_parallel_map called but the layout does not split the sequence")
     shards = SequenceShards(cp_axes, logical.axis_size(ctx.mesh, cp_axes))
+    return _shard_mapped(lambda *local: fn(shards, *local), args, in_axes, out_axes, ctx)
+
+
+def per_device_map(fn: Callable[..., Any], args: Sequence[jax.Array], in_axes: Sequence[Sequence[str | None]],
+                   out_axes: Any) -> Any:
+    """``fn(*local_args)`` on each device's block of ``args`` inside ``shard_map`` (split and reassembled as
+    :func:`context_parallel_map` does), for ops the SPMD partitioner cannot split (Pallas kernels: it would
+    gather their operands and run the whole op on every device); ``fn(*args)`` itself without a sharding
+    context or inside ``shard_map``. ``fn`` must be exact on any block the layout makes (e.g. whole rows and
+    whole heads: a ``None`` axis is never split)."""
+    ctx = logical.current()
+    if ctx is None or logical.in_manual_region():
+        return fn(*args)
+    return _shard_mapped(fn, args, in_axes, out_axes, ctx)
+
+
+def _shard_mapped(fn: Callable[..., Any], args: Sequence[jax.Array], in_axes: Sequence[Sequence[str | None]],
+                  out_axes: Any, ctx: logical.ShardingContext) -> Any:
     single = bool(out_axes) and not isinstance(out_axes[0], (tuple, list))
     specs_out = PartitionSpec(*_spec(out_axes, ctx)) if single else tuple(PartitionSpec(*_spec(a, ctx))
                                                                          for a in out_axes)
 
     def body(*local):
         with logical.manual_region():
-            return fn(shards, *local)
+            return fn(*local)
 
     in_specs = tuple(PartitionSpec(*_spec(a, ctx)) for a in in_axes)
     return shard_map_unchecked(body, ctx.mesh, in_specs, specs_out)(*args)

@@ -158,6 +158,10 @@ class ComputeConfig:
     param_dtype: Dtype = "float32"  # master weights (and their gradients)
     attention: Literal["auto", "xla", "cudnn"] = "auto"  # attention kernel (auto: cuDNN on GPUs, XLA elsewhere)
     attention_options: AttentionOptions = AttentionOptions()  # the cuDNN kernel's ragged bounds and head-dim padding
+    # Qwen3.5's Gated DeltaNet core (model.gated_deltanet.gated_delta_rule): auto = the Pallas-Triton kernels
+    # (parallelism.gdn_triton) on GPUs for bf16 / fp16, the einsum path (xla) elsewhere; the context-parallel
+    # shards always run the einsum path
+    gdn_kernel: Literal["auto", "xla", "triton"] = "auto"
     scan_layers: bool = True  # scan over stacked layers (false: unrolled, no per-layer weight slices, ~2x compile)
     # the vision tower's own setting (null: scan_layers): its many small layers cost most of an unrolled
     # compile and little per-layer slicing, the decoder's few MoE layers the opposite

@@ -33,6 +33,12 @@ i+1's first token continues that sample or starts a new one: the caller zeroes t
 where ``segment_ids_{i+1}[:, 0] != segment_ids_i[:, -1]`` (a sample starting exactly on the shard
 boundary). Model code here names no mesh and no collectives.
 
+Kernels (:func:`gated_delta_rule`, ``compute.gdn_kernel``): on GPUs the chunked rule runs its recurrence in
+Pallas-Triton kernels (``parallelism.gdn_triton``: the sequential state walk in one kernel per direction, the
+intra-chunk work batched in XLA, its own backward that recomputes the chunk factors); the einsum form here is
+the CPU path and the reference the kernels are tested against. The context-parallel form
+(:func:`chunk_gated_delta_rule_carry`, below) runs on the einsum path whatever the setting.
+
 Shards in parallel (:func:`chunk_gated_delta_rule_carry`): the rule is affine in its initial state,
 ``S_final = P S_in + F`` and ``o_t = o_t^0 + S_in^T q~_t``, where F and o^0 are the zero-state run's
 final state and outputs, ``P = prod_t exp(g_t) (I - beta_t k_t k_t^T)`` over the shard's first
@@ -49,6 +55,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from moevlm_jax.parallelism import gdn_triton
+from moevlm_jax.parallelism.gdn_triton import unit_lower_inverse
 
 Precision = jax.lax.PrecisionLike
 
@@ -143,32 +152,6 @@ def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
     return out.astype(q.dtype), state
 
 
-def _unit_lower_inverse(lower: jax.Array, precision: Precision = None) -> jax.Array:
-    """lower [..., C, C] strictly lower triangular -> (I + lower)^-1 [..., C, C] by recursive 2x2 block
-    inversion ([[A, 0], [X, D]]^-1 = [[A^-1, 0], [-D^-1 X A^-1, D^-1]]): log2(C) levels of batched
-    matmuls, as accurate as a triangular solve (a Neumann/doubling product is not, for correlated keys)."""
-    c = lower.shape[-1]
-    n = 1 << max(0, (c - 1).bit_length())  # next power of two: pad with an identity block
-    if n != c:
-        lower = jnp.pad(lower, [(0, 0)] * (lower.ndim - 2) + [(0, n - c), (0, n - c)])
-    batch = lower.shape[:-2]
-    blocks = jnp.ones(batch + (n, 1, 1), lower.dtype)  # the diagonal blocks of the inverse, size s
-    s = 1
-    while s < n:
-        p = n // (2 * s)
-        # the lower-left s x s block of each diagonal 2s block: block (2i+1, 2i) of the s-blocked matrix,
-        # taken by a strided slice over the flattened (row block, column block) pairs (no gather)
-        x = lower.reshape(batch + (p, 2, s, p, 2, s))[..., :, 1, :, :, 0, :]  # [..., p, s, p, s]
-        x = jnp.swapaxes(x, -3, -2).reshape(batch + (p * p, s, s))[..., ::p + 1, :, :]  # [..., p, s, s]
-        pair = blocks.reshape(batch + (p, 2, s, s))
-        a_inv, d_inv = pair[..., 0, :, :], pair[..., 1, :, :]
-        x = -jnp.einsum("...ij,...jk,...kl->...il", d_inv, x, a_inv, precision=precision)
-        blocks = jnp.concatenate([jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], -1),
-                                  jnp.concatenate([x, d_inv], -1)], -2)
-        s *= 2
-    return blocks[..., 0, :c, :c]
-
-
 def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                            chunk_size: int = 64, initial_state: jax.Array | None = None,
                            segment_ids: jax.Array | None = None, use_qk_l2norm: bool = False,
@@ -204,7 +187,7 @@ def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
     k_beta, v_beta = kf * bf[..., None], vf * bf[..., None]
     # UT transform: (I + strictly_lower(beta_i k_i.k_j decay_ij)) u = v_beta - (k_beta decay) S
     ut = ein("...id,...jd->...ij", k_beta, kf) * decay * (1.0 - jnp.eye(c, dtype=jnp.float32))
-    t_inv = _unit_lower_inverse(ut, precision)
+    t_inv = unit_lower_inverse(ut, precision)
     qd, kbd = qf * jnp.exp(gc)[..., None], k_beta * jnp.exp(gc)[..., None]
     kd = kf * jnp.exp(gc[..., -1:] - gc)[..., None]
     chunk_decay = jnp.exp(gc[..., -1])  # [B, H, N]
@@ -230,6 +213,34 @@ def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
     if valid is not None:
         out = jnp.where(valid[:, :, None, None], out, 0.0)
     return out.astype(q.dtype), state
+
+
+GDN_KERNELS = ("auto", "xla", "triton")
+
+
+def resolve_gdn_kernel(kernel: str, dtype, dk: int, dv: int, chunk_size: int) -> str:
+    """``compute.gdn_kernel`` -> the path that runs: "auto" is "triton" on GPU for bf16 / fp16 inputs whose head
+    dims and chunk the kernels take (``gdn_triton.supported``), "xla" otherwise; explicit choices unchanged
+    ("triton" off GPU runs the kernels in Pallas' interpret mode: tests only)."""
+    if kernel not in GDN_KERNELS:
+        raise ValueError(f"gdn kernel {kernel!r} is not one of {GDN_KERNELS}")
+    if kernel != "auto":
+        return kernel
+    ok = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and gdn_triton.supported(dk, dv, chunk_size) is None
+    return "triton" if ok and jax.default_backend() == "gpu" else "xla"
+
+
+def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+                     kernel: str = "xla", chunk_size: int = 64, initial_state: jax.Array | None = None,
+                     segment_ids: jax.Array | None = None, use_qk_l2norm: bool = False, scale: float | None = None,
+                     precision: Precision = None) -> tuple[jax.Array, jax.Array]:
+    """:func:`chunk_gated_delta_rule` on the path ``kernel`` names (:func:`resolve_gdn_kernel`): "xla" (this
+    module's einsums under ``lax.scan``; the reference) or "triton" (``parallelism.gdn_triton``: the recurrence
+    in Pallas-Triton kernels, its own backward). Same arguments, same results up to rounding."""
+    impl = resolve_gdn_kernel(kernel, q.dtype, q.shape[-1], v.shape[-1], chunk_size)
+    fn = gdn_triton.chunk_gated_delta_rule if impl == "triton" else chunk_gated_delta_rule
+    return fn(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state, segment_ids=segment_ids,
+              use_qk_l2norm=use_qk_l2norm, scale=scale, precision=precision)
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,

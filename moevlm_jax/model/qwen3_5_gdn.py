@@ -21,16 +21,21 @@ line up because r is the same for every group).
 Packed rows: ``segment_ids`` restarts the conv window and the recurrent state at every packed
 sample (each sample computes as if alone); padding (id 0) gets no update and outputs zeros.
 
+The delta rule's path is ``compute.gdn_kernel`` (``gated_deltanet.gated_delta_rule``: Pallas-Triton kernels on
+GPUs, the einsum form elsewhere).
+
 Context parallelism (the layout splits ``act_seq``): the conv and the delta rule run on each device's
 sequence shard (``parallelism.context.context_parallel_map``), carrying what crosses the boundary
 instead of gathering the sequence: the conv gets the previous shard's last K - 1 inputs
 (``SequenceShards.from_previous``), the rule runs every shard from a zero state with the terms an
-incoming state adds (``gated_deltanet.chunk_gated_delta_rule_carry``), the incoming states follow
+incoming state adds (``gated_deltanet.chunk_gated_delta_rule_carry``, on the einsum path), the incoming states follow
 from the shards before (``SequenceShards.incoming_state``) and are added to the outputs. A sample
 that starts exactly on a shard boundary gets no carry (``SequenceShards.continues``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,11 +46,12 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.gated_deltanet import (
     apply_incoming_state,
     causal_conv1d,
-    chunk_gated_delta_rule,
     chunk_gated_delta_rule_carry,
     conv_tail,
+    gated_delta_rule,
     gated_rms_norm,
     gdn_gates,
+    resolve_gdn_kernel,
 )
 from moevlm_jax.model.layers import Linear, dtype_of, param
 from moevlm_jax.model.qwen3_5_config import Qwen35TextConfig
@@ -57,6 +63,7 @@ HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")  # q, k, v, z, the
 GATES = ("act_batch", "act_seq", "act_heads")  # a, b, g, beta
 MIXED = GATES + (None,)  # the fused q | k | v channels per key-head group [B, S, Hk, G]
 SEG = ("act_batch", "act_seq")
+WHOLE_HEADS = HEADS[:3] + (None,)  # q, k, v, the core output where a kernel needs each head whole
 KERNEL = (None, "act_heads", None)  # the conv weight [K, Hk, G], split like the heads it convolves
 GDN_CHUNK_SIZE = 64  # HF's torch_chunk_gated_delta_rule default (FLA's chunk)
 GDN_PRECISION = None  # matmul precision of the core (None: the backend's default for float32)
@@ -91,6 +98,7 @@ class GatedDeltaNet(nnx.Module):
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.hk, self.hv, self.dk, self.dv = hk, hv, dk, dv
+        self.kernel = compute.gdn_kernel  # the delta rule's path (auto: Pallas-Triton on GPUs, gated_delta_rule)
         group = 2 * dk + (hv // hk) * dv  # one key-head group's q, k and value channels
         kw = dict(use_bias=False, param_dtype=pd, rngs=rngs, std=std)
         q = dict(fp8=compute.fp8.at("dense"))  # the large projections; b and a (one column a head) stay as they are
@@ -132,11 +140,24 @@ class GatedDeltaNet(nnx.Module):
                 core = context.context_parallel_map(_rule_shard, (q, k, v, g, beta, segment_ids),
                                                     (HEADS, HEADS, HEADS, GATES, GATES, SEG), HEADS)
             else:
-                core, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=GDN_CHUNK_SIZE, segment_ids=segment_ids,
-                                                 use_qk_l2norm=True, precision=GDN_PRECISION)
+                kernel = resolve_gdn_kernel(self.kernel, q.dtype, dk, dv, GDN_CHUNK_SIZE)
+                rule = functools.partial(_rule, kernel=kernel)
+                if kernel == "triton":  # Pallas kernels: each device its rows and heads (GSPMD would gather them)
+                    axes = (WHOLE_HEADS,) * 3 + (GATES, GATES, SEG)
+                    core = context.per_device_map(rule, (q, k, v, g, beta, segment_ids), axes, WHOLE_HEADS)
+                else:
+                    core = rule(q, k, v, g, beta, segment_ids)
         core = checkpoint_name(constrain(core, HEADS), "gdn_core")
         y = checkpoint_name(constrain(self.norm(core, z), HEADS), "gated_norm")
         return checkpoint_name(constrain(self.out_proj(y), INNER), "attn_out")  # row-parallel partial sums
+
+
+def _rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, segment_ids: jax.Array, *,
+          kernel: str) -> jax.Array:
+    """The chunked delta rule on the path ``kernel`` from a zero state -> the core output ``[B, S, Hv, Dv]``."""
+    out, _ = gated_delta_rule(q, k, v, g, beta, kernel=kernel, chunk_size=GDN_CHUNK_SIZE, segment_ids=segment_ids,
+                              use_qk_l2norm=True, precision=GDN_PRECISION)
+    return out
 
 
 def _conv(mixed: jax.Array, kernel: jax.Array, segment_ids: jax.Array, window: jax.Array | None = None) -> jax.Array:

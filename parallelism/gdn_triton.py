@@ -1,0 +1,479 @@
+"""The chunked gated delta rule (Qwen3.5-MoE's Gated DeltaNet core) with its sequential part as Pallas-Triton
+kernels (GPU; on CPU they run in Pallas' interpret mode for tests), forward and backward under one
+``jax.custom_vjp``. The math, HF's conventions and the packed-row semantics are those of
+``moevlm_jax.model.gated_deltanet`` (its module docstring), whose einsum form is the reference and the CPU path.
+
+Per value head, chunks of C tokens, ``gc`` the log decay summed from the chunk start (inclusive), the state
+``S [Dk, Dv]`` float32::
+
+    T = I + strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j))           (the UT transform; T^-1 by block inversion)
+    w = T^-1 (beta k exp(gc)),  u = T^-1 (beta v)                        [C, Dk], [C, Dv]
+    v_new = u - w S
+    o     = (q exp(gc)) S + (q k^T * exp(gc_i - gc_j), i >= j) v_new
+    S     = exp(gc_C) S + (k exp(gc_C - gc))^T v_new
+
+The decomposition (flash-linear-attention's): everything within a chunk depends on the chunk's own tokens only
+and runs for all chunks at once; only the state recurrence is sequential. So:
+
+- :func:`_prepare` (XLA, batched over all chunks): the q/k L2 norm, ``gc``, the gates (``e = exp(gc)``,
+  ``f = exp(gc_C - gc)``, the chunk decay), the ``[C, C]`` UT matrix, its unit lower inverse
+  (:func:`unit_lower_inverse`: log2(C) levels of batched matmuls, a closed-form backward), ``w``, ``u`` and the
+  causal decayed ``A = q k^T * exp(gc_i - gc_j)``. The q.k and k.k products are formed per *key* head and
+  broadcast over the ``Hv / Hk`` value heads of its group (HF's ``repeat_interleave``), so repeated q / k never
+  exist; the packed-row masks are applied here too.
+- :func:`_fwd_kernel` (Pallas): one program per (value head, Dv block) walks the chunks in order with its
+  ``[Dk, BV]`` float32 state tile in registers: ``v_new = u - w S``, the chunk's output ``(q e) S + A v_new`` and
+  the next state, four tile matmuls a chunk and no HBM round trip of the state between chunks (``lax.scan``
+  writes and reads it every chunk). The key head of value head ``h`` is ``h // (Hv / Hk)``, read by index.
+  A, the gates and the masks come ready from the preparation, so the kernel's registers go to the state tile
+  and the matmul operands.
+- The backward recomputes (residuals are the inputs only, O(S x D) a layer, never the O(S x C) chunk factors):
+  :func:`_prepare` again under ``jax.vjp``, the chunk-start states and ``v_new`` (the forward kernel in its
+  ``states`` mode), then :func:`_bwd_kernel` walks the chunks in reverse carrying ``dS`` (``dv_new = A^T do +
+  (k f) dS``, ``dS <- cd dS + (q e)^T do - w^T dv_new``), storing ``dv_new`` and each chunk's end-state gradient.
+  The gradients of the kernel inputs need no recurrence given those and are batched matmuls over all chunks
+  (:func:`_chunk_grads`, XLA); the pullback of :func:`_prepare` takes them to q, k, v, g, beta.
+
+Packed rows: ``segment_ids`` become a run index per token (+1 at every id change); a token receives the state
+carried into its chunk only if it is in the run of the token before the chunk (``e``), its update reaches the
+chunk's end only if it is in the chunk's last run (``f``), the carried state survives the chunk only if no run
+starts in it (``cd``), and ``A`` and the UT matrix pair tokens of one run: the masks of the reference. Padding
+(id 0) tokens have zero inputs and no decay.
+
+Numerics: the state, the gates and every accumulation are float32; the matmul operands of the kernels (q, k,
+w, u, A, the state tile, v_new) are in the input dtype (bf16 in training, as flash-linear-attention's kernels),
+float32 inputs keep everything float32 (the tests). Triton's constraints hold by construction: every block
+(C, Dk, BV) a power of two >= 16, both operands of a dot of one dtype, no slicing of register values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiles and Triton launch parameters of the two recurrence kernels."""
+
+    block_v: int | None = None  # value columns per program (None: 64, halved while the grid is under 256 programs)
+    num_warps: int = 4  # Triton launch: warps per program
+    num_stages: int = 2  # Triton launch: software pipeline stages of the chunk loop
+    bwd_num_warps: int | None = None  # the reverse kernel's warps (None: num_warps)
+    # the forward's outputs in the recurrence kernel (True) or, from the chunk-start states it stores, batched over
+    # all chunks in XLA (False: a shorter sequential loop, for few long rows)
+    fused_output: bool = True
+
+
+DEFAULT_CONFIG = Config()
+_MAX_ELEMENTS = 2**31 - 1  # the kernels' offsets are 32-bit
+MIN_PROGRAMS = 256  # the automatic block_v keeps at least this many programs (an H100 has 132 SMs) down to 16 columns
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def supported(dk: int, dv: int, chunk_size: int) -> str | None:
+    """None if the kernels take head dims ``dk`` / ``dv`` and ``chunk_size``, else why not."""
+    for name, n in (("key head dim", dk), ("value head dim", dv), ("chunk size", chunk_size)):
+        if not _power_of_two(n) or n < 16:
+            return f"{name} {n} is not a power of two >= 16 (Triton's block and dot sizes)"
+    return None
+
+
+def block_v(config: Config, programs_per_block: int, dv: int) -> int:
+    """The value-column block of ``config`` for ``programs_per_block`` (batch x value heads) programs per block."""
+    if config.block_v is not None:
+        if not _power_of_two(config.block_v) or config.block_v < 16 or dv % config.block_v:
+            raise ValueError(f"gdn_triton: block_v {config.block_v} must be a power of two >= 16 dividing Dv={dv}")
+        return config.block_v
+    bv = min(64, dv)
+    while bv > 16 and programs_per_block * (dv // bv) < MIN_PROGRAMS:
+        bv //= 2
+    return bv
+
+
+# ----------------------------------------------------------------------------- the UT inverse (XLA)
+
+def unit_lower_inverse(lower: jax.Array, precision: jax.lax.PrecisionLike = None) -> jax.Array:
+    """lower [..., C, C] strictly lower triangular -> (I + lower)^-1 [..., C, C] by recursive 2x2 block
+    inversion ([[A, 0], [X, D]]^-1 = [[A^-1, 0], [-D^-1 X A^-1, D^-1]]): log2(C) levels of batched
+    matmuls, as accurate as a triangular solve (a Neumann/doubling product is not, for correlated keys).
+    Only the strictly lower entries are read."""
+    c = lower.shape[-1]
+    n = 1 << max(0, (c - 1).bit_length())  # next power of two: pad with an identity block
+    if n != c:
+        lower = jnp.pad(lower, [(0, 0)] * (lower.ndim - 2) + [(0, n - c), (0, n - c)])
+    batch = lower.shape[:-2]
+    blocks = jnp.ones(batch + (n, 1, 1), lower.dtype)  # the diagonal blocks of the inverse, size s
+    s = 1
+    while s < n:
+        p = n // (2 * s)
+        # the lower-left s x s block of each diagonal 2s block: block (2i+1, 2i) of the s-blocked matrix,
+        # taken by a strided slice over the flattened (row block, column block) pairs (no gather)
+        x = lower.reshape(batch + (p, 2, s, p, 2, s))[..., :, 1, :, :, 0, :]  # [..., p, s, p, s]
+        x = jnp.swapaxes(x, -3, -2).reshape(batch + (p * p, s, s))[..., ::p + 1, :, :]  # [..., p, s, s]
+        pair = blocks.reshape(batch + (p, 2, s, s))
+        a_inv, d_inv = pair[..., 0, :, :], pair[..., 1, :, :]
+        x = -jnp.einsum("...ij,...jk,...kl->...il", d_inv, x, a_inv, precision=precision)
+        blocks = jnp.concatenate([jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], -1),
+                                  jnp.concatenate([x, d_inv], -1)], -2)
+        s *= 2
+    return blocks[..., 0, :c, :c]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _inverse(lower: jax.Array, precision) -> jax.Array:
+    """:func:`unit_lower_inverse` with its closed-form backward: for ``Ti = (I + L)^-1``,
+    ``d L = -strictly_lower(Ti^T dTi Ti^T)`` (two batched matmuls, not the recursion's transpose)."""
+    return unit_lower_inverse(lower, precision)
+
+
+def _inverse_fwd(lower, precision):
+    inv = unit_lower_inverse(lower, precision)
+    return inv, inv
+
+
+def _inverse_bwd(precision, inv, d_inv):
+    c = inv.shape[-1]
+    d = -jnp.einsum("...ji,...jk,...lk->...il", inv, d_inv, inv, precision=precision)
+    return (jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), d, 0.0),)
+
+
+_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
+# ----------------------------------------------------------------------------- intra-chunk preparation (XLA)
+
+class _Static(NamedTuple):
+    """The static options of one call."""
+
+    chunk: int
+    scale: float
+    use_qk_l2norm: bool
+    precision: Any
+    dtype: Any  # the kernels' matmul operand dtype (the input dtype)
+    config: Config
+    interpret: bool
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """As ``gated_deltanet.l2norm`` (HF's / FLA's): x * rsqrt(sum(x^2) + eps)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _runs(segment_ids: jax.Array | None, b: int, s: int, t: int) -> tuple[jax.Array, jax.Array | None]:
+    """segment_ids [B, S] -> (run index [B, T] int32: +1 at every id change, the tail past S in the last run;
+    valid [B, S] bool, None without segment ids)."""
+    if segment_ids is None:
+        return jnp.zeros((b, t), jnp.int32), None
+    seg = segment_ids.astype(jnp.int32)
+    change = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    runs = jnp.cumsum(change, axis=1, dtype=jnp.int32)
+    return jnp.pad(runs, ((0, 0), (0, t - s)), mode="edge"), seg != 0
+
+
+def _gates(gc: jax.Array, runs: jax.Array, hk: int) -> tuple[jax.Array, ...]:
+    """gc [B, Hv, N, C] float32, runs [B, T] -> per value head, grouped [B, Hk, r, N, ...]: e = exp(gc) where the
+    carried state reaches the token [.., C], f = exp(gc_C - gc) where the token's update reaches the chunk end
+    [.., C], cd = the carried state's decay over the chunk (0 across a boundary) [..], decay = exp(gc_i - gc_j)
+    for i >= j within a run [.., C, C]: the masks of the reference."""
+    b, hv, n, c = gc.shape
+    rc = runs.reshape(b, 1, 1, n, c)
+    prev = jnp.concatenate([rc[..., :1, :1], rc[..., :-1, -1:]], axis=-2)  # run of the token before each chunk
+    carry, last = rc == prev, rc == rc[..., -1:]
+    g = gc.reshape(b, hk, hv // hk, n, c)
+    glast = g[..., -1:]
+    e = jnp.exp(jnp.where(carry, g, -jnp.inf))
+    f = jnp.exp(jnp.where(last, glast - g, -jnp.inf))
+    cd = jnp.exp(jnp.where(carry[..., -1], glast[..., 0], -jnp.inf))
+    pair = jnp.tril(jnp.ones((c, c), bool)) & (rc[..., :, None] == rc[..., None, :])
+    decay = jnp.exp(jnp.where(pair, g[..., :, None] - g[..., None, :], -jnp.inf))
+    return e, f, cd, decay
+
+
+class Prepared(NamedTuple):
+    """The kernels' inputs, float32 (:func:`_prepare`); T = S padded to whole chunks, N = T / C."""
+
+    q: jax.Array  # [B, Hk, T, Dk] L2-normed (if asked), scaled
+    k: jax.Array  # [B, Hk, T, Dk] L2-normed (if asked)
+    w: jax.Array  # [B, Hv, T, Dk] T^-1 (beta k exp(gc)), masked to the carried run
+    u: jax.Array  # [B, Hv, T, Dv] T^-1 (beta v)
+    a: jax.Array  # [B, Hv, T, C] row t: q_t.k_j exp(gc_t - gc_j) for j <= t in t's run and chunk (else 0)
+    e: jax.Array  # [B, Hv, T] exp(gc) where the carried state reaches the token, else 0
+    f: jax.Array  # [B, Hv, T] exp(gc_C - gc) where the token's update reaches the chunk's end, else 0
+    cd: jax.Array  # [B, Hv, N] the carried state's decay over the chunk (0 where a new run starts in it)
+
+
+def _prepare(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
+    """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], g, beta [B, S, Hv], runs [B, T], valid [B, S] -> the kernels'
+    float32 inputs, all chunks at once; q.k^T and k.k^T per key head, broadcast over its value heads."""
+    b, s, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    r, c, t = hv // hk, st.chunk, runs.shape[1]
+    n = t // c
+    f32 = jnp.float32
+    q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
+    if valid is not None:  # padding: no input (and no NaN from whatever it holds), no decay, no update
+        q, k, v = (jnp.where(valid[:, :, None, None], x, 0.0) for x in (q, k, v))
+        g, beta = (jnp.where(valid[:, :, None], x, 0.0) for x in (g, beta))
+    if st.use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * st.scale
+    heads = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, t - s)) + ((0, 0),) * (x.ndim - 3))
+    q, k, v, g, beta = (heads(x) for x in (q, k, v, g, beta))  # [B, H, T, (D)]
+    gc = jnp.cumsum(g.reshape(b, hv, n, c), axis=-1)
+    e, f, cd, decay = _gates(gc, runs, hk)
+    qc, kc = q.reshape(b, hk, n, c, dk), k.reshape(b, hk, n, c, dk)
+    bc = beta.reshape(b, hk, r, n, c)
+    ein = functools.partial(jnp.einsum, precision=st.precision)
+    kk = ein("bhnid,bhnjd->bhnij", kc, kc)[:, :, None]  # per key head
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    t_inv = _inverse(jnp.where(strict, bc[..., :, None] * kk * decay, 0.0), st.precision)
+    w = ein("bhrnij,bhnjd->bhrnid", t_inv * (bc * e)[..., None, :], kc)  # T^-1 diag(beta exp(gc)) k
+    u = ein("bhrnij,bhrnjd->bhrnid", t_inv * bc[..., None, :], v.reshape(b, hk, r, n, c, dv))
+    a = ein("bhnid,bhnjd->bhnij", qc, kc)[:, :, None] * decay
+    per_token = lambda x: x.reshape(b, hv, t, *x.shape[5:])
+    return Prepared(q, k, per_token(w), per_token(u), per_token(a), per_token(e), per_token(f), cd.reshape(b, hv, n))
+
+
+# ----------------------------------------------------------------------------- the recurrence kernels
+
+def _program(w_ref, bv: int, ratio: int):
+    """This program's (row, value head, key head, value-column slice)."""
+    v_i, bh = pl.program_id(0), pl.program_id(1)
+    hv = w_ref.shape[1]
+    b, h = bh // hv, bh % hv
+    return b, h, h // ratio, pl.ds(pl.multiple_of(v_i * bv, bv), bv)
+
+
+def _fwd_kernel(q_ref, k_ref, w_ref, u_ref, a_ref, e_ref, f_ref, cd_ref, h0_ref, *out_refs, c: int, ratio: int,
+                bv: int, states: bool):
+    """Chunks in order, the ``[Dk, BV]`` state in registers; then the final state (last output). ``states``: store
+    each chunk's start state and v_new (the backward's recompute, the unfused forward) instead of the outputs."""
+    b, h, hk, vs = _program(w_ref, bv, ratio)
+    dk, dt, f32 = w_ref.shape[-1], w_ref.dtype, jnp.float32
+    keys = pl.ds(0, dk)
+
+    def body(n, state):
+        ts = pl.ds(pl.multiple_of(n * c, c), c)
+        sd = state.astype(dt)
+        v_new = plgpu.load(u_ref.at[b, h, ts, vs]).astype(f32) - plgpu.dot(plgpu.load(w_ref.at[b, h, ts, keys]), sd)
+        vd = v_new.astype(dt)
+        if states:
+            hs_ref, vn_ref, _ = out_refs
+            plgpu.store(hs_ref.at[b, h, n, keys, vs], sd)
+            plgpu.store(vn_ref.at[b, h, ts, vs], vd)
+        else:
+            o_ref = out_refs[0]
+            qe = plgpu.load(q_ref.at[b, hk, ts, keys]) * plgpu.load(e_ref.at[b, h, ts])[:, None]
+            o = plgpu.dot(qe.astype(dt), sd) + plgpu.dot(plgpu.load(a_ref.at[b, h, ts, pl.ds(0, c)]), vd)
+            plgpu.store(o_ref.at[b, ts, h, vs], o.astype(o_ref.dtype))
+        kf = plgpu.load(k_ref.at[b, hk, ts, keys]) * plgpu.load(f_ref.at[b, h, ts])[:, None]
+        return state * cd_ref[b, h, n] + plgpu.dot(kf.astype(dt), vd, trans_a=True)
+
+    state = jax.lax.fori_loop(0, w_ref.shape[2] // c, body, plgpu.load(h0_ref.at[b, h, keys, vs]))
+    plgpu.store(out_refs[-1].at[b, h, keys, vs], state)
+
+
+def _bwd_kernel(q_ref, k_ref, w_ref, a_ref, e_ref, f_ref, cd_ref, do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *,
+                c: int, ratio: int, bv: int):
+    """Chunks in reverse, carrying the state gradient ``dS [Dk, BV]``: stores each chunk's d(v_new) and the
+    gradient of its end state, then the initial state's gradient."""
+    b, h, hk, vs = _program(w_ref, bv, ratio)
+    dk, dt = w_ref.shape[-1], w_ref.dtype
+    keys = pl.ds(0, dk)
+    n_chunks = w_ref.shape[2] // c
+
+    def body(i, ds):
+        n = n_chunks - 1 - i
+        ts = pl.ds(pl.multiple_of(n * c, c), c)
+        do = plgpu.load(do_ref.at[b, ts, h, vs]).astype(dt)
+        dsd = ds.astype(dt)
+        plgpu.store(dhs_ref.at[b, h, n, keys, vs], dsd)
+        kf = plgpu.load(k_ref.at[b, hk, ts, keys]) * plgpu.load(f_ref.at[b, h, ts])[:, None]
+        dvn = (plgpu.dot(plgpu.load(a_ref.at[b, h, ts, pl.ds(0, c)]), do, trans_a=True)
+               + plgpu.dot(kf.astype(dt), dsd))
+        dvd = dvn.astype(dt)
+        plgpu.store(dvn_ref.at[b, h, ts, vs], dvd)
+        qe = plgpu.load(q_ref.at[b, hk, ts, keys]) * plgpu.load(e_ref.at[b, h, ts])[:, None]
+        return (ds * cd_ref[b, h, n] + plgpu.dot(qe.astype(dt), do, trans_a=True)
+                - plgpu.dot(plgpu.load(w_ref.at[b, h, ts, keys]), dvd, trans_a=True))
+
+    ds = jax.lax.fori_loop(0, n_chunks, body, plgpu.load(dht_ref.at[b, h, keys, vs]))
+    plgpu.store(dh0_ref.at[b, h, keys, vs], ds)
+
+
+def _launch(kernel, st: _Static, bv: int, dv: int, bh: int, out_shape, name: str, warps: int):
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(dv // bv, bh), interpret=st.interpret, name=name,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=st.config.num_stages))
+
+
+def _recurrence(x: Prepared, h0, out_dtype, st: _Static, states: bool):
+    """The forward kernel on the kernel inputs ``x``: (out [B, T, Hv, Dv], final state [B, Hv, Dk, Dv] float32),
+    or with ``states`` (chunk-start states [B, Hv, N, Dk, Dv], v_new [B, Hv, T, Dv] in the operand dtype, final
+    state)."""
+    b, hv, t, dk = x.w.shape
+    dv = x.u.shape[-1]
+    bv = block_v(st.config, b * hv, dv)
+    kernel = functools.partial(_fwd_kernel, c=st.chunk, ratio=hv // x.q.shape[1], bv=bv, states=states)
+    if states:
+        out_shape = (jax.ShapeDtypeStruct((b, hv, t // st.chunk, dk, dv), st.dtype),
+                     jax.ShapeDtypeStruct((b, hv, t, dv), st.dtype))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((b, t, hv, dv), out_dtype),)
+    out_shape += (jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32),)
+    return _launch(kernel, st, bv, dv, b * hv, out_shape, "gdn_states" if states else "gdn_fwd",
+                   st.config.num_warps)(*x, h0)
+
+
+def _reverse(x: Prepared, do, dht, st: _Static):
+    """The backward kernel: (d v_new [B, Hv, T, Dv], end-state gradients [B, Hv, N, Dk, Dv], d initial state)."""
+    b, hv, t, dk = x.w.shape
+    dv = do.shape[-1]
+    bv = block_v(st.config, b * hv, dv)
+    kernel = functools.partial(_bwd_kernel, c=st.chunk, ratio=hv // x.q.shape[1], bv=bv)
+    out_shape = (jax.ShapeDtypeStruct((b, hv, t, dv), st.dtype),
+                 jax.ShapeDtypeStruct((b, hv, t // st.chunk, dk, dv), st.dtype),
+                 jax.ShapeDtypeStruct((b, hv, dk, dv), jnp.float32))
+    return _launch(kernel, st, bv, dv, b * hv, out_shape, "gdn_bwd", st.config.bwd_num_warps or st.config.num_warps)(
+        x.q, x.k, x.w, x.a, x.e, x.f, x.cd, do, dht)
+
+
+# ----------------------------------------------------------------------------- the chunk-parallel parts (XLA)
+
+def _grouped(x: Prepared, hs, st: _Static):
+    """Views over all chunks, value heads grouped by key head: q, k [B, Hk, N, C, Dk], e, f [B, Hk, r, N, C],
+    start states [B, Hk, r, N, Dk, Dv] (kernel dtypes)."""
+    b, hk, t, dk = x.q.shape
+    hv, dv = x.u.shape[1], x.u.shape[-1]
+    n = t // st.chunk
+    view = lambda y: y.reshape(b, hk, hv // hk, n, st.chunk, *y.shape[3:])
+    return (x.q.reshape(b, hk, n, st.chunk, dk), x.k.reshape(b, hk, n, st.chunk, dk), view(x.e), view(x.f),
+            hs.reshape(b, hk, hv // hk, n, dk, dv), view)
+
+
+def _chunk_outputs(x: Prepared, hs, vn, st: _Static) -> jax.Array:
+    """The outputs [B, T, Hv, Dv] float32 from each chunk's start state ``hs`` and v_new (the unfused forward):
+    ``o = e q S + A v_new``, all chunks at once (q per key head)."""
+    ein = functools.partial(jnp.einsum, precision=st.precision, preferred_element_type=jnp.float32)
+    q, _, e, _, s_, view = _grouped(x, hs, st)
+    out = e[..., None] * ein("bhnck,bhrnkv->bhrncv", q, s_) + ein("bhrnij,bhrnjv->bhrniv", view(x.a), view(vn))
+    b, hv, t, dv = vn.shape
+    return jnp.swapaxes(out.reshape(b, hv, t, dv), 1, 2)
+
+
+def _chunk_grads(x: Prepared, hs, vn, dvn, dhs, do, st: _Static) -> Prepared:
+    """Given the kernel inputs ``x`` (operand dtype), each chunk's start state ``hs``, v_new, d(v_new) and
+    end-state gradient ``dhs`` (the kernels), the float32 gradients of the kernel inputs, all chunks at once
+    (per value head; q and k summed over the value heads of their key head):
+
+        du = dv_new      dw = -dv_new S^T      dA = do v_new^T      dcd = <S, dS>
+        dq = e do S^T    de = q.(do S^T)       dk = f v_new dS^T    df = k.(v_new dS^T)
+    """
+    f32 = jnp.float32
+    ein = functools.partial(jnp.einsum, precision=st.precision, preferred_element_type=f32)
+    q, k, e, f, s_, view = _grouped(x, hs, st)
+    ds_ = dhs.reshape(s_.shape)
+    b, hv, t = vn.shape[:3]
+    do_ = view(jnp.swapaxes(do, 1, 2).astype(st.dtype))
+    x_q = ein("bhrncv,bhrnkv->bhrnck", do_, s_)  # do S^T
+    y_k = ein("bhrncv,bhrnkv->bhrnck", view(vn), ds_)  # v_new dS^T
+    per_token = lambda y: y.reshape(b, hv, t, *y.shape[5:])
+    return Prepared(
+        q=jnp.sum(e[..., None] * x_q, axis=2).reshape(x.q.shape),
+        k=jnp.sum(f[..., None] * y_k, axis=2).reshape(x.k.shape),
+        w=-per_token(ein("bhrncv,bhrnkv->bhrnck", view(dvn), s_)),
+        u=dvn.astype(f32),
+        a=per_token(ein("bhrniv,bhrnjv->bhrnij", do_, view(vn))),
+        e=per_token(jnp.sum(q[:, :, None].astype(f32) * x_q, axis=-1)),
+        f=per_token(jnp.sum(k[:, :, None].astype(f32) * y_k, axis=-1)),
+        cd=jnp.sum(s_.astype(f32) * ds_.astype(f32), axis=(-2, -1)).reshape(x.cd.shape))
+
+
+# ----------------------------------------------------------------------------- the rule under one custom VJP
+
+def _kernel_inputs(x: Prepared, st: _Static) -> Prepared:
+    """The prepared float32 inputs, the matmul operands in the kernels' operand dtype (the gates stay float32)."""
+    return x._replace(**{name: getattr(x, name).astype(st.dtype) for name in ("q", "k", "w", "u", "a")})
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rule(st: _Static, q, k, v, g, beta, h0, runs, valid):
+    out, state = _rule_fwd(st, q, k, v, g, beta, h0, runs, valid)[0]
+    return out, state
+
+
+def _rule_fwd(st: _Static, q, k, v, g, beta, h0, runs, valid):
+    x = _kernel_inputs(_prepare(q, k, v, g, beta, runs, valid, st), st)
+    if st.config.fused_output:
+        out, state = _recurrence(x, h0, q.dtype, st, states=False)
+    else:
+        hs, vn, state = _recurrence(x, h0, q.dtype, st, states=True)
+        out = _chunk_outputs(x, hs, vn, st).astype(q.dtype)
+    return (out[:, :q.shape[1]], state), (q, k, v, g, beta, h0, runs, valid)
+
+
+def _rule_bwd(st: _Static, res, cotangents):
+    q, k, v, g, beta, h0, runs, valid = res
+    d_out, d_state = cotangents
+    x32, pullback = jax.vjp(lambda *a: _prepare(*a, runs, valid, st), q, k, v, g, beta)
+    x = _kernel_inputs(x32, st)
+    hs, vn, _ = _recurrence(x, h0, q.dtype, st, states=True)
+    d_out = jnp.pad(d_out, ((0, 0), (0, runs.shape[1] - d_out.shape[1]), (0, 0), (0, 0)))
+    dvn, dhs, dh0 = _reverse(x, d_out, d_state.astype(jnp.float32), st)
+    grads = pullback(_chunk_grads(x, hs, vn, dvn, dhs, d_out, st))
+    return (*grads, dh0.astype(h0.dtype), None, None)
+
+
+_rule.defvjp(_rule_fwd, _rule_bwd)
+
+
+def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+                           chunk_size: int = 64, initial_state: jax.Array | None = None,
+                           segment_ids: jax.Array | None = None, use_qk_l2norm: bool = False,
+                           scale: float | None = None, precision: jax.lax.PrecisionLike = None,
+                           config: Config | None = None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], g (log decay, <= 0), beta [B, S, Hv], initial_state
+    [B, Hv, Dk, Dv], segment_ids [B, S] -> (out [B, S, Hv, Dv] in q's dtype, final state [B, Hv, Dk, Dv]
+    float32): ``moevlm_jax.model.gated_deltanet.chunk_gated_delta_rule`` with the recurrence in Pallas kernels
+    (module docstring), differentiable in q, k, v, g, beta and the initial state. ``precision``: the XLA
+    matmuls' (preparation, chunk gradients); ``config``: the kernels' tiles; ``interpret``: Pallas' interpret
+    mode (default: on CPU)."""
+    b, s, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    if q.shape != k.shape or hv % hk or v.shape[:2] != k.shape[:2] or g.shape != v.shape[:3] or beta.shape != g.shape:
+        raise ValueError(f"gated delta rule shapes: q {q.shape} k {k.shape} v {v.shape} g {g.shape} beta {beta.shape}")
+    why = supported(dk, dv, chunk_size)
+    if why:
+        raise ValueError(f"gdn_triton: {why}; use the XLA path (compute.gdn_kernel: xla)")
+    dtype = jnp.dtype(q.dtype)
+    if dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"gdn_triton: q dtype {dtype} is not bfloat16, float16 or float32")
+    t = -(-s // chunk_size) * chunk_size
+    biggest = b * hv * t * max(dk, dv) * max(dk, dv) // chunk_size  # the chunk states of the backward
+    if max(biggest, b * hv * t * max(dk, dv, chunk_size)) > _MAX_ELEMENTS:
+        raise ValueError(f"gdn_triton: B={b} x S={s} x Hv={hv} needs buffers over 2^31 elements (32-bit offsets in "
+                         "the Triton kernels); split the rows (smaller micro-batch)")
+    runs, valid = _runs(segment_ids, b, s, t)
+    if initial_state is None:
+        h0 = jnp.zeros((b, hv, dk, dv), jnp.float32)
+    elif initial_state.shape != (b, hv, dk, dv):
+        raise ValueError(f"initial_state shape {initial_state.shape}, expected {(b, hv, dk, dv)}")
+    else:
+        h0 = initial_state.astype(jnp.float32)
+    st = _Static(int(chunk_size), float(dk ** -0.5 if scale is None else scale), bool(use_qk_l2norm), precision,
+                 dtype, config or DEFAULT_CONFIG, _on_cpu() if interpret is None else bool(interpret))
+    return _rule(st, q, k, v.astype(dtype), g, beta, h0, runs, valid)
