@@ -32,7 +32,8 @@ How it maps onto the mesh (no shard_map: everything is one SPMD program that XLA
   discarded by a select: no gradient reaches it). Stacks that are one run of layers inside a longer
   decoder (dense / MoE groups) take the intersection of their layers with each chunk.
 
-Options (a layout's ``options.pipeline``): ``microbatches`` (default = stages), ``schedule``
+Options (a layout's ``options.pipeline``): ``microbatches`` (default = stages; a run's config takes the
+nearest count that fits its batch rows when this one does not: :func:`fit_microbatches`), ``schedule``
 (``gpipe`` | ``circular``), ``repeats`` (circular; default 2), ``stage_layers`` (a list for the
 decoder's ``layers`` axis, or ``{axis_name: list}``).
 """
@@ -123,6 +124,26 @@ def pipeline_config(options: Any, stages: int, layer_counts: Mapping[str, int] |
                              f"has {total} '{axis}' layers")
         table.append((str(axis), counts))
     return PipelineConfig(stages, micro, schedule, repeats, tuple(table))
+
+
+def fit_microbatches(cfg: PipelineConfig, rows: int, shards: int) -> int:
+    """The microbatch count nearest ``cfg.microbatches`` (a smaller one on a tie) that splits ``rows``
+    batch rows into microbatches whose rows divide over the ``shards`` devices of the data axes inside
+    a stage, and that the schedule allows (circular: at least the stage count). ``cfg.microbatches``
+    itself when it fits; ValueError saying why when none does."""
+    fits = [m for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % shards == 0
+            and (cfg.repeats == 1 or m >= cfg.stages)]
+    if cfg.microbatches in fits:
+        return cfg.microbatches
+    if not fits:
+        least = cfg.stages if cfg.repeats > 1 else 1
+        need = (f"the {cfg.schedule} schedule needs at least {least} microbatches (stages) of a multiple of "
+                f"{shards} rows" if cfg.repeats > 1 else "a microbatch's rows must divide over them")
+        raise ValueError(f"pipeline: no microbatch count fits {rows} batch rows (micro batch x data parallel) over "
+                         f"the {shards} devices of the data axes inside a stage: {need}; make the rows a multiple "
+                         f"of {least * shards} (train.global_batch_size, train.micro_batch_size) or use fewer "
+                         f"stages or data-parallel devices")
+    return min(fits, key=lambda m: (abs(m - cfg.microbatches), m))
 
 
 def _stage_size(ctx: logical.ShardingContext, axis: str) -> int:

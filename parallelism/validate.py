@@ -19,7 +19,8 @@ and their sizes, and what to change:
 - the pipeline options (``parallelism.pipeline.pipeline_config``), when the layout has them, and
   every decoder stack (a run of consecutive layers of one kind: dense / MoE, or Qwen3.5's
   linear / full attention) dividing over the mesh axes ``layers`` maps to (its weights are stored
-  split over the stages).
+  split over the stages). :func:`fit_pipeline` (the run config's step before validating) first moves a
+  pipeline's microbatch count to the nearest that fits the batch rows, saying so.
 
 KV heads fewer than the tensor axis (e.g. 4 KV heads, TP 8) are an error, not silently replicated:
 the message says to map ``kv_heads`` and ``act_kv_heads`` to null (each tensor rank then computes
@@ -32,6 +33,7 @@ and residual-sequence axes (every MoE layer then reshuffles its rows).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import types
@@ -42,9 +44,9 @@ import jax
 from jax.sharding import Mesh
 
 import moevlm_jax.parallelism as parallelism
-from moevlm_jax.parallelism.layout import MESH_AXES, Layout, resolve_mesh_shape
+from moevlm_jax.parallelism.layout import MESH_AXES, Layout, PipelineOptions, resolve_mesh_shape
 from moevlm_jax.parallelism.logical import Rules, flat_axes, logical_to_spec, mesh_axes_for
-from moevlm_jax.parallelism.pipeline import inner_rules, pipeline_config
+from moevlm_jax.parallelism.pipeline import fit_microbatches, inner_rules, pipeline_config
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +207,39 @@ def _describe(axes: tuple[str, ...], shape: dict[str, int]) -> str:
     return " x ".join(f"{a}={shape[a]}" for a in axes)
 
 
+def stage_row_axes(layout: Layout, shape: dict[str, int]) -> tuple[tuple[str, ...], int]:
+    """The mesh axes (of size > 1) a pipeline microbatch's rows are split over inside a stage, and their
+    device count."""
+    inner = tuple(a for a in flat_axes(mesh_axes_for("act_batch", inner_rules(layout.rules))) if shape[a] > 1)
+    return inner, math.prod(shape[a] for a in inner)
+
+
+def fit_pipeline(layout: Layout, shape: dict[str, int], batch_size: int) -> tuple[Layout, str | None]:
+    """``layout`` with its pipeline's microbatch count made to fit ``batch_size`` rows a microbatch step
+    (micro batch x data parallel) over mesh ``shape``: unchanged (message None) when it fits or the mesh
+    has no stages, else the nearest count that fits (``parallelism.pipeline.fit_microbatches``) and one
+    line saying what changed and why. ValueError (the reason) when no count fits."""
+    stages = shape.get("stage", 1)
+    if stages <= 1:
+        return layout, None
+    cfg = pipeline_config(layout.options, stages)
+    inner, shards = stage_row_axes(layout, shape)
+    m = fit_microbatches(cfg, batch_size, shards)
+    if m == cfg.microbatches:
+        return layout, None
+    pipe = dataclasses.replace(layout.options.pipeline or PipelineOptions(), microbatches=m)
+    fitted = dataclasses.replace(layout, options=dataclasses.replace(layout.options, pipeline=pipe))
+    if batch_size % cfg.microbatches:
+        why = f"do not split into {cfg.microbatches} microbatches"
+    else:
+        why = (f"in {cfg.microbatches} microbatches of {batch_size // cfg.microbatches} rows do not divide over the "
+               f"{shards} devices of {' x '.join(inner)} inside a stage")
+    message = (f"layout {layout.name}: pipeline microbatches {cfg.microbatches} -> {m} "
+               f"(layout.options.pipeline.microbatches): {batch_size} batch rows (micro batch x data parallel) "
+               f"{why}; {m} microbatches of {batch_size // m} rows fit, the global batch is kept")
+    return fitted, message
+
+
 def validate_layout(model: Any, layout: Layout, mesh: Mesh | None = None, batch_size: int | None = None,
                     seq_len: int | None = None, *, num_devices: int | None = None) -> list[str]:
     """Check ``layout`` (over ``mesh``, or its own mesh shape over ``num_devices``, default all
@@ -234,9 +269,7 @@ def validate_layout(model: Any, layout: Layout, mesh: Mesh | None = None, batch_
 
                 cfg = pipeline_config(layout.options, shape.get("stage", 1))
                 if batch_size is not None and cfg.stages > 1:  # what the schedule needs of the batch rows
-                    inner = tuple(a for a in flat_axes(mesh_axes_for("act_batch", inner_rules(layout.rules)))
-                                  if shape[a] > 1)
-                    shards = math.prod(shape[a] for a in inner)
+                    inner, shards = stage_row_axes(layout, shape)
                     if batch_size % cfg.microbatches or (batch_size // cfg.microbatches) % shards:
                         errors.append(f"pipeline: {batch_size} batch rows (micro batch x data parallel) must split "
                                       f"into {cfg.microbatches} microbatches (layout.options.pipeline.microbatches) "

@@ -19,7 +19,9 @@ The train section owns the batch shape: ``micro_batch_size`` is rows per data-pa
 microbatch (Megatron's MBS), the data-parallel size is the product of the mesh axes the layout's
 ``act_batch`` rule names, and ``data.seq_len`` / ``data.batch_size`` (rows per host per step) are
 derived from ``train.seq_len`` and the global batch (setting them directly is an error), as is
-``data.balance_group`` (the rows of one rank's microbatch).
+``data.balance_group`` (the rows of one rank's microbatch). A pipeline layout's microbatch count follows
+the resolved batch (:func:`fit_pipeline_batch`: the nearest count that fits, said in one log line and
+recorded in config.yaml).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model.registry import load_model_config, model_config_type
 from moevlm_jax.parallelism.layout import Layout
 from moevlm_jax.parallelism.logical import axis_size, data_parallel_size, mesh_axes_for
-from moevlm_jax.parallelism.validate import LayoutError, validate_layout
+from moevlm_jax.parallelism.pipeline import pipeline_config
+from moevlm_jax.parallelism.validate import LayoutError, fit_pipeline, validate_layout
 from moevlm_jax.schema import (
     ConfigError,
     build,
@@ -151,6 +154,44 @@ def resolve_batch(tr: TrainConfig, dp: int, errors: list[str]) -> TrainConfig:
                       f"data-parallel size {dp} = {mbs * accum * dp}; {hint}, or drop global_batch_size")
         return tr
     return dataclasses.replace(tr, micro_batch_size=mbs, grad_accum=accum, global_batch_size=gbs)
+
+
+def fit_pipeline_batch(layout: Layout, tr: TrainConfig, dp: int, num_devices: int,
+                       errors: list[str]) -> tuple[Layout, TrainConfig]:
+    """A pipeline layout's microbatch count fitted to the resolved batch: the rows of a microbatch step
+    (micro batch x data parallel) must split into the pipeline's microbatches with each microbatch's rows
+    dividing over the data axes inside a stage. The layout's own count when it fits, else the nearest
+    that does (``parallelism.validate.fit_pipeline``); when none fits the rows, the accumulation moves
+    into the micro batch (same global batch) until one does. Says what changed in one log line; the
+    reason in ``errors`` when nothing fits."""
+    try:
+        shape = layout.resolved_mesh_shape(num_devices)
+    except ValueError:
+        return layout, tr  # reported by the layout checks
+    if shape.get("stage", 1) <= 1:
+        return layout, tr
+    try:
+        pipeline_config(layout.options, shape["stage"])
+    except ValueError:
+        return layout, tr  # options the schedule refuses whatever the batch: reported by the layout checks
+    mbs, accum = tr.micro_batch_size, tr.grad_accum
+    reason = None
+    for k in (k for k in range(1, accum + 1) if accum % k == 0):
+        try:
+            fitted, message = fit_pipeline(layout, shape, mbs * k * dp)
+        except ValueError as e:
+            reason = reason or f"layout '{layout.name}' does not fit the batch: {e}"
+            continue
+        if k > 1:
+            split = (f"micro batch {mbs} x grad_accum {accum} -> {mbs * k} x {accum // k} (train.micro_batch_size, "
+                     f"train.grad_accum) so the pipeline's microbatches fit, the global batch is kept")
+            message = f"layout {layout.name}: {split}" + (f"; {message.split(': ', 1)[1]}" if message else "")
+            tr = dataclasses.replace(tr, micro_batch_size=mbs * k, grad_accum=accum // k)
+        if message:
+            log.info("%s", message)
+        return fitted, tr
+    errors.append(reason)
+    return layout, tr
 
 
 def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, errors: list[str]) -> None:
@@ -308,6 +349,12 @@ def build_run_config(raw: Mapping[str, Any], num_devices: int = 1, num_processes
         _cross_checks(opt, tr, errors)
         if layout is not None:  # the batch follows the layout's data-parallel size (unknown if it failed)
             tr = resolve_batch(tr, dp, errors)
+        if layout is not None and not errors:  # a pipeline's microbatches follow the batch
+            layout, fitted = fit_pipeline_batch(layout, tr, dp, num_devices, errors)
+            if fitted is not tr:  # the split changed: config.yaml records it
+                given = dataclasses.replace(given, micro_batch_size=fitted.micro_batch_size,
+                                            grad_accum=fitted.grad_accum)
+            tr = fitted
         if layout is not None and tr.global_batch_size is not None and tr.micro_batch_size is not None:
             data_raw = _derive_data(data_raw, tr, tr.global_batch_size, num_processes, dp, errors)
     model = build(model_config_type(raw.get("model")), raw.get("model"), "model", errors)  # the model family

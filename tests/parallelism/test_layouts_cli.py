@@ -1,12 +1,15 @@
 """The train CLI under every layout preset: ``python -m moevlm_jax.train --layout <preset> --steps 2
 --run-dir D`` (in process, 8 CPU devices, the tiny model, with the Qwen3 vocabulary the
-built-in data needs; real images, the vision tower frozen) runs, and logs the FSDP run's losses and
-gradient norms step for step: same seed, same data, same global batch of 16 rows (micro batch = 16 /
-data-parallel size), AdamW. The vision tower's gradients under every preset: tests/parallelism/test_layouts.py.
+built-in data needs; real images, the vision tower frozen) runs by ``--layout`` alone, and logs the FSDP
+run's losses and gradient norms step for step: same seed, same data, same global batch of 8 rows (micro
+batch = 8 / data-parallel size, derived), AdamW. 8 rows do not split into the pipeline presets' 4
+microbatches over the 4 data-parallel devices of a stage: the config takes 2 (tests/config/test_layout_batch.py
+resolves every preset against the cpu-default recipe). The vision tower's gradients under every preset:
+tests/parallelism/test_layouts.py.
 
-In the default suite: one train-step compile per preset with the quick compile options, 9-23 s a
-preset on 2 cores (2 min 17 s for the module alone, 2026-12-03). It needs the CLI's XLA:CPU collective
-threads (parallelism/cpu_threads.py; the suite has them): with XLA's own pool the tp run deadlocked.
+In the default suite: one train-step compile per preset with the quick compile options. It needs the CLI's
+XLA:CPU collective threads (parallelism/cpu_threads.py; the suite has them): with XLA's own pool the tp run
+deadlocked.
 """
 
 from __future__ import annotations
@@ -14,17 +17,16 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from moevlm_jax.config import load_layout
-from moevlm_jax.parallelism.logical import data_parallel_size
 from moevlm_jax.train import main
 from moevlm_jax.training.metrics import read_metrics
 from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
 
 pytestmark = pytest.mark.usefixtures("legacy_emitters")  # quick compiles: every run compiles alike
 PRESETS = ("tp", "ep", "tp+ep", "ep+etp", "cp", "folded", "pp", "pp_circular", "pp_ep")
-# 16 rows: 4 pipeline microbatches of 4 rows under the pp presets; 2 steps: the first from the same
-# initial state, the second after one AdamW update (lr at full value from step 1: warmup_steps 1)
-ROWS, STEPS = 16, 2
+# 8 rows: the pp presets' 4 microbatches would be 2 rows over 4 devices, the config fits 2 of 4 rows; 2 steps:
+# the first from the same initial state, the second after one AdamW update (lr at full value from step 1:
+# warmup_steps 1)
+ROWS, STEPS = 8, 2
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +44,12 @@ def recipe(tmp_path_factory):
 
 
 def _train(recipe, layout: str, run_dir) -> dict[int, float]:
-    spec = load_layout(layout)
-    mbs = ROWS // data_parallel_size(spec.rules, spec.resolved_mesh_shape(8))
     code = main(["--recipe", str(recipe), "--layout", layout, "--steps", str(STEPS), "--run-dir", str(run_dir),
-                 f"train.micro_batch_size={mbs}", "--quiet"])
+                 "--quiet"])
     assert code == 0
+    if layout.startswith("pp"):  # the fitted microbatch count is what config.yaml records
+        resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert resolved["layout"]["options"]["pipeline"]["microbatches"] == 2
     return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
 
 
