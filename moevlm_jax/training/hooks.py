@@ -6,7 +6,8 @@ The loop (``moevlm_jax.training.loop.run``) calls every hook, in list order, at 
 - ``after_step(ctx, step, metrics)``: right after it is dispatched (``metrics`` still on the device);
 - ``on_step(ctx, step)``: once the step's metrics are queued (evaluation, periodic checkpoints);
 - ``on_end(ctx, step)``: a run that did all its steps, after the final checkpoint (the last evaluation,
-  the generated answers);
+  the generated answers): the training loader is closed by then and the checkpoint on disk, so that
+  neither its worker processes nor the state's host copy share the host with them;
 - ``close(ctx)``: always, also on an error (the profiler's trace, pending checkpoint writes);
 - ``on_summary(ctx)``: a run that returned normally (finished, stopped or interrupted), once everything
   is closed (the curves' picture).
@@ -155,14 +156,43 @@ class CheckpointHook(Hook):
         the previous checkpoints kept. Returns whether one started."""
         if not self.enabled:
             return False
-        ckpt = self.checkpointer
         try:  # every process's data shards in one state (the primary writes it), so any process count resumes
-            return ckpt.save(step, ctx.state, data_lib.merge_states(gather_json(ctx.loader.get_state())),
-                             force=force)
-        except Exception as e:  # noqa: BLE001 - a disk / storage fault must not lose the run
-            log.error("checkpoint at step %d failed (%s: %s); the previous checkpoints %s are kept", step,
-                      type(e).__name__, str(e).splitlines()[0][:300], ckpt.all_steps())
+            data_state = data_lib.merge_states(gather_json(ctx.loader.get_state()))
+        except Exception as e:  # noqa: BLE001 - as below
+            return self._failed(step, e)
+        return self._write(ctx, step, data_state, force)
+
+    def save_final(self, ctx: LoopContext, step: int) -> bool:
+        """The end of a run's checkpoint with the least host memory alongside: the data iterator's state read,
+        then the training loader closed (its worker processes and the batches they buffer gone before the
+        state's host copy is made), then the state written and waited for, so that its host copy is freed
+        before the final evaluation and the answers run. The loader is closed also without checkpointing.
+        Returns whether a checkpoint was written."""
+        data_state, failed = None, None
+        if self.enabled:
+            try:
+                data_state = data_lib.merge_states(gather_json(ctx.loader.get_state()))
+            except Exception as e:  # noqa: BLE001 - as save
+                failed = e
+        ctx.loader.close()
+        if not self.enabled:
             return False
+        if failed is not None:
+            return self._failed(step, failed)
+        started = self._write(ctx, step, data_state, force=True)
+        self.wait()
+        return started
+
+    def _write(self, ctx: LoopContext, step: int, data_state: Any, force: bool) -> bool:
+        try:  # orbax writes each process's own shards of the device arrays (no gather to one host)
+            return self.checkpointer.save(step, ctx.state, data_state, force=force)
+        except Exception as e:  # noqa: BLE001 - a disk / storage fault must not lose the run
+            return self._failed(step, e)
+
+    def _failed(self, step: int, e: BaseException) -> bool:
+        log.error("checkpoint at step %d failed (%s: %s); the previous checkpoints %s are kept", step,
+                  type(e).__name__, str(e).splitlines()[0][:300], self.checkpointer.all_steps())
+        return False
 
     def wait(self) -> None:
         """Wait for pending writes; an asynchronous write that failed is reported, not raised."""

@@ -144,7 +144,7 @@ def _run(cfg: RunConfig, stop: StopSignals, stop_after: int | None, progress: bo
         interrupted = ((stop_after is not None and step >= stop_after and step < tr.steps)
                        or "stopped" in ctx.summary)
         if not interrupted and step > start:
-            checkpoints.save(ctx, step, force=True)
+            checkpoints.save_final(ctx, step)  # closes the training loader; the write waited for
             for hook in hooks:
                 hook.on_end(ctx, step)
     finally:
@@ -153,7 +153,7 @@ def _run(cfg: RunConfig, stop: StopSignals, stop_after: int | None, progress: bo
         records.bar.close()
         ctx.writer.close()
         loader_summary = ctx.loader.summary()
-        ctx.loader.close()
+        ctx.loader.close()  # again after save_final: closing twice is a no-op
     if ctx.summary.get("stopped", {}).get("step", 0) is None:  # no step ran: no summary to make
         return _stopped_before_start(cfg, stop, start)
     for hook in hooks:

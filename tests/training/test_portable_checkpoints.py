@@ -2,7 +2,7 @@
 with identical parameters and optimizer state (orbax reshards onto the new mesh), the next step's
 losses there equal fsdp's, and ``python -m moevlm_jax.export`` writes the same Hugging Face files,
 bit for bit, from a checkpoint of any layout, in float32 and bfloat16, and from the newest checkpoint that
-restores (a damaged newer one skipped)."""
+restores (a damaged newer one skipped); a run fine-tuned from an HF directory exports with its side files."""
 
 from __future__ import annotations
 
@@ -150,3 +150,38 @@ def test_export_skips_a_damaged_checkpoint_and_honours_the_step_asked_for(saved,
     err = capsys.readouterr().err
     assert "error: checkpoint 2 in" in err and "does not restore: ValueError: OUT_OF_RANGE" in err
     assert not (tmp_path / "asked").exists()
+
+
+def test_export_carries_the_source_checkpoints_side_files(saved, tmp_path, caplog):
+    """A run whose ``train.init_from`` is an HF directory exports its generation config, tokenizer and processor
+    files byte for byte (nothing else of the source); a source that is gone: one warning, the weights still export."""
+    from moevlm_jax.export import HF_SIDE_FILES
+
+    _, _, _, _, fsdp_run = saved
+    source = tmp_path / "source"
+    source.mkdir()
+    side = {"generation_config.json": '{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "eos_token_id": [1, 2]}',
+            "tokenizer_config.json": '{"model_max_length": 262144}', "chat_template.jinja": "{{ messages }}",
+            "preprocessor_config.json": '{"patch_size": 16}'}
+    for name, text in side.items():
+        (source / name).write_text(text)
+    (source / "README.md").write_text("not a side file")
+    assert set(side) <= set(HF_SIDE_FILES) and "README.md" not in HF_SIDE_FILES
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_run, run)
+    raw = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**raw, "train": {"init_from": str(source)}}))
+    assert export_main(["--run-dir", str(run), "--out", str(tmp_path / "hf")]) == 0
+    for name, text in side.items():
+        assert (tmp_path / "hf" / name).read_text() == text, name
+    assert not (tmp_path / "hf" / "README.md").exists()
+    plain = sorted(p.name for p in (tmp_path / "hf").iterdir() if p.name not in side)
+    assert plain == ["config.json", "model.safetensors"]  # the weights and config as without a source
+    shutil.rmtree(source)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moevlm_jax"):
+        assert export_main(["--run-dir", str(run), "--out", str(tmp_path / "hf_gone")]) == 0
+    gone = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
+    assert len(gone) == 1 and str(source) in gone[0]
+    assert not any((tmp_path / "hf_gone" / name).exists() for name in side)
+    assert (tmp_path / "hf_gone" / "config.json").read_text() == (tmp_path / "hf" / "config.json").read_text()
