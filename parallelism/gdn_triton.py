@@ -168,20 +168,26 @@ class _Static(NamedTuple):
     interpret: bool
 
 
-def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """As ``gated_deltanet.l2norm`` (HF's / FLA's): x * rsqrt(sum(x^2) + eps)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+def l2norm(x: jax.Array, axis: int = -1, eps: float = 1e-6) -> jax.Array:
+    """x [..., D] -> x * rsqrt(sum(x^2, axis) + eps), as HF's (FLA's) l2norm, in x's dtype."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + eps)
+
+
+def segment_runs(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """segment_ids [B, S] -> (run index [B, S] int32: 0 for the row's first segment, +1 at every id
+    change; valid [B, S] bool: id != 0)."""
+    seg = segment_ids.astype(jnp.int32)
+    change = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    return jnp.cumsum(change, axis=1, dtype=jnp.int32), seg != 0
 
 
 def _runs(segment_ids: jax.Array | None, b: int, s: int, t: int) -> tuple[jax.Array, jax.Array | None]:
-    """segment_ids [B, S] -> (run index [B, T] int32: +1 at every id change, the tail past S in the last run;
+    """segment_ids [B, S] -> (run index [B, T] int32 (:func:`segment_runs`), the tail past S in the last run;
     valid [B, S] bool, None without segment ids)."""
     if segment_ids is None:
         return jnp.zeros((b, t), jnp.int32), None
-    seg = segment_ids.astype(jnp.int32)
-    change = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    runs = jnp.cumsum(change, axis=1, dtype=jnp.int32)
-    return jnp.pad(runs, ((0, 0), (0, t - s)), mode="edge"), seg != 0
+    runs, valid = segment_runs(segment_ids)
+    return jnp.pad(runs, ((0, 0), (0, t - s)), mode="edge"), valid
 
 
 def _gates(gc: jax.Array, runs: jax.Array, hk: int) -> tuple[jax.Array, ...]:
@@ -229,7 +235,7 @@ def _prepare(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
         q, k, v = (jnp.where(valid[:, :, None, None], x, 0.0) for x in (q, k, v))
         g, beta = (jnp.where(valid[:, :, None], x, 0.0) for x in (g, beta))
     if st.use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     q = q * st.scale
     heads = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, t - s)) + ((0, 0),) * (x.ndim - 3))
     q, k, v, g, beta = (heads(x) for x in (q, k, v, g, beta))  # [B, H, T, (D)]

@@ -57,14 +57,9 @@ import jax
 import jax.numpy as jnp
 
 from moevlm_jax.parallelism import gdn_triton
-from moevlm_jax.parallelism.gdn_triton import unit_lower_inverse
+from moevlm_jax.parallelism.gdn_triton import l2norm, segment_runs, unit_lower_inverse
 
 Precision = jax.lax.PrecisionLike
-
-
-def l2norm(x: jax.Array, axis: int = -1, eps: float = 1e-6) -> jax.Array:
-    """x [..., D] -> x * rsqrt(sum(x^2, axis) + eps), as HF's (FLA's) l2norm, in x's dtype."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + eps)
 
 
 def gdn_gates(a: jax.Array, b: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -82,14 +77,6 @@ def gated_rms_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float = 1
     h = weight * h.astype(x.dtype)
     h = h * jax.nn.silu(z.astype(jnp.float32))
     return h.astype(x.dtype)
-
-
-def _runs(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """segment_ids [B, S] -> (run index [B, S] int32: 0 for the row's first segment, +1 at every id
-    change; valid [B, S] bool: id != 0)."""
-    seg = segment_ids.astype(jnp.int32)
-    change = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    return jnp.cumsum(change, axis=1, dtype=jnp.int32), seg != 0
 
 
 def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, valid: jax.Array | None,
@@ -129,7 +116,7 @@ def recurrent_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.
     float32): the token-by-token reference (lax.scan over time), as HF's torch_recurrent_gated_delta_rule."""
     b, s, _, dk = q.shape
     hv, dv = v.shape[2:]
-    runs, valid = _runs(segment_ids) if segment_ids is not None else (None, None)
+    runs, valid = segment_runs(segment_ids) if segment_ids is not None else (None, None)
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, valid, use_qk_l2norm, scale)
     if runs is None:
         reset = jnp.zeros((b, s), bool)
@@ -162,7 +149,7 @@ def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
     torch_chunk_gated_delta_rule; packed segments by masks within a chunk and at the carried state."""
     b, s, _, dk = q.shape
     hv, dv = v.shape[2:]
-    runs, valid = _runs(segment_ids) if segment_ids is not None else (None, None)
+    runs, valid = segment_runs(segment_ids) if segment_ids is not None else (None, None)
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta, valid, use_qk_l2norm, scale)
     c = int(chunk_size)
     pad = (-s) % c
@@ -258,7 +245,7 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None
     if weight.shape != (kw, ch):
         raise ValueError(f"conv weight shape {weight.shape}, expected [K, {ch}]")
     window = jnp.zeros((b, kw - 1, ch), x.dtype) if initial_window is None else initial_window.astype(x.dtype)
-    runs, valid = _runs(segment_ids) if segment_ids is not None else (None, None)
+    runs, valid = segment_runs(segment_ids) if segment_ids is not None else (None, None)
     if valid is not None:
         x = jnp.where(valid[..., None], x, 0)
     xp = jnp.concatenate([window, x], axis=1)  # [B, K-1+S, C]
