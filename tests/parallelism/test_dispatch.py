@@ -46,6 +46,9 @@ LAYOUTS = {
     "fsdp8": dict(mesh={"fsdp": -1}, rules=[["act_tokens", ["data", "fsdp"]], ["embed", "fsdp"]]),
     # experts over two mesh axes; for the hierarchical dispatcher 'fsdp' is the host axis: 2 "hosts" x 4 devices
     "experts_on_fsdp_and_expert": dict(mesh={"fsdp": 2, "expert": 4}, rules=[TOKENS_ALL, ["exp", ["fsdp", "expert"]]]),
+    # 2 "hosts" ('fsdp') x EP 2 x ETP 2, tokens replicated over 'expert' and 'tensor' (split, then gathered)
+    "hosts_ep_etp_tokens_replicated": dict(mesh={"fsdp": 2, "expert": 2, "tensor": 2}, rules=[
+        ["act_tokens", ["data", "fsdp"]], ["exp", ["fsdp", "expert"]], ["moe_mlp", "tensor"]]),
 }
 HOSTS = "experts_on_fsdp_and_expert"
 
@@ -91,7 +94,9 @@ CASES = [
     ("expert2_tensor2_fsdp2_tokens_on_tensor", "allgather", "one"),
     ("expert4_fsdp2_tokens_replicated", "alltoall", "random"),
     ("expert4_fsdp2_tokens_replicated", "allgather", "skewed"),
-    ("experts_on_fsdp_and_expert", "alltoall", "skewed"),
+    # flat alltoall on this layout: test_hierarchical_equals_flat_and_dense; skewed routing leaves a "host" idle
+    ("experts_on_fsdp_and_expert", "hierarchical", "skewed"),
+    ("hosts_ep_etp_tokens_replicated", "hierarchical", "random"),
     ("experts_on_fsdp_and_expert", "allgather", "random"),
 ]
 
