@@ -13,8 +13,9 @@ numerical agreement; the exit code is 1 when a check fails. Timing: our calls ba
 synchronisation (the device time of a call, :func:`time_calls`; each synchronised call's median beside it,
 ``ms_synchronised``), HF's steps by CUDA events around each (the device span of a step).
 
-GPU: ``python -m bench.moe_layer --out bench_moe.json`` (one H200), add ``--ep 2`` on two.
-CPU smoke run (tiny shapes): ``python -m bench.moe_layer --tiny --ep 2``.
+GPU: ``python -m bench.moe_layer --out bench_moe.json`` (one H200), add ``--ep 2`` on two; ``--ep 8 --ep-hosts 2``
+on one 8-GPU host times the hierarchical dispatcher (``fsdp`` 2 x ``expert`` 4) beside the flat one.
+CPU smoke run (tiny shapes): ``python -m bench.moe_layer --tiny --ep 2`` (``--ep 8 --ep-hosts 2``).
 
 The triton backend's kernels are a ``compute.moe.kernels`` section (``moevlm_jax.parallelism.kernels``), given as
 ``--kernels KEY=VALUE`` (e.g. ``--kernels fusions=[gather] --kernels mosaic_gpu_tiles.dw.seg_rows=8192``) and
@@ -83,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="tokens for jax.lax.ragged_dot on GPU (it builds [M, G*K] and [G, M, N] buffers)",
     )
     p.add_argument("--ep", type=int, default=0, help="also run expert parallelism over this many devices")
+    p.add_argument("--ep-hosts", type=int, default=1,
+                   help="split the --ep devices into this many host groups (mesh fsdp x expert, 'exp' over both) and "
+                        "add the hierarchical dispatcher; on one host: its cost against the flat all-to-all")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers/torch comparison")
     p.add_argument("--no-check", action="store_true", help="skip the float32 reference checks (saves compiles)")
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
@@ -488,11 +492,18 @@ def bench_ep(name: str, shape: dict, args: argparse.Namespace, dtype: Any, repor
     if len(jax.devices()) < n:
         report.add(dict(base, variant=f"ep{n}", skipped=f"only {len(jax.devices())} devices"))
         return
-    mesh = Mesh(np.asarray(jax.devices()[:n]), ("expert",))
-    rules = [("act_tokens", "expert"), ("exp", "expert")]
+    hosts = max(args.ep_hosts, 1)
+    if n % hosts:
+        report.add(dict(base, variant=f"ep{n}", skipped=f"--ep-hosts {hosts} does not divide --ep {n}"))
+        return
+    axes = ("fsdp", "expert") if hosts > 1 else ("expert",)
+    mesh = Mesh(np.asarray(jax.devices()[:n]).reshape(hosts, n // hosts), axes) if hosts > 1 else \
+        Mesh(np.asarray(jax.devices()[:n]), axes)
+    rules = [("act_tokens", axes), ("exp", axes)]
+    base["ep_hosts"] = hosts
     inp = make_inputs(shape, n * t, args.zipf, dtype, seed=3)
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    rows_spec, rep = PartitionSpec("expert"), PartitionSpec()
+    rows_spec, rep = PartitionSpec(axes), PartitionSpec()
     xs = (
         put(inp["x"], rows_spec),
         put(inp["router"], rep),
@@ -506,7 +517,10 @@ def bench_ep(name: str, shape: dict, args: argparse.Namespace, dtype: Any, repor
         return
     results = {}
     with logical.sharding_context(mesh, rules):
-        for dispatcher, be in (("alltoall", backend), ("allgather", backend), ("alltoall", "hybrid")):
+        dispatchers = [("alltoall", backend), ("allgather", backend), ("alltoall", "hybrid")]
+        if hosts > 1:
+            dispatchers.append(("hierarchical", backend))
+        for dispatcher, be in dispatchers:
             variant, label = f"ep{n} {dispatcher} ({be})", f"{dispatcher}{' hybrid' * (be == 'hybrid')}"
             opts = dict(backend=be, dispatcher=dispatcher,
                         capacity_factor=args.capacity_factor if be == "hybrid" else None, kernels=args.kernels_config)
@@ -523,10 +537,11 @@ def bench_ep(name: str, shape: dict, args: argparse.Namespace, dtype: Any, repor
         if out is not None and ref is not None:
             check(report, base, f"ep{n} {dispatcher}", out, ref, dtype)
     del ref, results
-    guarded(report, base, "ep all-to-all bandwidth", lambda: bench_exchange(mesh, xs, base, args, dtype, report))
+    guarded(report, base, "ep all-to-all bandwidth", lambda: bench_exchange(mesh, xs, base, args, dtype, report, axes))
 
 
-def bench_exchange(mesh: Any, xs: tuple, base: dict, args: argparse.Namespace, dtype: Any, report: Report) -> None:
+def bench_exchange(mesh: Any, xs: tuple, base: dict, args: argparse.Namespace, dtype: Any, report: Report,
+                   axes: tuple[str, ...] = ("expert",)) -> None:
     """Time the exchange alone: each device's expert-sorted rows to the devices owning the experts."""
     from jax.sharding import PartitionSpec
 
@@ -541,13 +556,13 @@ def bench_exchange(mesh: Any, xs: tuple, base: dict, args: argparse.Namespace, d
         plan = route_plan(idx, w, e)
         slot = sorted_slots(plan)
         rows = dispatch_rows(x, inverse_slots(slot, slot.shape[0]), slot, k)
-        counts = jax.lax.all_gather(plan.counts, "expert")
-        fwd, _, _ = exchange_offsets(counts, jax.lax.axis_index("expert"), el)
+        counts = jax.lax.all_gather(plan.counts, axes)
+        fwd, _, _ = exchange_offsets(counts, jax.lax.axis_index(axes), el)
         return (rows, *fwd, counts[None])
 
-    spec, rep = PartitionSpec("expert"), PartitionSpec()
+    spec, rep = PartitionSpec(axes), PartitionSpec()
     rows, *fwd, counts = jit(shard_map_unchecked(prepare, mesh, (spec, rep), (spec,) * 6))(xs[0], xs[1])
-    send = exchange_fn(impl, ("expert",), n)
+    send = exchange_fn(impl, axes, n)
     a2a = jit(
         shard_map_unchecked(lambda r, *o: send(r, jnp.zeros((n * r.shape[0], h), r.dtype), *o), mesh, (spec,) * 5, spec)
     )
@@ -563,7 +578,7 @@ def bench_exchange(mesh: Any, xs: tuple, base: dict, args: argparse.Namespace, d
             gbps=off_device / ms / 1e6,
         )
     )
-    fixed = jit(shard_map_unchecked(lambda r: jax.lax.all_to_all(r, "expert", 0, 0, tiled=True), mesh, spec, spec))
+    fixed = jit(shard_map_unchecked(lambda r: jax.lax.all_to_all(r, axes, 0, 0, tiled=True), mesh, spec, spec))
     ms, _ = time_jax(fixed, (rows,), args.iters, args.warmup)
     moved = rows.shape[0] // n * h * jnp.dtype(dtype).itemsize * (n - 1) / n
     report.add(

@@ -20,11 +20,28 @@ tensor-parallel (ETP) axes. Per device:
      Tokens replicated over some EP axes are split over them first and all-gathered after.
    - ``allgather``: token rows all-gathered over the EP axes, each device runs its own experts
      on all of them, partial outputs reduce-scattered back (Megatron's allgather dispatcher).
+   - ``hierarchical`` (EP across hosts, HybridEP-like): the EP axes split into outer ones that may
+     cross hosts (``layout.HOST_AXES``: stage, data, fsdp) and inner ones within a host. Forward:
+     (1) the source deduplicates its kept assignments by destination host: one row per (token,
+     host), a block of ``T`` rows a host (drop-and-pad: ``min(T, E_host C)``), and sends it with the
+     token's top-k restricted to that host's experts (host-local ids, weights: ``2K`` floats a row)
+     by one exchange over the outer axes (ragged on GPU, fixed-size blocks elsewhere), to the device
+     of the same inner rank on that host (the relay); (2) the relay fans its rows out to the host's
+     experts over the inner axes with the flat all-to-all above (dropless, or drop-and-pad with
+     ``hosts x C`` rows an expert, which holds every assignment the sources kept); (3) the flat
+     combine on the relay sums each row's experts of this host with the routing weights: one partial
+     sum a (token, host), returned over the outer axes; (4) the source adds its hosts' partials.
+     Backward: autodiff, the transposes of the same exchanges (the weights' gradients travel back
+     with the metadata). Drops are decided at the source over all experts as ``alltoall`` does, so
+     the two agree; cross-host rows fall by the routing's dedup factor (remote (token, expert)
+     pairs / remote (token, host) pairs). Needs an outer EP axis: refused otherwise (config load and
+     here), since with none it would be the flat exchange under another name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +53,7 @@ from jax.sharding import Mesh, PartitionSpec
 from moevlm_jax.parallelism import logical
 from moevlm_jax.parallelism.hybrid import hybrid_overflow_rows, hybrid_sorted_ffn, local_hybrid
 from moevlm_jax.parallelism.kernels import DEFAULT_KERNELS, KernelsConfig
+from moevlm_jax.parallelism.layout import HOST_AXES
 from moevlm_jax.parallelism.permute import (
     RoutePlan,
     capacity_ffn,
@@ -49,9 +67,10 @@ from moevlm_jax.parallelism.permute import (
     route_plan,
     sorted_experts,
     sorted_slots,
+    sum_rows,
 )
 
-DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather")
+DISPATCHERS: tuple[str, ...] = ("local", "alltoall", "allgather", "hierarchical")
 A2A_IMPLS: tuple[str, ...] = ("ragged", "dense")
 Axes = tuple[str, ...]
 
@@ -247,40 +266,164 @@ def local_experts(x, idx, w, w_gate_up, w_down, opts: MoeOptions) -> tuple[jax.A
     return combine_rows(y, w, slot, src), plan.dropped
 
 
-def _alltoall(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions):
-    axes, p = topo.expert_axes, topo.ep
-    el, k, h = w_gate_up.shape[0], idx.shape[1], x.shape[1]
-    e = el * p
+def _split_replicated(topo: ExpertTopology, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Tokens replicated over some EP axes: each rank takes its part (all-gathered again at the end)."""
     rep = topo.ep_replicated_axes
-    if rep:  # tokens replicated over these EP axes: each rank takes its part
-        n = topo.size(rep)
-        chunk = x.shape[0] // n
-        start = jax.lax.axis_index(rep) * chunk
-        x, idx, w = (jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=0) for a in (x, idx, w))
-    plan, cap = _plan(idx, w, e, opts)
+    if not rep:
+        return arrays
+    chunk = arrays[0].shape[0] // topo.size(rep)
+    start = jax.lax.axis_index(rep) * chunk
+    return tuple(jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=0) for a in arrays)
+
+
+def _alltoall(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions):
+    x, idx, w = _split_replicated(topo, x, idx, w)
+    plan, cap = _plan(idx, w, w_gate_up.shape[0] * topo.ep, opts)
+    out = _exchange_experts(x, w, plan, cap, w_gate_up, w_down, topo.expert_axes, topo.ep, opts)
+    if topo.ep_replicated_axes:
+        out = jax.lax.all_gather(out, topo.ep_replicated_axes, axis=0, tiled=True)
+    return out, plan.dropped
+
+
+def _exchange_experts(x, w, plan: RoutePlan, cap: int | None, w_gate_up, w_down, axes: Axes, p: int,
+                      opts: MoeOptions) -> jax.Array:
+    """Rows ``x [T, H]`` to the experts ``plan`` assigns them (over the EP ``axes``, ``p`` devices; none: all
+    experts here), the experts, the results back and combined with the weights ``w [T, K]``."""
+    el, k, h = w_gate_up.shape[0], w.shape[1], x.shape[1]
+    e = el * p
     if cap is not None:  # drop-and-pad: fixed [E, C] buffers, plain all-to-all
         slot = padded_slots(plan, cap)
         src = inverse_slots(slot, e * cap)
         rows = dispatch_rows(x, src, slot, k)  # [P * El * C, H], destination-major
-        recv = jax.lax.all_to_all(rows, axes, 0, 0, tiled=True)  # source-major
+        recv = jax.lax.all_to_all(rows, axes, 0, 0, tiled=True) if p > 1 else rows  # source-major
         recv = recv.reshape(p, el, cap, h).swapaxes(0, 1).reshape(el, p * cap, h)
         y = _ffn_padded(recv, w_gate_up, w_down, opts.backend, opts.kernels)
         y = y.reshape(el, p, cap, h).swapaxes(0, 1).reshape(p * el * cap, h)
-        back = jax.lax.all_to_all(y, axes, 0, 0, tiled=True)
+        back = jax.lax.all_to_all(y, axes, 0, 0, tiled=True) if p > 1 else y
     else:  # dropless: ragged exchange of expert-sorted rows
         slot = sorted_slots(plan)
         a = slot.shape[0]
         src = inverse_slots(slot, a)
         rows = dispatch_rows(x, src, slot, k)
-        counts = jax.lax.all_gather(plan.counts, axes)  # [P, E]
-        fwd, bwd, sizes = exchange_offsets(counts, jax.lax.axis_index(axes), el)
-        exchange = exchange_fn(opts.a2a_impl, axes, p)
-        recv = exchange(rows, jnp.zeros((p * a, h), rows.dtype), *fwd)
+        if p > 1:
+            counts = jax.lax.all_gather(plan.counts, axes)  # [P, E]
+            fwd, bwd, sizes = exchange_offsets(counts, jax.lax.axis_index(axes), el)
+            exchange = exchange_fn(opts.a2a_impl, axes, p)
+            recv = exchange(rows, jnp.zeros((p * a, h), rows.dtype), *fwd)
+        else:
+            recv, sizes = rows, plan.counts
         y = _ffn_sorted(recv, sizes, w_gate_up, w_down, opts, expected_rows=p * a * el // e)
-        back = exchange(y, jnp.zeros((a, h), y.dtype), *bwd)
-    out = combine_rows(back, w, slot, src)
-    if rep:
-        out = jax.lax.all_gather(out, rep, axis=0, tiled=True)
+        back = exchange(y, jnp.zeros((a, h), y.dtype), *bwd) if p > 1 else y
+    return combine_rows(back, w, slot, src)
+
+
+def host_split_axes(expert_axes: Axes) -> tuple[Axes, Axes]:
+    """The EP axes that may cross hosts (``parallelism.layout.HOST_AXES``: stage, data, fsdp) and those that stay
+    within a host (context, expert, tensor), each in the order of ``expert_axes``: the hierarchical dispatcher's
+    outer (host) and inner (intra-host) exchanges."""
+    return (tuple(a for a in expert_axes if a in HOST_AXES), tuple(a for a in expert_axes if a not in HOST_AXES))
+
+
+def hierarchical_problem(expert_axes: Axes, layout: str = "the layout") -> str | None:
+    """Why ``dispatcher: hierarchical`` cannot run over the EP mesh axes ``expert_axes`` (those of size > 1), or
+    None: it needs one that may cross hosts (the outer exchange); with none there is no host level to dedupe over
+    and the flat all-to-all is the same exchange, so the setting is refused rather than silently ignored."""
+    if host_split_axes(expert_axes)[0]:
+        return None
+    what = f"maps 'exp' to {tuple(expert_axes)}" if expert_axes else "maps 'exp' to no mesh axis of size > 1"
+    return (f"compute.moe.dispatcher 'hierarchical' needs the experts split over a mesh axis that may cross hosts "
+            f"({', '.join(HOST_AXES)}), but {layout} {what}, which stays within a host; map 'exp' to "
+            f"[fsdp, expert] (layout ep_multinode) or use dispatcher 'alltoall'")
+
+
+def _owner_ranks(owner: jax.Array, topo: ExpertTopology) -> tuple[jax.Array, jax.Array]:
+    """Linear EP rank ``owner`` (over ``topo.expert_axes`` in order) -> its rank over the outer (host) axes and
+    over the inner axes, as ``jax.lax.axis_index`` of those axis tuples numbers them."""
+    outer_axes, _ = host_split_axes(topo.expert_axes)
+    coords, rest = {}, owner
+    for a in reversed(topo.expert_axes):
+        rest, coords[a] = jnp.divmod(rest, topo.mesh.shape[a])
+    outer = inner = jnp.zeros_like(owner)
+    for a in topo.expert_axes:
+        if a in outer_axes:
+            outer = outer * topo.mesh.shape[a] + coords[a]
+        else:
+            inner = inner * topo.mesh.shape[a] + coords[a]
+    return outer, inner
+
+
+def host_exchanges(impl: str, outer: Axes, hosts: int, block: int, sent: jax.Array,
+                   ragged: Callable[..., jax.Array] = jax.lax.ragged_all_to_all) -> tuple[Callable, Callable]:
+    """The hierarchical dispatcher's exchanges over the host axes ``outer`` of buffers ``[hosts * block, ...]``
+    (block o: the rows for host o, its first ``sent[o]`` valid): ``there(a, fill)`` sends block o to host o, which
+    holds the blocks by source host, ``fill`` where nothing came (ragged); ``back(a)`` is the return trip.
+    ``"ragged"``: only the valid rows move (``ragged``: ``jax.lax.ragged_all_to_all`` or an emulation of it);
+    ``"dense"``: whole blocks by ``jax.lax.all_to_all``."""
+    if impl != "ragged":
+
+        def dense_there(a, fill):
+            del fill  # every row of a block is sent
+            return jax.lax.all_to_all(a, outer, 0, 0, tiled=True)
+
+        return dense_there, functools.partial(dense_there, fill=0)
+    counts = jax.lax.all_gather(sent, outer)  # [source host, destination host]
+    me = jax.lax.axis_index(outer)
+    starts = jnp.arange(hosts, dtype=jnp.int32) * block
+    at_me = jnp.full((hosts,), me * block, jnp.int32)
+    got = counts[:, me]
+
+    def there(a, fill):
+        return ragged(a, jnp.full_like(a, fill), starts, sent, at_me, got, axis_name=outer)
+
+    def back(a):
+        return ragged(a, jnp.zeros_like(a), starts, got, at_me, sent, axis_name=outer)
+
+    return there, back
+
+
+def _hierarchical(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions):
+    """Two-level expert parallelism: each token row crosses to a host once (the hosts' experts it routes to
+    deduplicated), carrying its top-k routing restricted to that host's experts; the receiving device (the relay,
+    same intra-host rank as the sender) fans the rows out to the host's experts over the inner axes
+    (:func:`_exchange_experts`, the flat exchange), combines them with the routing weights into one partial sum per
+    (token, host), and sends that back over the outer axes, where the source sums its hosts' partials. Drops
+    (capacity) are decided where the tokens live, as the flat dispatcher does, so the result equals it; the inner
+    exchange is sized to drop nothing more (a relay holds <= hosts x C assignments of an expert)."""
+    x, idx, w = _split_replicated(topo, x, idx, w)
+    outer, inner = host_split_axes(topo.expert_axes)
+    po, pi = topo.size(outer), topo.size(inner)
+    el, k, t = w_gate_up.shape[0], idx.shape[1], x.shape[0]
+    e = el * topo.ep
+    eh = e // po  # experts of one host
+    plan, cap = _plan(idx, w, e, opts)
+    expert = plan.expert.reshape(t, k)  # e: dropped, or no expert
+    kept = expert < e
+    host, within = _owner_ranks(jnp.where(kept, expert, 0) // el, topo)
+    host = jnp.where(kept, host, po)
+    host_expert = within * el + expert % el  # the expert's id among its host's experts
+    need = jnp.any(host[:, :, None] == jnp.arange(po, dtype=host.dtype), axis=1)  # [T, Po]: token t goes to host o
+    # rows a host receives from one source at most: every token once (dropless), or the tokens its experts' kept
+    # assignments name (each expert keeps <= C of them)
+    tb = t if cap is None else min(t, eh * cap)
+    rank = exclusive_cumsum(need.astype(jnp.int32), axis=0)
+    slot = jnp.where(need, jnp.arange(po, dtype=jnp.int32) * tb + rank, -1).reshape(-1)  # (t, o) -> row
+    src = inverse_slots(slot, po * tb)
+    rows = dispatch_rows(x, src, slot, po)  # [Po * Tb, H]: host-major, each token once per host
+    tok = jnp.where(src >= 0, src // po, 0)
+    mine = (src >= 0)[:, None] & (jnp.take(host, tok, axis=0) == (src % po)[:, None])
+    meta = jnp.concatenate([jnp.take(w, tok, axis=0).astype(jnp.float32),  # the token's weights (d(w) flows back)
+                            jnp.where(mine, jnp.take(host_expert, tok, axis=0), eh).astype(jnp.float32)], axis=1)
+    impl = opts.a2a_impl if cap is None else "dense"  # drop-and-pad: fixed-size blocks, as the flat exchange
+    there, back = host_exchanges(impl, outer, po, tb, jnp.sum(need, axis=0, dtype=jnp.int32))
+    r_rows = there(rows, 0)
+    r_meta = there(meta, eh)  # ragged: rows no source sent keep no expert (eh)
+    r_w, r_idx = r_meta[:, :k].astype(w.dtype), r_meta[:, k:].astype(jnp.int32)
+    inner_cap = None if cap is None else po * cap
+    r_plan = route_plan(r_idx, r_w, eh, inner_cap, opts.drop_policy)  # drops nothing (inner_cap holds them)
+    partial = _exchange_experts(r_rows, r_w, r_plan, inner_cap, w_gate_up, w_down, inner, pi, opts)
+    out = sum_rows(back(partial), src, slot, po, False)  # the hosts' partial sums
+    if topo.ep_replicated_axes:
+        out = jax.lax.all_gather(out, topo.ep_replicated_axes, axis=0, tiled=True)
     return out, plan.dropped
 
 
@@ -343,6 +486,8 @@ def _device_fn(topo: ExpertTopology, opts: MoeOptions) -> Callable[..., tuple[ja
                 out, dropped = _alltoall(x, idx, w, w_gate_up, w_down, topo, opts)
             elif opts.dispatcher == "allgather":
                 out, dropped = _allgather(x, idx, w, w_gate_up, w_down, topo, opts)
+            elif opts.dispatcher == "hierarchical":
+                out, dropped = _hierarchical(x, idx, w, w_gate_up, w_down, topo, opts)
             else:
                 out, dropped = local_experts(x, idx, w, w_gate_up, w_down, opts)
             if topo.etp_replicated_axes:
@@ -350,7 +495,7 @@ def _device_fn(topo: ExpertTopology, opts: MoeOptions) -> Callable[..., tuple[ja
             if gathered:
                 out = jax.lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
             owners = tuple(a for a in topo.token_axes if a not in gathered)
-            if opts.dispatcher == "alltoall":
+            if opts.dispatcher in ("alltoall", "hierarchical"):
                 owners += topo.ep_replicated_axes
             if owners:
                 dropped = jax.lax.psum(dropped, owners)

@@ -14,7 +14,8 @@ Options (all optional):
   assignments (0.25); a batch with more overflow runs the grouped matmul on all its rows (a
   per-layer ``lax.cond``; still dropless). The grouped kernel's time follows its static rows.
 - ``dispatcher``: ``"auto"`` (alltoall when the layout shards ``exp``, else local), ``"local"``,
-  ``"alltoall"``, ``"allgather"``.
+  ``"alltoall"``, ``"allgather"``, ``"hierarchical"`` (``exp`` over a host axis and within-host axes: each
+  token crosses to a host once; ``parallelism.dispatch``).
 - ``capacity_factor``: None (dropless) or > 0: each expert keeps at most
   ``ceil(T_group * K / E * factor)`` assignments of one device's token group (Megatron's
   per-device capacity); dropped assignments contribute zero.
@@ -41,6 +42,7 @@ from moevlm_jax.parallelism.dispatch import (
     DISPATCHERS,
     ExpertTopology,
     MoeOptions,
+    hierarchical_problem,
     resolve_topology,
     run_experts,
 )
@@ -58,8 +60,10 @@ class ExpertsConfig:
     # auto (GPU: triton, this project's Pallas-Triton kernels; else ragged_dot) | triton | tokamax |
     # ragged_dot | dense (reference) | capacity (drop-and-pad einsum) | hybrid (padded einsum + grouped overflow)
     backend: Literal["auto", "triton", "tokamax", "ragged_dot", "dense", "capacity", "hybrid"] = "auto"
-    # auto (alltoall when the layout shards 'exp', else local) | local | alltoall | allgather
-    dispatcher: Literal["auto", "local", "alltoall", "allgather"] = "auto"
+    # auto (alltoall when the layout shards 'exp', else local) | local | alltoall | allgather | hierarchical
+    # (EP across hosts: each token crosses to a host once, fanned out to its experts inside the host; needs 'exp'
+    # mapped to a host axis (stage, data, fsdp) and the within-host axes, e.g. layout ep_multinode)
+    dispatcher: Literal["auto", "local", "alltoall", "allgather", "hierarchical"] = "auto"
     # null: dropless; else each expert keeps <= ceil(T*K/E*factor) per device group
     capacity_factor: float | None = None
     drop_policy: Literal["probs", "position"] = "probs"  # which assignments a full expert keeps
@@ -136,6 +140,10 @@ def resolve_options(topo: ExpertTopology, **options: Any) -> MoeOptions:
             f"dispatcher {dispatcher!r} needs expert parallelism, but the layout maps logical axis 'exp' "
             f"to no mesh axis of size > 1; use dispatcher 'local' or 'auto'"
         )
+    if dispatcher == "hierarchical" and topo.mesh is not None:
+        problem = hierarchical_problem(topo.expert_axes)
+        if problem:
+            raise ValueError(problem)
     if dispatcher == "local" and topo.ep > 1:
         log.warning("dispatcher 'local' with 'exp' sharded over %s: every device gathers all experts", topo.expert_axes)
     a2a = o["a2a_impl"]
@@ -143,7 +151,7 @@ def resolve_options(topo: ExpertTopology, **options: Any) -> MoeOptions:
         a2a = "ragged" if platform in GPU_PLATFORMS else "dense"
     elif a2a not in A2A_IMPLS:
         raise ValueError(f"unknown a2a_impl {a2a!r}; choose one of {('auto',) + A2A_IMPLS}")
-    if a2a == "ragged" and platform == "cpu" and dispatcher == "alltoall" and factor is None:
+    if a2a == "ragged" and platform == "cpu" and dispatcher in ("alltoall", "hierarchical") and factor is None:
         raise ValueError("a2a_impl 'ragged' uses jax.lax.ragged_all_to_all, not implemented on XLA:CPU; use 'dense'")
     kernels = o["kernels"]
     if isinstance(kernels, Mapping):
@@ -191,9 +199,9 @@ def _validate(x, topk_idx, topk_weights, w_gate_up, w_down, topo: ExpertTopology
         raise ValueError(f"{t} token rows do not divide over the 'act_tokens' mesh axes {topo.token_axes} ({n_tok})")
     rep = topo.ep_replicated_axes
     group = t // n_tok * topo.size(topo.etp_token_axes)
-    if opts.dispatcher == "alltoall" and rep and group % topo.size(rep):
+    if opts.dispatcher in ("alltoall", "hierarchical") and rep and group % topo.size(rep):
         raise ValueError(
-            f"tokens are replicated over the expert axes {rep}; the all-to-all dispatcher splits each "
+            f"tokens are replicated over the expert axes {rep}; the {opts.dispatcher} dispatcher splits each "
             f"device's {group} rows over them and needs them to divide by {topo.size(rep)}"
         )
     return w_gate_up

@@ -49,6 +49,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
 _PARAM = re.compile(r"%?([\w.\-]+):\s*((?:\([^()]*\))|[^,()]+)")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_COMMENT = re.compile(r"/\*.*?\*/")
 _CONST = re.compile(r"\b[su](?:8|16|32|64)\[\]\s+constant\((-?\d+)\)")
 
 
@@ -96,6 +97,7 @@ def _split_top(text: str) -> tuple[str, str]:
 
 
 def _operand_names(text: str) -> list[str]:
+    text = _COMMENT.sub("", text)  # long operand lists carry /*index=5*/ markers
     out, depth, cur = [], 0, ""
     for ch in text:
         if ch in "([{":

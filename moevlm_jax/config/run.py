@@ -46,8 +46,9 @@ from moevlm_jax.data.tokenizer import load_tokenizer
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.config import ModelConfig
 from moevlm_jax.model.registry import load_model_config, model_config_type
+from moevlm_jax.parallelism.dispatch import hierarchical_problem
 from moevlm_jax.parallelism.layout import Layout
-from moevlm_jax.parallelism.logical import axis_size, data_parallel_size, mesh_axes_for
+from moevlm_jax.parallelism.logical import data_parallel_size, flat_axes, mesh_axes_for
 from moevlm_jax.parallelism.pipeline import pipeline_config
 from moevlm_jax.parallelism.validate import LayoutError, fit_pipeline, validate_layout
 from moevlm_jax.schema import (
@@ -244,12 +245,15 @@ def _cross_checks(opt: OptimizerConfig, tr: TrainConfig, errors: list[str]) -> N
 def _experts_checks(compute: ComputeConfig, layout: Layout, shape: Mapping[str, int]) -> list[str]:
     """The experts' dispatcher against the layout (what tracing the step would otherwise find)."""
 
-    ep = axis_size(shape, mesh_axes_for("exp", layout.rules))
+    ep_axes = tuple(a for a in flat_axes(mesh_axes_for("exp", layout.rules)) if shape.get(a, 1) > 1)
     dispatcher = compute.moe.dispatcher
-    if dispatcher in ("alltoall", "allgather") and ep == 1:
+    if dispatcher in ("alltoall", "allgather", "hierarchical") and not ep_axes:
         return [f"compute.moe.dispatcher '{dispatcher}' needs expert parallelism, but layout '{layout.name}' maps "
                 "'exp' to no mesh axis of size > 1; use 'auto' or 'local', or a layout with EP (ep, tp_ep, ep_etp, "
-                "pp_ep)"]
+                "pp_ep, ep_multinode)"]
+    if dispatcher == "hierarchical":
+        problem = hierarchical_problem(ep_axes, f"layout '{layout.name}'")
+        return [problem] if problem else []
     return []
 
 

@@ -24,7 +24,14 @@ all-gather and reduce-scatter ``X (n - 1) / n``, all-reduce ``2 X (n - 1) / n``,
   vision tower's all-reduces of its row-parallel outputs (2 a block, forward and backward); the
   vocabulary-parallel embedding's reduce-scatter and the LM head's sequence gather.
 - ``ep``: the MoE layers' all-to-alls: dispatch and combine, forward and backward (4 per layer of
-  the rows a device sends: T x K, or E x C with a capacity factor).
+  the rows a device sends: T x K, or E x C with a capacity factor). Beside it, where the EP group spans
+  ``H > 1`` hosts, ``ep_cross_hierarchical``: what would cross hosts under ``compute.moe.dispatcher:
+  hierarchical`` (``parallelism.dispatch``; its layout maps ``exp`` to a host axis and the within-host
+  axes): each token once per remote host its experts live on, ``D = (H - 1) (1 - C(E - E/H, K) / C(E, K))``
+  remote hosts a token on average under uniform routing, 4 row transfers (rows there, partial sums back,
+  both again in the backward) plus 2 of its routing (2 K float32) per (token, remote host): ``T D (4 H_row
+  + 16 K)`` a layer call, against the flat ``4 T K (H - 1) / H H_row``; with a capacity factor the blocks
+  are fixed: ``min(T, E/H x C)`` rows a remote host against ``E C (H - 1) / H``.
 - ``cp``: the K/V all-gather over the context axes per layer (forward, the backward's
   reduce-scatter of d(K), d(V), and one more gather where attention is recomputed).
 - ``pp``: the pipeline's per-iteration activation hand-off to the next stage, forward and backward
@@ -65,6 +72,8 @@ class CommEstimate:
 
     by_kind: dict[str, dict[str, float]]
     cross: dict[str, dict[str, float]]
+    # bytes across hosts the EP exchange would move under the hierarchical dispatcher (0: EP within a host)
+    ep_cross_hierarchical: float = 0.0
 
     def total(self, kind: str | None = None) -> float:
         kinds = [kind] if kind else list(self.by_kind)
@@ -105,6 +114,39 @@ def _cross_host_fraction(shape_items: tuple[tuple[str, int], ...], axes: tuple[s
         dev = sum(c * strides[i] for c, i in zip(coords, idx))
         peers += dev // devices_per_host != 0
     return peers / (n - 1)
+
+
+def hosts_spanned(shape: Mapping[str, int], axes: Sequence[str], devices_per_host: int) -> int:
+    """Hosts a group over ``axes`` (device 0's) spans, devices numbered as :func:`cross_host_fraction` numbers them."""
+    sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
+    strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+    idx = [MESH_AXES.index(a) for a in axes]
+    return len({sum(c * strides[i] for c, i in zip(coords, idx)) // devices_per_host
+                for coords in itertools.product(*(range(sizes[i]) for i in idx))})
+
+
+def remote_hosts_per_token(experts: int, top_k: int, hosts: int) -> float:
+    """Other hosts a token's top-k experts live on, on average, with ``experts / hosts`` experts a host and the
+    k experts a uniform draw without replacement: ``(H - 1) (1 - C(E - E/H, K) / C(E, K))``."""
+    if hosts <= 1:
+        return 0.0
+    return (hosts - 1) * (1 - math.comb(experts - experts // hosts, top_k) / math.comb(experts, top_k))
+
+
+def hierarchical_ep_cross(tokens: float, hidden_bytes: float, experts: int, top_k: int, hosts: int,
+                          capacity: int | None = None) -> tuple[float, float]:
+    """(flat, hierarchical) bytes a device receives from other hosts for one MoE layer call (forward and
+    backward) of ``tokens`` rows of ``hidden_bytes``, the EP group spanning ``hosts`` hosts (module docstring)."""
+    if hosts <= 1:
+        return 0.0, 0.0
+    remote = (hosts - 1) / hosts
+    if capacity is None:
+        flat = 4 * tokens * top_k * remote * hidden_bytes
+        pairs = tokens * remote_hosts_per_token(experts, top_k, hosts)
+    else:
+        flat = 4 * experts * capacity * remote * hidden_bytes
+        pairs = (hosts - 1) * min(tokens, experts // hosts * capacity)
+    return flat, pairs * (4 * hidden_bytes + 2 * 2 * top_k * 4)
 
 
 def _label(axes: Sequence[str]) -> str:
@@ -225,13 +267,18 @@ def step_communication(model: Any, g: Geometry, knobs: Any, devices_per_host: in
     etp_gather = tuple(a for a in etp_axes if a in token_axes)
     if etp_gather and n_moe:  # ETP: tokens all-gathered over the ETP group, outputs reduce-scattered
         acc.add("tp", etp_gather, 4 * g.moe_tokens * h * c * moe_calls, "all_gather")
+    ep_hier = 0.0
     if ep_axes and n_moe:
         k = t.num_experts_per_tok
+        cap = None
         if knobs.capacity_factor is not None:
-            rows = t.num_experts * math.ceil(g.moe_tokens * k / t.num_experts * knobs.capacity_factor)
+            cap = math.ceil(g.moe_tokens * k / t.num_experts * knobs.capacity_factor)
+            rows = t.num_experts * cap
         else:
             rows = g.moe_tokens * k
         acc.add("ep", ep_axes, 4 * rows * h * c * moe_calls, "all_to_all")
+        hosts = hosts_spanned(shape, [a for a in ep_axes if shape.get(a, 1) > 1], devices_per_host)
+        ep_hier = hierarchical_ep_cross(g.moe_tokens, h * c, t.num_experts, k, hosts, cap)[1] * moe_calls
     cp_axes = axes_of(rules, shape, ("act_batch", "act_seq", "act_heads", "act_head_dim"), 1)
     if cp_axes:
         kv = 2 * g.rows * g.seq * t.num_key_value_heads / g.tp_kv * t.head_dim * c  # K and V of the whole sequence
@@ -247,4 +294,4 @@ def step_communication(model: Any, g: Geometry, knobs: Any, devices_per_host: in
         # a collective-permute a pipeline iteration: each device passes its carry on, forward and backward
         acc.by_kind["pp"]["stage"] = acc.by_kind["pp"].get("stage", 0.0) + 2 * g.iterations * knobs.grad_accum * carry
         acc._cross("pp", ("stage",), 2 * g.iterations * knobs.grad_accum * carry)
-    return CommEstimate(by_kind=acc.by_kind, cross=acc.cross)
+    return CommEstimate(by_kind=acc.by_kind, cross=acc.cross, ep_cross_hierarchical=ep_hier)

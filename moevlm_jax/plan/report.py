@@ -46,6 +46,8 @@ def row(e: Any, i: int) -> dict[str, Any]:
            "experts": _experts(c), "step_s": e.time.step_s, "tokens_per_s": e.tokens_per_s,
            "memory_gib": e.memory.total / GIB, **{f"{k}_gib": v for k, v in parts.items()},
            "comm_gb": e.comm.total() / GB, "cross_host_gb": e.comm.total_cross() / GB, "comm_by_axis": comm_summary(e),
+           "ep_cross_host_gb": e.comm.total_cross("ep") / GB,
+           "ep_cross_host_hierarchical_gb": e.comm.ep_cross_hierarchical / GB,
            "overrides": " ".join(c.overrides())}
     if e.compiled:
         out["compiled_gib"] = e.compiled.get("total_bytes", float("nan")) / GIB if "total_bytes" in e.compiled else None
@@ -99,6 +101,15 @@ def per_host(e: Any, devices_per_host: int) -> dict[str, Any]:
             "crossing_axes": sorted(g for g, b in cross.items() if b >= keep)}
 
 
+def ep_hierarchical_note(e: Any, devices_per_host: int) -> str:
+    """'; EP across hosts: flat X GB, hierarchical Y GB' a host a step, where the EP group spans hosts."""
+    flat, hier = e.comm.total_cross("ep"), e.comm.ep_cross_hierarchical
+    if not hier:
+        return ""
+    return (f"; EP across hosts: flat {flat / GB * devices_per_host:.1f} GB, hierarchical "
+            f"{hier / GB * devices_per_host:.1f} GB (compute.moe.dispatcher=hierarchical, exp over [fsdp, expert])")
+
+
 def format_per_host(estimates: Sequence[Any], devices_per_host: int, *, one_per_preset: bool = True) -> str:
     """Per-host memory and communication for the best candidate of each preset (dropless experts and the
     vision tower trained where such a candidate fits)."""
@@ -121,7 +132,8 @@ def format_per_host(estimates: Sequence[Any], devices_per_host: int, *, one_per_
                                                             sorted(h["comm_gb"].items(), key=lambda kv: -kv[1]))
                      + "; across hosts: " + (", ".join(f"{g} {b:.1f} GB" for g, b in
                                                       sorted(h["cross_host_gb"].items(), key=lambda kv: -kv[1]))
-                                             or "nothing"))
+                                             or "nothing")
+                     + ep_hierarchical_note(e, devices_per_host))
     return "\n".join(lines)
 
 

@@ -56,6 +56,8 @@ CASES = [
     (["compute.moe.capacity_factor=-1"], "compute.moe.capacity_factor"),
     (["compute.moe.backend=capacity"], "compute.moe.capacity_factor"),
     (["compute.moe.dispatcher=alltoall"], "compute.moe.dispatcher"),
+    (["--layout", "ep", "compute.moe.dispatcher=hierarchical"], "compute.moe.dispatcher 'hierarchical' needs the "
+     "experts split over a mesh axis that may cross hosts"),
     (["compute.router.aux_loss=seq"], "compute.router.aux_loss"),
     (["compute.router.z_loss_coef=-1"], "compute.router.z_loss_coef"),
     (["compute.loss_chunk_size=0"], "compute.loss_chunk_size"),

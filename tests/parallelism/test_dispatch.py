@@ -1,5 +1,7 @@
 """Expert-parallel dispatchers on 8 CPU devices equal the single-device experts, forward and backward."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,10 +9,17 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from moevlm_jax.config import load_layout
-from moevlm_jax.parallelism import logical
-from moevlm_jax.parallelism.dispatch import ragged_all_to_all_dense, resolve_topology
+from moevlm_jax.parallelism import hlo, logical
+from moevlm_jax.parallelism.dispatch import (
+    host_exchanges,
+    ragged_all_to_all_dense,
+    resolve_topology,
+    shard_map_unchecked,
+)
 from moevlm_jax.parallelism.experts import experts_forward, experts_forward_with_stats
-from tests.parallelism.moe_reference import assert_close, dense_reference, make_problem, value_and_grads
+from moevlm_jax.parallelism.permute import expert_capacity
+from tests.parallelism.moe_reference import assert_close, dense_reference, make_problem, probe, value_and_grads
+from tests.xla_options import FAST
 
 # quick compiles (tests/xla_options.py): the single-device references compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
@@ -35,9 +44,13 @@ LAYOUTS = {
     ),
     # no expert parallelism: experts FSDP-sharded at rest, gathered for the local dispatcher
     "fsdp8": dict(mesh={"fsdp": -1}, rules=[["act_tokens", ["data", "fsdp"]], ["embed", "fsdp"]]),
-    # experts over two mesh axes
+    # experts over two mesh axes; for the hierarchical dispatcher 'fsdp' is the host axis: 2 "hosts" x 4 devices
     "experts_on_fsdp_and_expert": dict(mesh={"fsdp": 2, "expert": 4}, rules=[TOKENS_ALL, ["exp", ["fsdp", "expert"]]]),
+    # 2 "hosts" ('fsdp') x EP 2 x ETP 2, tokens replicated over 'expert' and 'tensor' (split, then gathered)
+    "hosts_ep_etp_tokens_replicated": dict(mesh={"fsdp": 2, "expert": 2, "tensor": 2}, rules=[
+        ["act_tokens", ["data", "fsdp"]], ["exp", ["fsdp", "expert"]], ["moe_mlp", "tensor"]]),
 }
+HOSTS = "experts_on_fsdp_and_expert"
 
 
 def _mesh_and_rules(name):
@@ -81,7 +94,9 @@ CASES = [
     ("expert2_tensor2_fsdp2_tokens_on_tensor", "allgather", "one"),
     ("expert4_fsdp2_tokens_replicated", "alltoall", "random"),
     ("expert4_fsdp2_tokens_replicated", "allgather", "skewed"),
-    ("experts_on_fsdp_and_expert", "alltoall", "skewed"),
+    # flat alltoall on this layout: test_hierarchical_equals_flat_and_dense; skewed routing leaves a "host" idle
+    ("experts_on_fsdp_and_expert", "hierarchical", "skewed"),
+    ("hosts_ep_etp_tokens_replicated", "hierarchical", "random"),
     ("experts_on_fsdp_and_expert", "allgather", "random"),
 ]
 
@@ -230,6 +245,9 @@ def test_layout_errors_name_the_problem():
             experts_forward(*make_problem(), a2a_impl="ragged")
         with pytest.raises(ValueError, match="token rows do not divide"):
             experts_forward(*make_problem(t=12))
+        with pytest.raises(ValueError, match=r"^compute.moe.dispatcher 'hierarchical' needs the experts split over a "
+                                             r"mesh axis that may cross hosts .* maps 'exp' to \('expert',\)"):
+            experts_forward(*make_problem(), dispatcher="hierarchical")
     mesh, rules = _mesh_and_rules("expert2_tensor2_fsdp2")
     with logical.sharding_context(mesh, rules):
         with pytest.raises(ValueError, match=r"intermediate size 3 does not divide .* \('tensor',\)"):
@@ -271,3 +289,151 @@ def test_expert_id_e_is_no_expert(layout, opts):
     assert_close(got[0], want[0], what=f"{layout} {opts} forward")
     assert_close(got[1], want[1], what=f"{layout} {opts}")
     assert int(stats["dropped"]) == 0
+
+
+# ----------------------------------------------------------------------------- hierarchical (EP across hosts)
+
+# top-4 of 8 experts, 4 a host: most tokens need both hosts, with 2 experts on the remote one on average
+HOST_PROBLEM = dict(seed=21, routing="random", k=4, h=64)
+HOST_CAPACITY = dict(drop_policy="probs", backend="capacity")
+
+
+def _kept(idx, w, groups, factor):
+    """[T, K] the assignments each device group keeps under the probs policy (highest weight, then earlier)."""
+    t, k = idx.shape
+    e = HOST_PROBLEM.get("e", 8)
+    cap = expert_capacity(t // groups, k, e, factor)
+    keep = np.zeros(idx.shape, bool)
+    for g in range(groups):
+        rows = slice(g * t // groups, (g + 1) * t // groups)
+        gi, gw = idx[rows].reshape(-1), w[rows].reshape(-1)
+        for ex in range(e):
+            mine = np.flatnonzero(gi == ex)
+            order = mine[np.lexsort((mine, -gw[mine]))][:cap]
+            keep[rows].reshape(-1)[order] = True
+    return keep
+
+
+@pytest.fixture(scope="module")
+def host_steps():
+    """Compiled value-and-gradient steps on 2 "hosts" x 4 devices (by (dispatcher, capacity factor)): outputs,
+    gradients and the compiled HLO text, shared by the tests below (one compile each)."""
+    problem = make_problem(**HOST_PROBLEM)
+    mesh, rules = _mesh_and_rules(HOSTS)
+    x, idx, w, a, b = _place(mesh, rules, *problem)
+    c = jnp.asarray(probe(*x.shape))
+    done = {}
+
+    def get(dispatcher, factor=None):
+        if (dispatcher, factor) not in done:
+            opts = dict(dispatcher=dispatcher, **(dict(HOST_CAPACITY, capacity_factor=factor) if factor else {}))
+
+            def loss(x, w, a, b, idx):
+                out = experts_forward(x, idx, w, a, b, **opts)
+                return jnp.sum(out * c), out
+
+            step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+            with logical.sharding_context(mesh, rules):
+                compiled = step.lower(x, w, a, b, idx).compile(FAST)
+            (_, out), grads = compiled(x, w, a, b, idx)
+            found, _ = hlo.collectives(compiled.as_text(), mesh.axis_names, mesh.devices.shape, hlo.mesh_hosts(mesh, 4))
+            done[dispatcher, factor] = (out, grads, found)
+        return done[dispatcher, factor]
+
+    return problem, get
+
+
+@pytest.mark.parametrize("factor", [None, 1.25], ids=["dropless", "capacity"])
+def test_hierarchical_equals_flat_and_dense(host_steps, factor):
+    """Experts over 2 hosts x 4 devices: the hierarchical dispatcher (tokens deduplicated by host, fanned out inside
+    it, partial sums back) == the flat all-to-all == the dense reference (with the assignments each device group
+    keeps, computed here in numpy), outputs and every gradient, dropless and drop-and-pad."""
+    problem, get = host_steps
+    keep = None
+    if factor:
+        keep = _kept(np.asarray(problem[1]), np.asarray(problem[2]), 8, factor)
+        assert 0 < (~keep).sum() < keep.size // 2  # the capacity drops some, not most
+    want = value_and_grads(lambda *p: dense_reference(*p, keep=None if keep is None else jnp.asarray(keep)), *problem)
+    flat, hier = get("alltoall", factor), get("hierarchical", factor)
+    for name, got in (("alltoall", flat), ("hierarchical", hier)):
+        assert_close(got[0], want[0], what=f"{name} {factor} forward")
+        assert_close(got[1], want[1], what=f"{name} {factor}")
+
+
+def _dedup_factor(idx, keep, devices=8, hosts=2):
+    """(token, expert) rows the flat dispatcher sends to other hosts / (token, host) rows the hierarchical one sends:
+    the device of expert e is e // (E / devices), its host the device // (devices / hosts) (8 experts: e // 4)."""
+    t, _ = idx.shape
+    src_host = np.arange(t) // (t // devices) // (devices // hosts)
+    dst_host = idx // (8 // hosts)
+    remote = keep & (dst_host != src_host[:, None])
+    flat = remote.sum()
+    hier = sum(len(set(dst_host[i][remote[i]].tolist())) for i in range(t))
+    return flat / hier
+
+
+def _across(found):
+    return sum(c.across for c in found)
+
+
+@pytest.mark.parametrize("factor", [None, 1.25], ids=["dropless", "capacity"])
+def test_hierarchical_cuts_cross_host_bytes(host_steps, factor):
+    """From the compiled HLO: the bytes a device receives from the other host per step (forward and backward) fall
+    from the flat all-to-all to the hierarchical dispatcher by at least the dedup factor of this routing (remote
+    (token, expert) rows / remote (token, host) rows, numpy), and only the host axis ('fsdp') crosses hosts.
+
+    The compiled exchanges here are fixed-size, so their bytes bound what crosses: the flat one sizes a peer's block
+    for every assignment (dropless, CPU's emulated ragged exchange: T x K rows; drop-and-pad: C rows a remote
+    expert, T K f / hosts a host), the hierarchical one a host's block for every token once (T rows; with a capacity
+    min(T, experts a host x C)) plus the tokens' routing (2 K floats a row). Drop-and-pad therefore saves
+    K f / hosts, at least the dedup factor where f >= 1 + 2^-K for 2 hosts (uniform routing), here f = 1.25. On
+    GPUs the ragged exchanges move the rows routed, which fall by the dedup factor itself (not measured here)."""
+    problem, get = host_steps
+    idx = np.asarray(problem[1])
+    keep = _kept(idx, np.asarray(problem[2]), 8, factor) if factor else np.ones(idx.shape, bool)
+    dedup = _dedup_factor(idx, keep)
+    assert dedup > 1.5  # top-4 of 8 over 2 hosts: most tokens' remote experts share the remote host
+    flat, hier = get("alltoall", factor)[2], get("hierarchical", factor)[2]
+    crossing = {c.axes for c in hier if c.across > 0 and c.operand_bytes > 4}  # (4 bytes: the dropped count's sum)
+    assert crossing == {("fsdp",)}, crossing
+    assert all(c.across == 0 for c in hier if "fsdp" not in c.axes)
+    ratio = _across(flat) / _across(hier)
+    print(f"{'capacity' if factor else 'dropless'}: bytes from the other host flat {_across(flat):.0f}, "
+          f"hierarchical {_across(hier):.0f} (x{ratio:.2f}); the routing's dedup factor {dedup:.2f}")
+    assert ratio >= dedup, (ratio, dedup, hlo.summarize(flat), hlo.summarize(hier))
+
+
+def test_host_exchanges_ragged_moves_the_valid_rows_there_and_back():
+    """The hierarchical dispatcher's ragged host exchange (GPU: jax.lax.ragged_all_to_all; here its fixed-size
+    emulation, as XLA:CPU has none) lands the valid rows of each block where the fixed-size exchange does, fills the
+    rest, and its return trip brings them back to where they were sent from."""
+    mesh, _ = _mesh_and_rules(HOSTS)
+    block, hosts = 3, 2
+    rng = np.random.default_rng(3)
+    sent = rng.integers(0, block + 1, (8, hosts)).astype(np.int32)  # per device, valid rows per destination host
+    rows = (1 + np.arange(8 * hosts * block, dtype=np.float32)).reshape(8 * hosts * block, 1)
+    ragged = functools.partial(ragged_all_to_all_dense, axis_size=hosts)
+
+    def body(a, n):
+        out = []
+        for impl in ("ragged", "dense"):
+            there, back = host_exchanges(impl, ("fsdp",), hosts, block, n[0], ragged=ragged)
+            got = there(a, -1.0)
+            out += [got, back(got)]
+        return tuple(out)
+
+    spec = PartitionSpec(("fsdp", "expert"))
+    fn = jax.jit(shard_map_unchecked(body, mesh, (spec, spec), (spec,) * 4))
+    r_there, r_back, d_there, d_back = (np.asarray(v).reshape(8, hosts, block) for v in fn(rows, sent))
+    np.testing.assert_array_equal(d_back.reshape(-1, 1), rows)  # the fixed-size exchange is its own inverse
+    sent3 = sent.reshape(2, 4, hosts)  # [host, device in host, destination host]
+    for dev in range(8):
+        me, inner = divmod(dev, 4)
+        for src in range(hosts):
+            n = sent3[src, inner, me]  # rows device (src, inner) sent here
+            np.testing.assert_array_equal(r_there[dev, src, :n], d_there[dev, src, :n])
+            assert (r_there[dev, src, n:] == -1).all()
+        for dst in range(hosts):
+            n = sent[dev, dst]
+            np.testing.assert_array_equal(r_back[dev, dst, :n], rows.reshape(8, hosts, block)[dev, dst, :n])
+            assert (r_back[dev, dst, n:] == 0).all()

@@ -7,7 +7,8 @@
 - the same loop without XLA's known trip count: the count taken from the loop condition, flagged;
 - a jit (SPMD partitioner) matmul contracting over 'model': an all-reduce over 'model' (the partitioner's
   mesh-axes replica-group format);
-- the three replica-group spellings parsed alike (no compile).
+- the three replica-group spellings parsed alike (no compile);
+- a long operand list's /*index=5*/ marker (no compile).
 """
 
 from __future__ import annotations
@@ -103,3 +104,21 @@ def test_replica_group_spellings():
     assert hlo._groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert hlo._groups("replica_groups={}", 8) == [list(range(8))]
     assert hlo.shape_bytes("(f32[2,3]{1,0}, bf16[4], s32[])") == 24 + 8 + 4
+
+
+def test_long_operand_lists_with_index_markers():
+    """XLA prints /*index=5*/ before the sixth operand of a long list: that operand's bytes count too (a tuple
+    all-to-all of 8 blocks, as XLA:CPU writes the dispatchers' exchanges)."""
+    names = [f"p{i}" for i in range(8)]
+    ops = ", ".join(("/*index=5*/" if i == 5 else "") + f"%{n}" for i, n in enumerate(names))
+    text = "\n".join([
+        "HloModule m", "",
+        "ENTRY %main (" + ", ".join(f"{n}: f32[4,16]" for n in names) + ") -> f32[4,16] {",
+        *(f"  %{n} = f32[4,16]{{1,0}} parameter({i})" for i, n in enumerate(names)),
+        f"  %a2a = (f32[4,16]{{1,0}}, f32[4,16]{{1,0}}) all-to-all({ops}), channel_id=1, "
+        "replica_groups={{0,1,2,3,4,5,6,7}}",
+        "  ROOT %r = f32[4,16]{1,0} get-tuple-element(%a2a), index=0",
+        "}",
+    ])
+    (a2a,), _ = hlo.collectives(text, ("x",), (8,))
+    assert a2a.operand_bytes == 8 * 4 * 16 * F32

@@ -195,6 +195,27 @@ def test_expert_all_to_all_rows_and_cross_host_groups():
     assert two.cross["fsdp_gather"]["fsdp"] == pytest.approx(two.by_kind["fsdp_gather"]["fsdp"])
 
 
+def test_hierarchical_dispatch_cross_host_bytes_by_formula():
+    """EP over 2 hosts (ep_multinode: fsdp 2 x expert 4, 4 devices a host): the flat exchange's cross-host bytes
+    and the hierarchical dispatcher's (each token once per remote host it needs, plus its routing), by hand."""
+    assert plan_comm.remote_hosts_per_token(8, 4, 2) == pytest.approx(1 - 1 / 70)  # all 4 on the own host: 1 in 70
+    assert plan_comm.remote_hosts_per_token(8, 2, 1) == 0.0
+    flat, hier = plan_comm.hierarchical_ep_cross(1000, 4096, 128, 8, 2)  # top-8 of 128 over 2 hosts, 4 KiB rows
+    assert flat / hier == pytest.approx(4.0, rel=0.05)  # ~4 remote experts on ~1 remote host a token
+    model = load_model_config("tiny")
+    t = model.text_config
+    lay = load_layout("ep_multinode")
+    g = geometry(model, lay.rules, lay.resolved_mesh_shape(8), mbs=2, seq=SEQ, patches=0)
+    comm = plan_comm.step_communication(model, g, plan_memory.MemoryKnobs(), devices_per_host=4)
+    layers = sum(k == "moe" for k in t.layer_kinds)
+    tokens, k, e, row = 2 * SEQ, t.num_experts_per_tok, t.num_experts, t.hidden_size * 2
+    assert comm.total_cross("ep") == pytest.approx(4 * tokens * k * row / 2 * layers)  # half the peers remote
+    d = 1 - math.comb(e - e // 2, k) / math.comb(e, k)
+    assert comm.ep_cross_hierarchical == pytest.approx(tokens * d * (4 * row + 16 * k) * layers)
+    one_host = plan_comm.step_communication(model, g, plan_memory.MemoryKnobs(), devices_per_host=8)
+    assert one_host.ep_cross_hierarchical == 0 and one_host.total_cross("ep") == 0
+
+
 # ----------------------------------------------------------------------------- ranking and the fit API
 
 
