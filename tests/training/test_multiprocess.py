@@ -2,7 +2,8 @@
 
 - 2 processes x 4 CPU devices train like 1 process x 8 devices under fsdp, ep and pp (the trainer's
   step: per-step losses and gradient norms to the layout tests' tolerance);
-- the train CLI as 2 processes: per-step losses of 1 process, and its records (process 0's, once) count the
+- the train CLI as 2 processes, experts over both as over two hosts (layout ep_multinode, the hierarchical
+  dispatcher): per-step losses of 1 process, and its records (process 0's, once) count the
   global batch as the 1-process run's do (tokens, useful / trained tokens, samples, skips, FLOPs); its
   checkpoint (every process writes its shards, one commit; each process's data shards in the data item)
   resumes in 1 process with the uninterrupted 1-process run's next losses; the HF export of the 2-process
@@ -101,7 +102,10 @@ def _recipe(tmp: Path, jax_cache: Path) -> Path:
     recipe = tmp / "recipe.yaml"
     data = {**data_config(tmp / "cache"), "num_shards": 2}
     recipe.write_text(yaml.safe_dump({
-        "name": "mp", "model": "tiny", "layout": "fsdp", "data": data, "compute": COMPUTE,
+        # experts over both processes as over two hosts (ep_multinode: 'fsdp' = the process axis), dispatched
+        # hierarchically: the tokens cross the process boundary once a host, fanned out to its experts inside it
+        "name": "mp", "model": "tiny", "layout": "ep_multinode", "data": data,
+        "compute": {**COMPUTE, "moe": {"dispatcher": "hierarchical"}},
         # runs of SHORT and LONG steps on one schedule
         "optimizer": {"lr": 3e-3, "warmup_steps": 1, "weight_decay": 0.01, "decay_steps": LONG},
         "train": {"steps": LONG, "global_batch_size": 8, "seq_len": SEQ_LEN, "log_every": 1, "checkpoint_every": 2,
