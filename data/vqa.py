@@ -282,8 +282,14 @@ def dataset_dir(params: Mapping[str, Any], cache_dir: Path) -> Path:
     return Path(cache_dir) / "vqa" / hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
+# a spawned worker imports this package (grain and jax with it, 5-8 s on 2 busy cores) before its first sample: a
+# set of a few hundred samples is made sooner in this process
+POOL_WORTH_S = 30.0
+
+
 def ensure_vqa(source: Mapping[str, Any], cache_dir: Path, split: str, processes: int | None = None) -> list[str]:
-    """ArrayRecord shard paths of a split, generating the set into the cache first if needed."""
+    """ArrayRecord shard paths of a split, generating the set into the cache first if needed (``processes``: the
+    worker processes that make it; None: as many as cores where the set would take over ``POOL_WORTH_S`` here)."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
     params = vqa_params(source)
@@ -308,14 +314,14 @@ def ensure_vqa(source: Mapping[str, Any], cache_dir: Path, split: str, processes
                     step = 32
                     jobs = [(params, name, i, min(i + step, s0 + size, count))
                             for i in range(s0, min(s0 + size, count), step)]
-                    if pool is None and jobs:  # time one chunk; use processes when the rest would take > 4 s
+                    if pool is None and jobs:  # time one chunk: processes where the rest outlasts starting them
                         t0 = time.time()
                         for rec in _chunk(jobs[0]):
                             writer.write(rec)
                         jobs = jobs[1:]
                         left = (time.time() - t0) / step * total
-                        procs = min(os.cpu_count() or 1, 16) if processes is None else processes
-                        if left > 4 and procs > 1:
+                        procs = processes or (min(os.cpu_count() or 1, 16) if left > POOL_WORTH_S else 1)
+                        if procs > 1:
                             pool = mp.get_context("spawn").Pool(procs)
                     for records in (pool.imap(_chunk, jobs) if pool else map(_chunk, jobs)):
                         for rec in records:

@@ -1,9 +1,13 @@
-"""Test setup: 8 CPU host devices and quick XLA:CPU compiles, set before jax is imported anywhere; JAX's
+"""Test setup: 8 CPU host devices and quick XLA:CPU compiles, set before jax is imported anywhere; one data
+cache for the run's processes; JAX's
 persistent compilation cache off again after every test that turned it on; compiled executables freed
 after each module (Linux's memory-map limit); the slowest modules scheduled first over the xdist workers."""
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 from tests.xla_options import FAST_XLA_FLAGS, LEGACY_EMITTERS
 
@@ -14,6 +18,13 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# One cache of the built-in datasets for the whole run (tests/training/train_setup.py's VQA set is generated once,
+# not once a module): made by the first process (xdist's controller, or plain pytest), inherited through the
+# environment by the workers and the tests' subprocesses, removed when that process exits.
+if "MOEVLM_TEST_DATA_CACHE" not in os.environ:
+    os.environ["MOEVLM_TEST_DATA_CACHE"] = tempfile.mkdtemp(prefix="moevlm-test-data-")
+    atexit.register(shutil.rmtree, os.environ["MOEVLM_TEST_DATA_CACHE"], True)
 
 # XLA:CPU's collective threads as the train CLI sets them (parallelism/cpu_threads.py, called by the
 # entry points; here before any test starts the CPU client): with XLA's own pool (one thread a device)

@@ -19,7 +19,7 @@ STEPS, WARMUP, ROWS = 2, 1, 2  # MBS 1 x 2 devices (fsdp)
 
 
 def test_sweep_smoke(tmp_path, capsys):
-    cfg = data_config(tmp_path / "cache")
+    cfg = data_config()
     cfg["source"]["num_train"] = 32
     data_path = tmp_path / "data.yaml"
     data_path.write_text(yaml.safe_dump(cfg))

@@ -102,6 +102,18 @@ def test_generation_is_deterministic_fast_and_cached(tmp_path):
     assert ArrayRecordSource(paths)[5] == make_record(params, "train", 5)
 
 
+def test_worker_processes_write_the_records_this_process_writes(tmp_path):
+    """``processes=2`` (the path large sets take: the first chunk here, the rest in spawned workers) writes
+    exactly the shards one process writes."""
+    from moevlm_jax.data.sources import ArrayRecordSource
+
+    source = {"num_train": 70, "num_heldout": 4}
+    alone = ArrayRecordSource(ensure_vqa(source, tmp_path / "one", "train", processes=1))
+    pooled = ArrayRecordSource(ensure_vqa(source, tmp_path / "two", "train", processes=2))
+    assert len(alone) == len(pooled) == 70
+    assert [pooled[i] for i in range(70)] == [alone[i] for i in range(70)]
+
+
 def test_answer_accuracy_exact_match(tmp_path):
     loader = build_loader("vqa", split="heldout", overrides=[
         "source.num_train=60", "source.num_heldout=30", "seq_len=512", "batch_size=2", f"cache_dir={tmp_path}"])

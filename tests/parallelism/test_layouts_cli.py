@@ -34,7 +34,7 @@ def recipe(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts_cli")
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump({
-        "name": "layouts-cli", "model": "tiny", "layout": "fsdp", "data": data_config(tmp / "cache"),
+        "name": "layouts-cli", "model": "tiny", "layout": "fsdp", "data": data_config(),
         "compute": COMPUTE, "optimizer": {"lr": 3e-3, "warmup_steps": 1},
         "train": {"steps": STEPS, "global_batch_size": ROWS, "seq_len": SEQ_LEN, "log_every": 1,
                   "eval_every": 0, "eval_batches": 0, "checkpointing": False, "tensorboard": False,

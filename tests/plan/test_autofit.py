@@ -34,7 +34,7 @@ GLOBAL_BATCH = 16
 def _recipe(tmp) -> str:
     recipe = tmp / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
-        "name": "autofit-test", "model": "tiny", "layout": "fsdp", "data": data_config(tmp / "cache"),
+        "name": "autofit-test", "model": "tiny", "layout": "fsdp", "data": data_config(),
         "compute": {**COMPUTE, "recompute": "none"},
         "optimizer": {"lr": 3e-3, "warmup_steps": 1},
         "train": {"steps": STEPS, "global_batch_size": GLOBAL_BATCH, "micro_batch_size": 2, "grad_accum": None,

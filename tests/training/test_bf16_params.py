@@ -40,7 +40,7 @@ def _run(param_dtype: str, state_dtype: str, batches: list, params=None):
 
 
 def test_bf16_params_train_like_float32_params(tmp_path):
-    batches = host_batches(tmp_path, STEPS)
+    batches = host_batches(STEPS)
     ref_losses, _, _, initial = _run("float32", "float32", batches)
     bf16_init = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, initial)
     for state_dtype in ("float32", "bfloat16"):

@@ -84,7 +84,7 @@ def _folder(tmp_path, n=16):
 def _recipe(tmp_path) -> str:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
-        "name": "paths", "model": "tiny", "layout": "fsdp", "data": data_config(tmp_path / "cache"),
+        "name": "paths", "model": "tiny", "layout": "fsdp", "data": data_config(),
         "compute": COMPUTE, "optimizer": {"lr": 3e-3, "warmup_steps": 1},
         "train": {"steps": 2, "global_batch_size": 8, "seq_len": SEQ_LEN, "log_every": 1, "eval_every": 0,
                   "eval_batches": 1, "checkpoint_every": 0, "checkpointing": False},

@@ -42,7 +42,7 @@ def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     recipe = tmp / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
-        "name": "faults", "model": "tiny", "layout": "fsdp", "data": data_config(tmp / "cache"),
+        "name": "faults", "model": "tiny", "layout": "fsdp", "data": data_config(),
         "compute": COMPUTE, "optimizer": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.01},
         # 2 rows a step: what is tested is the run's state across signals and restarts, not the batch; the
         # 151936-token LM head makes a step's cost follow its rows

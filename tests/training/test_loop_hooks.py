@@ -72,7 +72,7 @@ def _on_disk(ctx) -> list[str]:
 
 def test_hooks_fire_in_order(tmp_path, monkeypatch):
     data = tmp_path / "data.yaml"
-    data.write_text(yaml.safe_dump(data_config(tmp_path / "cache")))
+    data.write_text(yaml.safe_dump(data_config()))
     cfg = load_config("cpu-default", model="tiny", data=str(data), run_dir=str(tmp_path / "run"), overrides=[
         "train.steps=3", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=2",
         "train.show_answers=0", "train.tensorboard=false", "train.log_every=1", "compute.dtype=float32"])

@@ -100,7 +100,7 @@ def _recipe(tmp: Path, jax_cache: Path) -> Path:
     from tests.training.train_setup import COMPUTE, SEQ_LEN, data_config
 
     recipe = tmp / "recipe.yaml"
-    data = {**data_config(tmp / "cache"), "num_shards": 2}
+    data = {**data_config(), "num_shards": 2}
     recipe.write_text(yaml.safe_dump({
         # experts over both processes as over two hosts (ep_multinode: 'fsdp' = the process axis), dispatched
         # hierarchically: the tokens cross the process boundary once a host, fanned out to its experts inside it

@@ -42,7 +42,7 @@ def test_qwen3_5_tiny_learns_the_builtin_vqa_data(tmp_path):
     assert raw["model_type"] == "qwen3_5_moe" and model_config_type(raw) is Qwen35ModelConfig
     assert build(model_config_type(raw), raw, "model") == model
 
-    raw_data = {**data_config(tmp_path), "tokenizer": "qwen3.5"}
+    raw_data = {**data_config(), "tokenizer": "qwen3.5"}
     assert model_data_checks(model, build(DataConfig, raw_data, "data")) == []
     assert any("image_token_id = 248056 but the data tokenizer has <|image_pad|> = 151655" in e
                for e in model_data_checks(model, build(DataConfig, {**raw_data, "tokenizer": "qwen3"}, "data")))

@@ -145,7 +145,7 @@ def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path, bucket):
 
 
 def test_a_smaller_batch_runs_the_larger_compiled_step_with_its_own_result(tmp_path):
-    (batch,) = host_batches(tmp_path, 1)
+    (batch,) = host_batches(1)
     wider = _with_patches(batch, 16)  # the same samples with a larger patch bucket: the same step result
     reuse, plain = _trainer(True), _trainer(False)
     reuse.step(reuse.init_state(seed=0), reuse.prepare(wider))
@@ -166,7 +166,7 @@ def test_a_step_compiled_ahead_runs_the_batches_of_its_shape_with_their_own_resu
     compiles as usual."""
     from moevlm_jax.training.trainer import _train_step
 
-    (batch,) = host_batches(tmp_path, 1)
+    (batch,) = host_batches(1)
     patches = batch["pixel_values"].shape[1]
     ahead, plain = _trainer(True), _trainer(True)
     capacity = ahead.largest_capacity(ROWS, SEQ_LEN)
@@ -194,7 +194,7 @@ def test_an_eval_step_compiled_ahead_runs_the_eval_batches_of_its_shape_with_the
     trainer's eval of the unpadded batch; a batch of another shape compiles as usual."""
     from moevlm_jax.training.trainer import _eval_step
 
-    (batch,) = host_batches(tmp_path, 1)
+    (batch,) = host_batches(1)
     patches = batch["pixel_values"].shape[1] + 8  # the reserved bucket above the batch's: its rows padded
     ahead, plain = _trainer(True), _trainer(False)
     capacity = ahead.largest_capacity(ROWS, SEQ_LEN)
@@ -233,7 +233,7 @@ def test_the_loop_compiles_the_first_step_ahead(tmp_path):
     from tests.training.train_setup import data_config
 
     data = tmp_path / "data.yaml"
-    data.write_text(yaml.safe_dump(data_config(tmp_path / "cache")))
+    data.write_text(yaml.safe_dump(data_config()))
     cfg = load_config("cpu-default", model="tiny", data=str(data), run_dir=str(tmp_path / "run"), overrides=[
         "train.steps=2", "train.checkpointing=false", "train.eval_every=0", "train.eval_batches=2",
         "train.show_answers=0", "train.tensorboard=false", "train.compile=ahead", "compute.dtype=float32"])

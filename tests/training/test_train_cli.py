@@ -42,7 +42,7 @@ STEPS = 8
 def _recipe(tmp) -> str:
     recipe = tmp / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
-        "name": "cli-test", "model": "tiny", "layout": "fsdp", "data": data_config(tmp / "cache"),
+        "name": "cli-test", "model": "tiny", "layout": "fsdp", "data": data_config(),
         "compute": COMPUTE,
         "optimizer": {"lr": 3e-3, "warmup_steps": 2, "weight_decay": 0.01},
         "train": {"steps": STEPS, "micro_batch_size": 1, "seq_len": SEQ_LEN, "log_every": 1, "eval_every": 0,

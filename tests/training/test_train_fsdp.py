@@ -60,7 +60,7 @@ def _assert_same_run(got, want, metrics=METRICS) -> None:
 
 def test_fsdp_and_accumulation_match_one_device(tmp_path):
     """One test (one xdist worker): the runs share the reference's batches and initial state."""
-    batches = host_batches(tmp_path, STEPS)
+    batches = host_batches(STEPS)
     reference = _train(_trainer(1), batches)  # one device, one microbatch of all 8 rows
     records, _, initial = reference
     assert records[-1]["ce_loss"] < records[0]["ce_loss"] - 0.5  # it trains (lr 3e-3 on the same small set)
@@ -89,7 +89,7 @@ def test_fsdp_and_accumulation_match_one_device(tmp_path):
 
     # the same batches with each rank's 4 rows' images balanced over its vision rows (data.balance_vision_rows):
     # FSDP over 2 devices, MBS 4; images change rows, the run does not
-    balanced = host_batches(tmp_path, STEPS, balance_vision_rows=True, balance_group=4)
+    balanced = host_batches(STEPS, balance_vision_rows=True, balance_group=4)
     for b, ref in zip(balanced, batches):
         np.testing.assert_array_equal(b["input_ids"], ref["input_ids"])
     s = batches[0]["input_ids"].shape[1]

@@ -3,6 +3,7 @@ built-in VQA set with one patch bucket, so every run compiles one train step."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,23 +17,24 @@ ROWS = 8  # global batch rows: MBS 8 on 1 device, MBS 1 under FSDP on 8 devices
 COMPUTE = {"dtype": "float32", "param_dtype": "float32"}
 
 
-def data_config(cache_dir: str | Path) -> dict[str, Any]:
+def data_config() -> dict[str, Any]:
     """The vqa preset shrunk: 160 train / 48 held-out samples, images <= 128 x 128 px, rows of
-    SEQ_LEN tokens holding <= 256 patches (one patch bucket)."""
+    SEQ_LEN tokens holding <= 256 patches (one patch bucket); generated once for the whole test run, in the
+    run's data cache (tests/conftest.py: ``MOEVLM_TEST_DATA_CACHE``, every process of the run)."""
     raw = yaml.safe_load((CONFIG_DIR / "data" / "vqa.yaml").read_text())
     raw["source"] = {**raw["source"], "num_train": 160, "num_heldout": 48, "image_size": [64, 128]}
     raw["image"] = {"min_pixels": 4096, "max_pixels": 16384}
-    raw.update(patch_buckets=[256], seq_len=SEQ_LEN, batch_size=ROWS, cache_dir=str(cache_dir))
+    raw.update(patch_buckets=[256], seq_len=SEQ_LEN, batch_size=ROWS, cache_dir=os.environ["MOEVLM_TEST_DATA_CACHE"])
     raw.pop("description", None)
     return raw
 
 
-def host_batches(cache_dir: str | Path, n: int, rows: int = ROWS, **data: Any) -> list[dict[str, Any]]:
+def host_batches(n: int, rows: int = ROWS, **data: Any) -> list[dict[str, Any]]:
     """The first ``n`` training batches of ``rows`` rows (numpy, as the loader gives them); ``data``: further
     data-config keys (e.g. ``balance_vision_rows``)."""
     import moevlm_jax.data as data_lib
 
-    loader = data_lib.build_loader({**data_config(cache_dir), **data}, batch_size=rows)
+    loader = data_lib.build_loader({**data_config(), **data}, batch_size=rows)
     try:
         return [next(loader) for _ in range(n)]
     finally:
