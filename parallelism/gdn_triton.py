@@ -69,6 +69,7 @@ class Config:
     # the forward's outputs in the recurrence kernel (True) or, from the chunk-start states it stores, batched over
     # all chunks in XLA (False: a shorter sequential loop, for few long rows)
     fused_output: bool = True
+    prep_num_warps: int = 4  # the preparation kernel's warps
 
 
 DEFAULT_CONFIG = Config()
@@ -254,6 +255,150 @@ def _prepare(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
     return Prepared(q, k, per_token(w), per_token(u), per_token(a), per_token(e), per_token(f), cd.reshape(b, hv, n))
 
 
+# ----------------------------------------------------------------------------- intra-chunk preparation (Pallas)
+
+_SUB = 16  # the UT inverse's diagonal blocks (Triton's smallest dot)
+
+
+def _decay(gi, gj, ri, rj, strict: bool, diagonal: bool):
+    """exp(gc_i - gc_j) where tokens i, j are in one run and i >= j (i > j if ``strict``), else 0; the rows
+    ``gi, ri`` [M] and columns ``gj, rj`` [N] of one block; ``diagonal``: the block straddles the diagonal
+    (else it lies below it and only the runs mask)."""
+    pair = ri[:, None] == rj[None, :]
+    if diagonal:
+        shape = (gi.shape[0], gj.shape[0])
+        row, col = jax.lax.broadcasted_iota(jnp.int32, shape, 0), jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+        pair = pair & ((row > col) if strict else (row >= col))
+    return jnp.exp(jnp.where(pair, gi[:, None] - gj[None, :], -jnp.inf))
+
+
+def _unit_lower_inverse_block(lower):
+    """lower [16, 16] float32, strictly lower triangular -> (I + lower)^-1 by forward substitution, one row a
+    step (row r of the inverse from the rows above it; masked reductions, no register slicing)."""
+    n = lower.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+    def body(r, x):
+        lr = -jnp.sum(jnp.where(row == r, lower, 0.0), axis=0)  # -row r of lower
+        return jnp.where(row == r, (lr + jnp.sum(lr[:, None] * x, axis=0))[None, :], x)
+
+    x = jax.lax.fori_loop(2, n, body, -lower) if n > 2 else -lower
+    return x + jnp.where(row == col, 1.0, 0.0)
+
+
+def _prep_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, qo_ref, ko_ref, w_ref, u_ref, a_ref,
+                 e_ref, f_ref, *, c: int, ratio: int, scale: float, use_qk_l2norm: bool, masked: bool):
+    """One chunk of one value head: the L2-normed, scaled q / k (stored by the group's first value head), the
+    gates e, f, the causal decayed A = q k^T, the UT matrix in 16-row blocks, its inverse on chip (each
+    diagonal block by forward substitution, the blocks below it merged by block forward substitution:
+    ``X_ij = -X_ii sum_{j<=m<i} L_im X_mj``), and w, u from it. The inverse in float32, the q / k / w / u / A
+    matmuls with operands of the output dtype and float32 accumulation."""
+    n, bh = pl.program_id(0), pl.program_id(1)
+    hv = gc_ref.shape[1]
+    b, h = bh // hv, bh % hv
+    hk = h // ratio
+    dk, dv = q_ref.shape[-1], v_ref.shape[-1]
+    dt, f32 = w_ref.dtype, jnp.float32
+    keys, vals = pl.ds(0, dk), pl.ds(0, dv)
+    start = pl.multiple_of(n * c, c)
+    prev = runs_ref[b, jnp.maximum(start - 1, 0)]  # the run of the token before the chunk
+    last = runs_ref[b, start + c - 1]
+    glast = gc_ref[b, h, start + c - 1]
+
+    def rows(i, m):
+        return pl.ds(pl.multiple_of(start + i * m, m), m)
+
+    def token_mask(ts, x):
+        return jnp.where(plgpu.load(valid_ref.at[b, ts])[:, None] != 0, x, 0.0) if masked else x
+
+    def normed(ref, ts):
+        x = token_mask(ts, plgpu.load(ref.at[b, ts, hk, keys]).astype(f32))
+        return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) if use_qk_l2norm else x
+
+    # the whole chunk: q, k, the gates and A
+    tc = rows(0, c)
+    gc, run = plgpu.load(gc_ref.at[b, h, tc]), plgpu.load(runs_ref.at[b, tc])
+    plgpu.store(e_ref.at[b, h, tc], jnp.where(run == prev, jnp.exp(gc), 0.0))
+    plgpu.store(f_ref.at[b, h, tc], jnp.where(run == last, jnp.exp(glast - gc), 0.0))
+    qd, kd = (normed(q_ref, tc) * scale).astype(dt), normed(k_ref, tc).astype(dt)
+
+    @pl.when(h % ratio == 0)
+    def _():
+        plgpu.store(qo_ref.at[b, hk, tc, keys], qd)
+        plgpu.store(ko_ref.at[b, hk, tc, keys], kd)
+
+    a = plgpu.dot(qd, kd, trans_b=True) * _decay(gc, gc, run, run, strict=False, diagonal=True)
+    plgpu.store(a_ref.at[b, h, tc, pl.ds(0, c)], a.astype(dt))
+
+    # the UT matrix L = strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j)) in 16-row blocks, X = (I + L)^-1
+    sub = min(_SUB, c)
+    nb = c // sub
+    ks, gs, rs, bs, es, vs = [], [], [], [], [], []
+    for i in range(nb):
+        ts = rows(i, sub)
+        ks.append(normed(k_ref, ts))
+        gs.append(plgpu.load(gc_ref.at[b, h, ts]))
+        rs.append(plgpu.load(runs_ref.at[b, ts]))
+        bs.append(plgpu.load(beta_ref.at[b, h, ts]))
+        es.append(jnp.where(rs[i] == prev, jnp.exp(gs[i]), 0.0))
+        vs.append(token_mask(ts, plgpu.load(v_ref.at[b, ts, h, vals]).astype(f32)))
+    exact = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST)
+    lower = {(i, j): bs[i][:, None] * plgpu.dot(ks[i], ks[j], trans_b=True)
+             * _decay(gs[i], gs[j], rs[i], rs[j], strict=True, diagonal=i == j)
+             for i in range(nb) for j in range(i + 1)}
+    inv = {}
+    for i in range(nb):
+        inv[i, i] = _unit_lower_inverse_block(lower[i, i])
+        for j in range(i - 1, -1, -1):
+            acc = exact(lower[i, j], inv[j, j])
+            for m in range(j + 1, i):
+                acc += exact(lower[i, m], inv[m, j])
+            inv[i, j] = -exact(inv[i, i], acc)
+    kbe = [(ks[j] * (bs[j] * es[j])[:, None]).astype(dt) for j in range(nb)]
+    vb = [(vs[j] * bs[j][:, None]).astype(dt) for j in range(nb)]
+    for i in range(nb):
+        xs = [inv[i, j].astype(dt) for j in range(i + 1)]
+        w = functools.reduce(jnp.add, [plgpu.dot(xs[j], kbe[j]) for j in range(i + 1)])
+        u = functools.reduce(jnp.add, [plgpu.dot(xs[j], vb[j]) for j in range(i + 1)])
+        plgpu.store(w_ref.at[b, h, rows(i, sub), keys], w.astype(dt))
+        plgpu.store(u_ref.at[b, h, rows(i, sub), vals], u.astype(dt))
+
+
+def _prepare_kernel(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
+    """:func:`_prepare` (cast by :func:`_kernel_inputs`) with the per-chunk work in one Pallas kernel
+    (:func:`_prep_kernel`, a program per (chunk, value head)); XLA forms only the per-token gate inputs (the
+    chunk-local cumulative log decay, beta masked, [B, Hv, T] float32) and the chunk decay ``cd``. q / k are
+    read by key head in their [B, S, H, D] layout."""
+    b, s, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    c, t = st.chunk, runs.shape[1]
+    n = t // c
+    f32 = jnp.float32
+    g, beta = g.astype(f32), beta.astype(f32)
+    if valid is not None:
+        g, beta = (jnp.where(valid[:, :, None], x, 0.0) for x in (g, beta))
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, t - s)) + ((0, 0),) * (x.ndim - 2))
+    heads = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, Hv, T]
+    gc = jnp.cumsum(heads(g).reshape(b, hv, n, c), axis=-1)
+    rc = runs.reshape(b, 1, n, c)
+    prev = jnp.concatenate([rc[..., :1, :1], rc[..., :-1, -1:]], axis=-2)[..., 0]  # [B, 1, N]
+    cd = jnp.exp(jnp.where(rc[..., -1] == prev, gc[..., -1], -jnp.inf))
+    valid_t = jnp.zeros((b, t), jnp.int32) if valid is None else pad(valid.astype(jnp.int32))
+    kernel = functools.partial(_prep_kernel, c=c, ratio=hv // hk, scale=st.scale, use_qk_l2norm=st.use_qk_l2norm,
+                               masked=valid is not None)
+    dt = st.dtype
+    out_shape = (jax.ShapeDtypeStruct((b, hk, t, dk), dt), jax.ShapeDtypeStruct((b, hk, t, dk), dt),
+                 jax.ShapeDtypeStruct((b, hv, t, dk), dt), jax.ShapeDtypeStruct((b, hv, t, dv), dt),
+                 jax.ShapeDtypeStruct((b, hv, t, c), dt), jax.ShapeDtypeStruct((b, hv, t), f32),
+                 jax.ShapeDtypeStruct((b, hv, t), f32))
+    qo, ko, w, u, a, e, f = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(n, b * hv), interpret=st.interpret, name="gdn_prepare",
+        compiler_params=plgpu.CompilerParams(num_warps=st.config.prep_num_warps, num_stages=1),
+    )(pad(q.astype(dt)), pad(k.astype(dt)), pad(v.astype(dt)), gc.reshape(b, hv, t), heads(beta), runs, valid_t)
+    return Prepared(qo, ko, w, u, a, e, f, cd)
+
+
 # ----------------------------------------------------------------------------- the recurrence kernels
 
 def _program(w_ref, bv: int, ratio: int):
@@ -423,7 +568,7 @@ def _rule(st: _Static, q, k, v, g, beta, h0, runs, valid):
 
 
 def _rule_fwd(st: _Static, q, k, v, g, beta, h0, runs, valid):
-    x = _kernel_inputs(_prepare(q, k, v, g, beta, runs, valid, st), st)
+    x = _prepare_kernel(q, k, v, g, beta, runs, valid, st)
     if st.config.fused_output:
         out, state = _recurrence(x, h0, q.dtype, st, states=False)
     else:

@@ -66,6 +66,7 @@ SHAPES = {"proxy35": (4, 4096, 16, 32, 128, 128), "row32k": (1, 32768, 16, 32, 1
 SMOKE = {"smoke": (2, 256, 2, 4, 64, 64)}
 CHUNK = 64
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+PREP_WARPS = (4, 8)  # the preparation kernel's warps timed in the breakdown
 SWEEP = [gdn_triton.Config(block_v=bv, num_warps=w, num_stages=2, fused_output=fused)
          for fused in (True, False) for bv in (16, 32, 64) for w in (4, 8)]
 
@@ -156,7 +157,7 @@ def time_jax(fn, args, reps: int) -> dict:
     return {"median": statistics.median(times), "min": min(times), "compile_s": compile_s, "reps": reps}
 
 
-def check(x: dict, errors: list) -> dict:
+def check(x: dict, errors: list, variants=("einsum", "triton")) -> dict:
     """Max abs errors of the einsum and kernel paths against the float32 reference."""
     out = {}
     try:
@@ -165,7 +166,7 @@ def check(x: dict, errors: list) -> dict:
         out["reference_max_abs"] = {k: float(jnp.max(jnp.abs(v))) for k, v in ref.items()}
     except Exception:
         return {"reference": _error("check/reference", errors)}
-    for variant in ("einsum", "triton"):
+    for variant in variants:
         try:
             (_, (o, st)), grads = loss_and_grads(variant)(*_args(x))
             got = {"out": o.astype(jnp.float32), "state": st, **dict(zip(GRADS, grads))}
@@ -207,11 +208,22 @@ def breakdown(x: dict, reps: int, errors: list) -> dict:
         st = gdn_triton._Static(CHUNK, dk ** -0.5, True, None, jnp.dtype(x["q"].dtype), gdn_triton.DEFAULT_CONFIG,
                                 jax.default_backend() == "cpu")
         h0 = jnp.zeros_like(x["h0"])
-        prep = jax.jit(lambda q, k, v, g, beta: gdn_triton._kernel_inputs(
-            gdn_triton._prepare(q, k, v, g, beta, runs, valid, st), st))
         args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-        res["prepare"] = time_jax(prep, args, reps)["median"]
+        for warps in PREP_WARPS:  # the preparation kernel (the forward's)
+            stw = st._replace(config=dataclasses.replace(st.config, prep_num_warps=warps))
+            prep = jax.jit(lambda q, k, v, g, beta, stw=stw: gdn_triton._prepare_kernel(
+                q, k, v, g, beta, runs, valid, stw))
+            name = "prepare" if warps == st.config.prep_num_warps else f"prepare_w{warps}"
+            res[name] = time_jax(prep, args, reps)["median"]
+        prep = jax.jit(lambda q, k, v, g, beta: gdn_triton._prepare_kernel(q, k, v, g, beta, runs, valid, st))
         xk = prep(*args)
+        prep_xla = jax.jit(lambda q, k, v, g, beta: gdn_triton._kernel_inputs(
+            gdn_triton._prepare(q, k, v, g, beta, runs, valid, st), st))  # the backward's recompute
+        res["prepare_xla"] = time_jax(prep_xla, args, reps)["median"]
+        xx = prep_xla(*args)
+        res["prepare_max_abs_diff"] = {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                                       for n, a, b in zip(gdn_triton.Prepared._fields, xk, xx)}
+        del xx
         fwd = jax.jit(lambda xx: gdn_triton._recurrence(xx, h0, x["q"].dtype, st, states=False))
         res["fwd_kernel"] = time_jax(fwd, (xk,), reps)["median"]
         states = jax.jit(lambda xx: gdn_triton._recurrence(xx, h0, x["q"].dtype, st, states=True))
@@ -227,7 +239,8 @@ def breakdown(x: dict, reps: int, errors: list) -> dict:
         pull = jax.jit(lambda q, k, v, g, beta, ct: jax.vjp(
             lambda *a: gdn_triton._prepare(*a, runs, valid, st), q, k, v, g, beta)[1](ct))
         res["prepare_vjp"] = time_jax(pull, (*args, x32), reps)["median"]
-        log("  breakdown: " + " ".join(f"{k} {v:.3f}" for k, v in res.items()))
+        log("  breakdown: " + " ".join(f"{k} {v:.3f}" for k, v in res.items() if isinstance(v, float)))
+        log(f"  prepare kernel vs XLA (max abs): {res['prepare_max_abs_diff']}")
     except Exception:
         res["error"] = _error("breakdown", errors)["error"]
     return res
@@ -358,7 +371,8 @@ def table(results: dict) -> str:
                 e = c.get(variant, {})
                 lines.append(f"{variant:<36}" + " ".join(f"{_fmt(e.get(k), '.2e'):>9}" for k in keys))
         if r.get("breakdown_ms"):
-            lines.append("kernel path pieces (ms): " + " ".join(f"{k} {_fmt(v)}" for k, v in r["breakdown_ms"].items()))
+            lines.append("kernel path pieces (ms): " + " ".join(f"{k} {_fmt(v)}" for k, v in r["breakdown_ms"].items()
+                                                                if isinstance(v, float)))
         for row in r.get("sweep", []):
             lines.append(f"sweep {row['config']}: fwd {_fmt(row.get('fwd'))} fwd+bwd {_fmt(row.get('fwd_bwd'))}")
         lines.append("")
@@ -376,6 +390,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help=f"also time {len(SWEEP)} tile configs of the kernel path")
     p.add_argument("--no-check", action="store_true", help="skip the error check against the float32 reference")
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--variants", default="einsum,triton", help="the JAX paths timed (comma list)")
     p.add_argument("--smoke", action="store_true", help="a tiny shape, 3 reps")
     args = p.parse_args(argv)
     out_dir = Path(args.out)
@@ -404,9 +419,9 @@ def main(argv=None) -> int:
             r["inputs"] = _error(f"{name}/inputs", errors)
             continue
         if not args.no_check:
-            r["check"] = check(x, errors)
+            r["check"] = check(x, errors, args.variants.split(","))
             dump()
-        r["time_ms"] = timings(x, ("einsum", "triton"), reps, errors)
+        r["time_ms"] = timings(x, args.variants.split(","), reps, errors)
         dump()
         r["breakdown_ms"] = breakdown(x, reps, errors)
         dump()
