@@ -70,6 +70,7 @@ class Config:
     # all chunks in XLA (False: a shorter sequential loop, for few long rows)
     fused_output: bool = True
     prep_num_warps: int = 4  # the preparation kernel's warps
+    prep_bwd_num_warps: int = 8  # the preparation backward kernel's warps
 
 
 DEFAULT_CONFIG = Config()
@@ -365,38 +366,281 @@ def _prep_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, qo_
         plgpu.store(u_ref.at[b, h, rows(i, sub), vals], u.astype(dt))
 
 
-def _prepare_kernel(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
-    """:func:`_prepare` (cast by :func:`_kernel_inputs`) with the per-chunk work in one Pallas kernel
-    (:func:`_prep_kernel`, a program per (chunk, value head)); XLA forms only the per-token gate inputs (the
-    chunk-local cumulative log decay, beta masked, [B, Hv, T] float32) and the chunk decay ``cd``. q / k are
-    read by key head in their [B, S, H, D] layout."""
-    b, s, hk, dk = q.shape
-    hv, dv = v.shape[2:]
+def _block_diagonal_inverse(lower, sub: int):
+    """lower [C, C] float32 strictly lower triangular -> the inverse of I + its block-diagonal part (``sub``-row
+    diagonal blocks), all blocks at once by forward substitution: step r forms row r of every block's inverse
+    from the rows above it (masked reductions over the whole tile, no register slicing)."""
+    c = lower.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    same = (row // sub) == (col // sub)
+    diag = jnp.where(same, lower, 0.0)
+
+    def body(r, x):
+        at = (row % sub) == r
+        lr = -jnp.sum(jnp.where(at, diag, 0.0), axis=0)  # column j: -(row r of j's block)[j]
+        return jnp.where(at & same, (lr + jnp.sum(lr[:, None] * x, axis=0))[None, :], x)
+
+    x = jax.lax.fori_loop(2, sub, body, -diag) if sub > 2 else -diag
+    return x + jnp.where(row == col, 1.0, 0.0), jnp.where(same, 0.0, lower)
+
+
+def _prep_kernel_full(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, qo_ref, ko_ref, w_ref, u_ref,
+                      a_ref, e_ref, f_ref, *x_ref, c: int, ratio: int, scale: float, use_qk_l2norm: bool, masked: bool,
+                      exact):
+    """:func:`_prep_kernel` on whole-chunk tiles: the UT matrix from one k k^T, the diagonal 16-blocks of its
+    inverse by :func:`_block_diagonal_inverse`, the rest by the block-nilpotent series
+    ``(I + L)^-1 = (I + N)^-1 Xd`` with ``N = Xd L_off`` (``N^(C/16) = 0``: ``(I - N)(I + N^2)...``)."""
+    n, bh = pl.program_id(0), pl.program_id(1)
+    hv = gc_ref.shape[1]
+    b, h = bh // hv, bh % hv
+    hk = h // ratio
+    dk, dv = q_ref.shape[-1], v_ref.shape[-1]
+    dt, f32 = w_ref.dtype, jnp.float32
+    keys, vals = pl.ds(0, dk), pl.ds(0, dv)
+    start = pl.multiple_of(n * c, c)
+    prev = runs_ref[b, jnp.maximum(start - 1, 0)]
+    last = runs_ref[b, start + c - 1]
+    glast = gc_ref[b, h, start + c - 1]
+    tc = pl.ds(start, c)
+    ok = plgpu.load(valid_ref.at[b, tc])[:, None] != 0 if masked else None
+
+    def normed(ref):
+        x = plgpu.load(ref.at[b, tc, hk, keys]).astype(f32)
+        x = jnp.where(ok, x, 0.0) if masked else x
+        return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) if use_qk_l2norm else x
+
+    gc, run, beta = plgpu.load(gc_ref.at[b, h, tc]), plgpu.load(runs_ref.at[b, tc]), plgpu.load(beta_ref.at[b, h, tc])
+    e = jnp.where(run == prev, jnp.exp(gc), 0.0)
+    plgpu.store(e_ref.at[b, h, tc], e)
+    plgpu.store(f_ref.at[b, h, tc], jnp.where(run == last, jnp.exp(glast - gc), 0.0))
+    k = normed(k_ref)
+    kd = k.astype(dt)
+    qd = (normed(q_ref) * scale).astype(dt)
+
+    @pl.when(h % ratio == 0)
+    def _():
+        plgpu.store(qo_ref.at[b, hk, tc, keys], qd)
+        plgpu.store(ko_ref.at[b, hk, tc, keys], kd)
+
+    decay = _decay(gc, gc, run, run, strict=False, diagonal=True)
+    plgpu.store(a_ref.at[b, h, tc, pl.ds(0, c)], (plgpu.dot(qd, kd, trans_b=True) * decay).astype(dt))
+    row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    lower = jnp.where(row > col, beta[:, None] * plgpu.dot(k, k, trans_b=True) * decay, 0.0)
+    if _PREP_EXACT == "skip":  # diagnostic: no inverse
+        x, off = lower, lower
+    else:
+        x, off = _block_diagonal_inverse(lower, min(_SUB, c))
+    if c > _SUB and _PREP_EXACT != "skip":
+        nil = exact(x, off)  # N = Xd L_off
+        factors = [nil]
+        while 2 ** len(factors) < c // _SUB:
+            factors.append(exact(factors[-1], factors[-1]))
+        for p in reversed(factors[1:]):  # X = (I - N)(I + N^2)(I + N^4)... Xd, applied right to left
+            x = x + exact(p, x)
+        x = x - exact(nil, x)
+    if x_ref:  # the backward's: the inverse itself, float32
+        plgpu.store(x_ref[0].at[b, h, tc, pl.ds(0, c)], x)
+    xd = x.astype(dt)
+    v = plgpu.load(v_ref.at[b, tc, h, vals]).astype(f32)
+    v = jnp.where(ok, v, 0.0) if masked else v
+    plgpu.store(w_ref.at[b, h, tc, keys], plgpu.dot(xd, (k * (beta * e)[:, None]).astype(dt)).astype(dt))
+    plgpu.store(u_ref.at[b, h, tc, vals], plgpu.dot(xd, (v * beta[:, None]).astype(dt)).astype(dt))
+
+
+_PREP_FULL = True  # which preparation kernel (an experiment's switch)
+_PREP_EXACT = "x3"  # the series' matmuls on the GPU: "x3" (3 TF32 passes) or "ieee"
+
+
+class _Gates(NamedTuple):
+    """The per-token inputs of the preparation kernels, [B, Hv, T] float32 (padding: 0), and cd [B, Hv, N]."""
+
+    gc: jax.Array  # the chunk-local cumulative log decay
+    beta: jax.Array
+    cd: jax.Array
+    valid: jax.Array  # [B, T] int32 (zeros when there are no segment ids: unread)
+
+
+def _pad_rows(x, t: int):
+    return jnp.pad(x, ((0, 0), (0, t - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+
+def _gate_inputs(g, beta, runs, valid, st: _Static) -> _Gates:
+    b, _, hv = g.shape
     c, t = st.chunk, runs.shape[1]
     n = t // c
     f32 = jnp.float32
     g, beta = g.astype(f32), beta.astype(f32)
     if valid is not None:
         g, beta = (jnp.where(valid[:, :, None], x, 0.0) for x in (g, beta))
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, t - s)) + ((0, 0),) * (x.ndim - 2))
-    heads = lambda x: jnp.swapaxes(pad(x), 1, 2)  # [B, Hv, T]
+    heads = lambda x: jnp.swapaxes(_pad_rows(x, t), 1, 2)  # [B, Hv, T]
     gc = jnp.cumsum(heads(g).reshape(b, hv, n, c), axis=-1)
     rc = runs.reshape(b, 1, n, c)
     prev = jnp.concatenate([rc[..., :1, :1], rc[..., :-1, -1:]], axis=-2)[..., 0]  # [B, 1, N]
     cd = jnp.exp(jnp.where(rc[..., -1] == prev, gc[..., -1], -jnp.inf))
-    valid_t = jnp.zeros((b, t), jnp.int32) if valid is None else pad(valid.astype(jnp.int32))
-    kernel = functools.partial(_prep_kernel, c=c, ratio=hv // hk, scale=st.scale, use_qk_l2norm=st.use_qk_l2norm,
-                               masked=valid is not None)
+    valid_t = jnp.zeros((b, t), jnp.int32) if valid is None else _pad_rows(valid.astype(jnp.int32), t)
+    return _Gates(gc.reshape(b, hv, t), heads(beta), cd, valid_t)
+
+
+def _exact_dot(st: _Static):
+    prec = (jax.lax.Precision.HIGHEST if st.interpret or _PREP_EXACT == "ieee"
+            else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    return functools.partial(plgpu.dot, precision=prec)
+
+
+def _prepare_kernel(q, k, v, g, beta, runs, valid, st: _Static, inverse: bool = False):
+    """:func:`_prepare` (cast by :func:`_kernel_inputs`) with the per-chunk work in one Pallas kernel
+    (:func:`_prep_kernel`, a program per (chunk, value head)); XLA forms only the per-token gate inputs
+    (:func:`_gate_inputs`). q / k are read by key head in their [B, S, H, D] layout. ``inverse``: also the UT
+    inverse [B, Hv, T, C] float32 (the backward's)."""
+    b, _, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    c, t = st.chunk, runs.shape[1]
+    n = t // c
+    f32 = jnp.float32
+    gates = _gate_inputs(g, beta, runs, valid, st)
+    kw = dict(c=c, ratio=hv // hk, scale=st.scale, use_qk_l2norm=st.use_qk_l2norm, masked=valid is not None)
+    if _PREP_FULL or inverse:
+        kernel = functools.partial(_prep_kernel_full, exact=_exact_dot(st), **kw)
+    else:
+        kernel = functools.partial(_prep_kernel, **kw)
     dt = st.dtype
     out_shape = (jax.ShapeDtypeStruct((b, hk, t, dk), dt), jax.ShapeDtypeStruct((b, hk, t, dk), dt),
                  jax.ShapeDtypeStruct((b, hv, t, dk), dt), jax.ShapeDtypeStruct((b, hv, t, dv), dt),
                  jax.ShapeDtypeStruct((b, hv, t, c), dt), jax.ShapeDtypeStruct((b, hv, t), f32),
                  jax.ShapeDtypeStruct((b, hv, t), f32))
-    qo, ko, w, u, a, e, f = pl.pallas_call(
+    if inverse:
+        out_shape += (jax.ShapeDtypeStruct((b, hv, t, c), f32),)
+    qo, ko, w, u, a, e, f, *x_inv = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(n, b * hv), interpret=st.interpret, name="gdn_prepare",
         compiler_params=plgpu.CompilerParams(num_warps=st.config.prep_num_warps, num_stages=1),
-    )(pad(q.astype(dt)), pad(k.astype(dt)), pad(v.astype(dt)), gc.reshape(b, hv, t), heads(beta), runs, valid_t)
-    return Prepared(qo, ko, w, u, a, e, f, cd)
+    )(_pad_rows(q.astype(dt), t), _pad_rows(k.astype(dt), t), _pad_rows(v.astype(dt), t), gates.gc, gates.beta, runs,
+      gates.valid)
+    x = Prepared(qo, ko, w, u, a, e, f, gates.cd)
+    return (x, x_inv[0], gates) if inverse else x
+
+
+def _prep_bwd_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, x_ref, hs_ref, dhs_ref, vn_ref,
+                     dvn_ref, do_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, c: int, ratio: int, bv: int,
+                     scale: float, use_qk_l2norm: bool, masked: bool):
+    """The backward of one chunk of one key head and its value heads: the gradients of the kernel inputs (the
+    chunk gradients: ``dw = -dv_new S^T``, ``du = dv_new``, ``dA = do v_new^T``, ``dq = e do S^T``, ...) taken
+    straight through the preparation (the UT inverse X from the forward's kernel: ``dL = -X^T dX X^T``; the
+    decay's gradient as row minus column sums; the reverse cumulative sum of the log decay; the L2 norm) to
+    q, k, v, g, beta. Value columns in blocks of ``bv``; q / k summed over the value heads in registers."""
+    n, bk = pl.program_id(0), pl.program_id(1)
+    hkn = q_ref.shape[2]
+    b, hk = bk // hkn, bk % hkn
+    dk, dv = q_ref.shape[-1], v_ref.shape[-1]
+    dt, f32 = vn_ref.dtype, jnp.float32
+    keys = pl.ds(0, dk)
+    start = pl.multiple_of(n * c, c)
+    tc = pl.ds(start, c)
+    prev = runs_ref[b, jnp.maximum(start - 1, 0)]
+    last = runs_ref[b, start + c - 1]
+    ok = plgpu.load(valid_ref.at[b, tc]) != 0 if masked else None
+    mask = (lambda x: jnp.where(ok if x.ndim == 1 else ok[:, None], x, 0.0)) if masked else (lambda x: x)
+
+    def unit(ref):
+        x = mask(plgpu.load(ref.at[b, tc, hk, keys]).astype(f32))
+        if not use_qk_l2norm:
+            return x, None
+        r = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
+        return x * r, r
+
+    qh, rq = unit(q_ref)
+    kn, rk = unit(k_ref)
+    qn = qh * scale
+    qk = plgpu.dot(qn, kn, trans_b=True)
+    kk = plgpu.dot(kn, kn, trans_b=True)
+    row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    run = plgpu.load(runs_ref.at[b, tc])
+    pair = run[:, None] == run[None, :]
+    last_token = jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1
+
+    def head(j, carry):
+        dqn, dkn = carry
+        h = hk * ratio + j
+        gc, beta = plgpu.load(gc_ref.at[b, h, tc]), plgpu.load(beta_ref.at[b, h, tc])
+        glast = gc_ref[b, h, start + c - 1]
+        e = jnp.where(run == prev, jnp.exp(gc), 0.0)
+        f = jnp.where(run == last, jnp.exp(glast - gc), 0.0)
+        cd = jnp.where(last == prev, jnp.exp(glast), 0.0)
+        decay = jnp.exp(jnp.where(pair & (row >= col), gc[:, None] - gc[None, :], -jnp.inf))
+        x = plgpu.load(x_ref.at[b, h, tc, pl.ds(0, c)])
+        xq = yk = dw = jnp.zeros((c, dk), f32)
+        da = dxv = jnp.zeros((c, c), f32)
+        dcd, dbeta = jnp.zeros((), f32), jnp.zeros((c,), f32)
+        for i in range(dv // bv):  # the value columns: the chunk gradients and everything of v
+            vs = pl.ds(i * bv, bv)
+            s_, ds_ = plgpu.load(hs_ref.at[b, h, n, keys, vs]), plgpu.load(dhs_ref.at[b, h, n, keys, vs])
+            do = plgpu.load(do_ref.at[b, tc, h, vs]).astype(dt)
+            vn, dvn = plgpu.load(vn_ref.at[b, h, tc, vs]), plgpu.load(dvn_ref.at[b, h, tc, vs])
+            xq += plgpu.dot(do, s_, trans_b=True)  # do S^T
+            yk += plgpu.dot(vn, ds_, trans_b=True)  # v_new dS^T
+            dw -= plgpu.dot(dvn, s_, trans_b=True)
+            da += plgpu.dot(do, vn, trans_b=True)
+            dcd += jnp.sum(jnp.sum(s_.astype(f32) * ds_.astype(f32), axis=1), axis=0)
+            du = dvn.astype(f32)
+            vv = mask(plgpu.load(v_ref.at[b, tc, h, vs]).astype(f32))
+            dbv = plgpu.dot(x, du, trans_a=True)  # X^T du
+            plgpu.store(dv_ref.at[b, tc, h, vs], mask(beta[:, None] * dbv).astype(dv_ref.dtype))
+            dbeta += jnp.sum(vv * dbv, axis=1)
+            dxv += plgpu.dot(du, vv * beta[:, None], trans_b=True)
+        de = jnp.sum(qn * xq, axis=1)
+        df = jnp.sum(kn * yk, axis=1)
+        dqn += e[:, None] * xq
+        dkn += f[:, None] * yk
+        be = beta * e
+        dbek = plgpu.dot(x, dw, trans_a=True)  # X^T dw
+        kdb = jnp.sum(kn * dbek, axis=1)
+        dx = dxv + plgpu.dot(dw, kn * be[:, None], trans_b=True)
+        dl = jnp.where(row > col, -plgpu.dot(plgpu.dot(x, dx, trans_a=True), x, trans_b=True), 0.0)
+        dkk = jnp.where(row > col, dl * beta[:, None] * decay, 0.0)
+        dqk = da * decay
+        dbeta += e * kdb + jnp.sum(dl * kk * jnp.where(row > col, decay, 0.0), axis=1)
+        dkn += (be[:, None] * dbek + plgpu.dot(dkk, kn) + plgpu.dot(dkk, kn, trans_a=True)
+                + plgpu.dot(dqk, qn, trans_a=True))
+        dqn += plgpu.dot(dqk, kn)
+        gd = dkk * kk + dqk * qk  # d(decay) * decay
+        dgc = (jnp.sum(gd, axis=1) - jnp.sum(gd, axis=0) + (de + beta * kdb) * e - df * f
+               + jnp.where(last_token, jnp.sum(df * f) + dcd * cd, 0.0))
+        plgpu.store(dg_ref.at[b, h, tc], mask(jnp.sum(dgc) - jnp.cumsum(dgc) + dgc))
+        plgpu.store(dbeta_ref.at[b, h, tc], mask(dbeta))
+        return dqn, dkn
+
+    zeros = jnp.zeros((c, dk), f32)
+    dqn, dkn = jax.lax.fori_loop(0, ratio, head, (zeros, zeros))
+    dqh = dqn * scale
+    if use_qk_l2norm:
+        dqh = rq * (dqh - qh * jnp.sum(qh * dqh, axis=1, keepdims=True))
+        dkn = rk * (dkn - kn * jnp.sum(kn * dkn, axis=1, keepdims=True))
+    plgpu.store(dq_ref.at[b, tc, hk, keys], mask(dqh).astype(dq_ref.dtype))
+    plgpu.store(dk_ref.at[b, tc, hk, keys], mask(dkn).astype(dk_ref.dtype))
+
+
+def _prepare_bwd(q, k, v, runs, gates: _Gates, x_inv, hs, dhs, vn, dvn, d_out, masked: bool, st: _Static):
+    """The gradients of q, k, v, g, beta from the recurrence's (:func:`_bwd_prep_kernel`, a program per (chunk,
+    key head)); d(gc) -> d(g) inside (reverse cumulative sum over the chunk)."""
+    b, s, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    c, t = st.chunk, vn.shape[2]
+    bv = min(64, dv)
+    kernel = functools.partial(_prep_bwd_kernel, c=c, ratio=hv // hk, bv=bv, scale=st.scale,
+                               use_qk_l2norm=st.use_qk_l2norm, masked=masked)
+    f32 = jnp.float32
+    out_shape = (jax.ShapeDtypeStruct((b, t, hk, dk), q.dtype), jax.ShapeDtypeStruct((b, t, hk, dk), k.dtype),
+                 jax.ShapeDtypeStruct((b, t, hv, dv), v.dtype), jax.ShapeDtypeStruct((b, hv, t), f32),
+                 jax.ShapeDtypeStruct((b, hv, t), f32))
+    dq, dk_, dv_, dg, dbeta = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(t // c, b * hk), interpret=st.interpret, name="gdn_prepare_bwd",
+        compiler_params=plgpu.CompilerParams(num_warps=st.config.prep_bwd_num_warps, num_stages=1),
+    )(_pad_rows(q, t), _pad_rows(k, t), _pad_rows(v, t), gates.gc, gates.beta, runs, gates.valid, x_inv, hs, dhs,
+      vn, dvn, d_out)
+    heads = lambda x: jnp.swapaxes(x, 1, 2)[:, :s]
+    return dq[:, :s], dk_[:, :s], dv_[:, :s], heads(dg), heads(dbeta)
 
 
 # ----------------------------------------------------------------------------- the recurrence kernels
@@ -580,13 +824,13 @@ def _rule_fwd(st: _Static, q, k, v, g, beta, h0, runs, valid):
 def _rule_bwd(st: _Static, res, cotangents):
     q, k, v, g, beta, h0, runs, valid = res
     d_out, d_state = cotangents
-    x32, pullback = jax.vjp(lambda *a: _prepare(*a, runs, valid, st), q, k, v, g, beta)
-    x = _kernel_inputs(x32, st)
+    x, x_inv, gates = _prepare_kernel(q, k, v, g, beta, runs, valid, st, inverse=True)
     hs, vn, _ = _recurrence(x, h0, q.dtype, st, states=True)
     d_out = jnp.pad(d_out, ((0, 0), (0, runs.shape[1] - d_out.shape[1]), (0, 0), (0, 0)))
     dvn, dhs, dh0 = _reverse(x, d_out, d_state.astype(jnp.float32), st)
-    grads = pullback(_chunk_grads(x, hs, vn, dvn, dhs, d_out, st))
-    return (*grads, dh0.astype(h0.dtype), None, None)
+    dq, dk, dv, dg, dbeta = _prepare_bwd(q, k, v, runs, gates, x_inv, hs, dhs, vn, dvn, d_out.astype(st.dtype),
+                                         valid is not None, st)
+    return dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None, None
 
 
 _rule.defvjp(_rule_fwd, _rule_bwd)

@@ -66,7 +66,8 @@ SHAPES = {"proxy35": (4, 4096, 16, 32, 128, 128), "row32k": (1, 32768, 16, 32, 1
 SMOKE = {"smoke": (2, 256, 2, 4, 64, 64)}
 CHUNK = 64
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-PREP_WARPS = (4, 8)  # the preparation kernel's warps timed in the breakdown
+PREP_WARPS = (4, 8)  # the preparation kernels' warps timed in the breakdown
+PREP_BWD_WARPS = (4, 8)
 SWEEP = [gdn_triton.Config(block_v=bv, num_warps=w, num_stages=2, fused_output=fused)
          for fused in (True, False) for bv in (16, 32, 64) for w in (4, 8)]
 
@@ -199,7 +200,10 @@ def timings(x: dict, variants, reps: int, errors: list, configs=None) -> dict:
 
 
 def breakdown(x: dict, reps: int, errors: list) -> dict:
-    """The kernel path's pieces, each jitted alone on the default config."""
+    """The kernel path's pieces, each jitted alone on the default config: the forward's preparation kernel
+    (``prepare``; with ``--sweep`` also at other warps), the forward kernel; the backward's preparation (the
+    same kernel, also storing the UT inverse), chunk states, reverse kernel and the preparation's backward
+    kernel."""
     res = {}
     try:
         b, s, hk, dk = x["q"].shape
@@ -209,21 +213,16 @@ def breakdown(x: dict, reps: int, errors: list) -> dict:
                                 jax.default_backend() == "cpu")
         h0 = jnp.zeros_like(x["h0"])
         args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-        for warps in PREP_WARPS:  # the preparation kernel (the forward's)
+        for warps in PREP_WARPS:
             stw = st._replace(config=dataclasses.replace(st.config, prep_num_warps=warps))
             prep = jax.jit(lambda q, k, v, g, beta, stw=stw: gdn_triton._prepare_kernel(
                 q, k, v, g, beta, runs, valid, stw))
             name = "prepare" if warps == st.config.prep_num_warps else f"prepare_w{warps}"
             res[name] = time_jax(prep, args, reps)["median"]
-        prep = jax.jit(lambda q, k, v, g, beta: gdn_triton._prepare_kernel(q, k, v, g, beta, runs, valid, st))
-        xk = prep(*args)
-        prep_xla = jax.jit(lambda q, k, v, g, beta: gdn_triton._kernel_inputs(
-            gdn_triton._prepare(q, k, v, g, beta, runs, valid, st), st))  # the backward's recompute
-        res["prepare_xla"] = time_jax(prep_xla, args, reps)["median"]
-        xx = prep_xla(*args)
-        res["prepare_max_abs_diff"] = {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                                       for n, a, b in zip(gdn_triton.Prepared._fields, xk, xx)}
-        del xx
+        prep_inv = jax.jit(lambda q, k, v, g, beta: gdn_triton._prepare_kernel(q, k, v, g, beta, runs, valid, st,
+                                                                               inverse=True))
+        res["prepare_inverse"] = time_jax(prep_inv, args, reps)["median"]
+        xk, x_inv, gates = prep_inv(*args)
         fwd = jax.jit(lambda xx: gdn_triton._recurrence(xx, h0, x["q"].dtype, st, states=False))
         res["fwd_kernel"] = time_jax(fwd, (xk,), reps)["median"]
         states = jax.jit(lambda xx: gdn_triton._recurrence(xx, h0, x["q"].dtype, st, states=True))
@@ -233,14 +232,14 @@ def breakdown(x: dict, reps: int, errors: list) -> dict:
         rev = jax.jit(lambda xx, do, dht: gdn_triton._reverse(xx, do, dht, st))
         res["bwd_kernel"] = time_jax(rev, (xk, do, x["probe_state"]), reps)["median"]
         dvn, dhs, _ = rev(xk, do, x["probe_state"])
-        grads = jax.jit(lambda xx, hs, vn, dvn, dhs, do: gdn_triton._chunk_grads(xx, hs, vn, dvn, dhs, do, st))
-        res["chunk_grads"] = time_jax(grads, (xk, hs, vn, dvn, dhs, do), reps)["median"]
-        x32 = jax.jit(lambda q, k, v, g, beta: gdn_triton._prepare(q, k, v, g, beta, runs, valid, st))(*args)
-        pull = jax.jit(lambda q, k, v, g, beta, ct: jax.vjp(
-            lambda *a: gdn_triton._prepare(*a, runs, valid, st), q, k, v, g, beta)[1](ct))
-        res["prepare_vjp"] = time_jax(pull, (*args, x32), reps)["median"]
-        log("  breakdown: " + " ".join(f"{k} {v:.3f}" for k, v in res.items() if isinstance(v, float)))
-        log(f"  prepare kernel vs XLA (max abs): {res['prepare_max_abs_diff']}")
+        masked = valid is not None
+        for warps in PREP_BWD_WARPS:
+            stw = st._replace(config=dataclasses.replace(st.config, prep_bwd_num_warps=warps))
+            pbwd = jax.jit(lambda q, k, v, gates, x_inv, hs, dhs, vn, dvn, do, stw=stw: gdn_triton._prepare_bwd(
+                q, k, v, runs, gates, x_inv, hs, dhs, vn, dvn, do, masked, stw))
+            name = "prepare_bwd" if warps == st.config.prep_bwd_num_warps else f"prepare_bwd_w{warps}"
+            res[name] = time_jax(pbwd, (*args[:3], gates, x_inv, hs, dhs, vn, dvn, do), reps)["median"]
+        log("  breakdown: " + " ".join(f"{k} {v:.3f}" for k, v in res.items()))
     except Exception:
         res["error"] = _error("breakdown", errors)["error"]
     return res
@@ -371,8 +370,7 @@ def table(results: dict) -> str:
                 e = c.get(variant, {})
                 lines.append(f"{variant:<36}" + " ".join(f"{_fmt(e.get(k), '.2e'):>9}" for k in keys))
         if r.get("breakdown_ms"):
-            lines.append("kernel path pieces (ms): " + " ".join(f"{k} {_fmt(v)}" for k, v in r["breakdown_ms"].items()
-                                                                if isinstance(v, float)))
+            lines.append("kernel path pieces (ms): " + " ".join(f"{k} {_fmt(v)}" for k, v in r["breakdown_ms"].items()))
         for row in r.get("sweep", []):
             lines.append(f"sweep {row['config']}: fwd {_fmt(row.get('fwd'))} fwd+bwd {_fmt(row.get('fwd_bwd'))}")
         lines.append("")
