@@ -135,27 +135,6 @@ def unit_lower_inverse(lower: jax.Array, precision: jax.lax.PrecisionLike = None
     return blocks[..., 0, :c, :c]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _inverse(lower: jax.Array, precision) -> jax.Array:
-    """:func:`unit_lower_inverse` with its closed-form backward: for ``Ti = (I + L)^-1``,
-    ``d L = -strictly_lower(Ti^T dTi Ti^T)`` (two batched matmuls, not the recursion's transpose)."""
-    return unit_lower_inverse(lower, precision)
-
-
-def _inverse_fwd(lower, precision):
-    inv = unit_lower_inverse(lower, precision)
-    return inv, inv
-
-
-def _inverse_bwd(precision, inv, d_inv):
-    c = inv.shape[-1]
-    d = -jnp.einsum("...ji,...jk,...lk->...il", inv, d_inv, inv, precision=precision)
-    return (jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), d, 0.0),)
-
-
-_inverse.defvjp(_inverse_fwd, _inverse_bwd)
-
-
 # ----------------------------------------------------------------------------- intra-chunk preparation (XLA)
 
 class _Static(NamedTuple):
@@ -192,25 +171,6 @@ def _runs(segment_ids: jax.Array | None, b: int, s: int, t: int) -> tuple[jax.Ar
     return jnp.pad(runs, ((0, 0), (0, t - s)), mode="edge"), valid
 
 
-def _gates(gc: jax.Array, runs: jax.Array, hk: int) -> tuple[jax.Array, ...]:
-    """gc [B, Hv, N, C] float32, runs [B, T] -> per value head, grouped [B, Hk, r, N, ...]: e = exp(gc) where the
-    carried state reaches the token [.., C], f = exp(gc_C - gc) where the token's update reaches the chunk end
-    [.., C], cd = the carried state's decay over the chunk (0 across a boundary) [..], decay = exp(gc_i - gc_j)
-    for i >= j within a run [.., C, C]: the masks of the reference."""
-    b, hv, n, c = gc.shape
-    rc = runs.reshape(b, 1, 1, n, c)
-    prev = jnp.concatenate([rc[..., :1, :1], rc[..., :-1, -1:]], axis=-2)  # run of the token before each chunk
-    carry, last = rc == prev, rc == rc[..., -1:]
-    g = gc.reshape(b, hk, hv // hk, n, c)
-    glast = g[..., -1:]
-    e = jnp.exp(jnp.where(carry, g, -jnp.inf))
-    f = jnp.exp(jnp.where(last, glast - g, -jnp.inf))
-    cd = jnp.exp(jnp.where(carry[..., -1], glast[..., 0], -jnp.inf))
-    pair = jnp.tril(jnp.ones((c, c), bool)) & (rc[..., :, None] == rc[..., None, :])
-    decay = jnp.exp(jnp.where(pair, g[..., :, None] - g[..., None, :], -jnp.inf))
-    return e, f, cd, decay
-
-
 class Prepared(NamedTuple):
     """The kernels' inputs, float32 (:func:`_prepare`); T = S padded to whole chunks, N = T / C."""
 
@@ -224,152 +184,23 @@ class Prepared(NamedTuple):
     cd: jax.Array  # [B, Hv, N] the carried state's decay over the chunk (0 where a new run starts in it)
 
 
-def _prepare(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
-    """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], g, beta [B, S, Hv], runs [B, T], valid [B, S] -> the kernels'
-    float32 inputs, all chunks at once; q.k^T and k.k^T per key head, broadcast over its value heads."""
-    b, s, hk, dk = q.shape
-    hv, dv = v.shape[2:]
-    r, c, t = hv // hk, st.chunk, runs.shape[1]
-    n = t // c
-    f32 = jnp.float32
-    q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
-    if valid is not None:  # padding: no input (and no NaN from whatever it holds), no decay, no update
-        q, k, v = (jnp.where(valid[:, :, None, None], x, 0.0) for x in (q, k, v))
-        g, beta = (jnp.where(valid[:, :, None], x, 0.0) for x in (g, beta))
-    if st.use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * st.scale
-    heads = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, t - s)) + ((0, 0),) * (x.ndim - 3))
-    q, k, v, g, beta = (heads(x) for x in (q, k, v, g, beta))  # [B, H, T, (D)]
-    gc = jnp.cumsum(g.reshape(b, hv, n, c), axis=-1)
-    e, f, cd, decay = _gates(gc, runs, hk)
-    qc, kc = q.reshape(b, hk, n, c, dk), k.reshape(b, hk, n, c, dk)
-    bc = beta.reshape(b, hk, r, n, c)
-    ein = functools.partial(jnp.einsum, precision=st.precision)
-    kk = ein("bhnid,bhnjd->bhnij", kc, kc)[:, :, None]  # per key head
-    strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    t_inv = _inverse(jnp.where(strict, bc[..., :, None] * kk * decay, 0.0), st.precision)
-    w = ein("bhrnij,bhnjd->bhrnid", t_inv * (bc * e)[..., None, :], kc)  # T^-1 diag(beta exp(gc)) k
-    u = ein("bhrnij,bhrnjd->bhrnid", t_inv * bc[..., None, :], v.reshape(b, hk, r, n, c, dv))
-    a = ein("bhnid,bhnjd->bhnij", qc, kc)[:, :, None] * decay
-    per_token = lambda x: x.reshape(b, hv, t, *x.shape[5:])
-    return Prepared(q, k, per_token(w), per_token(u), per_token(a), per_token(e), per_token(f), cd.reshape(b, hv, n))
-
-
 # ----------------------------------------------------------------------------- intra-chunk preparation (Pallas)
 
 _SUB = 16  # the UT inverse's diagonal blocks (Triton's smallest dot)
 
 
-def _decay(gi, gj, ri, rj, strict: bool, diagonal: bool):
-    """exp(gc_i - gc_j) where tokens i, j are in one run and i >= j (i > j if ``strict``), else 0; the rows
-    ``gi, ri`` [M] and columns ``gj, rj`` [N] of one block; ``diagonal``: the block straddles the diagonal
-    (else it lies below it and only the runs mask)."""
-    pair = ri[:, None] == rj[None, :]
-    if diagonal:
-        shape = (gi.shape[0], gj.shape[0])
-        row, col = jax.lax.broadcasted_iota(jnp.int32, shape, 0), jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-        pair = pair & ((row > col) if strict else (row >= col))
-    return jnp.exp(jnp.where(pair, gi[:, None] - gj[None, :], -jnp.inf))
-
-
-def _unit_lower_inverse_block(lower):
-    """lower [16, 16] float32, strictly lower triangular -> (I + lower)^-1 by forward substitution, one row a
-    step (row r of the inverse from the rows above it; masked reductions, no register slicing)."""
-    n = lower.shape[0]
-    row = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
-
-    def body(r, x):
-        lr = -jnp.sum(jnp.where(row == r, lower, 0.0), axis=0)  # -row r of lower
-        return jnp.where(row == r, (lr + jnp.sum(lr[:, None] * x, axis=0))[None, :], x)
-
-    x = jax.lax.fori_loop(2, n, body, -lower) if n > 2 else -lower
-    return x + jnp.where(row == col, 1.0, 0.0)
-
-
-def _prep_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, qo_ref, ko_ref, w_ref, u_ref, a_ref,
-                 e_ref, f_ref, *, c: int, ratio: int, scale: float, use_qk_l2norm: bool, masked: bool):
-    """One chunk of one value head: the L2-normed, scaled q / k (stored by the group's first value head), the
-    gates e, f, the causal decayed A = q k^T, the UT matrix in 16-row blocks, its inverse on chip (each
-    diagonal block by forward substitution, the blocks below it merged by block forward substitution:
-    ``X_ij = -X_ii sum_{j<=m<i} L_im X_mj``), and w, u from it. The inverse in float32, the q / k / w / u / A
-    matmuls with operands of the output dtype and float32 accumulation."""
-    n, bh = pl.program_id(0), pl.program_id(1)
-    hv = gc_ref.shape[1]
-    b, h = bh // hv, bh % hv
-    hk = h // ratio
-    dk, dv = q_ref.shape[-1], v_ref.shape[-1]
-    dt, f32 = w_ref.dtype, jnp.float32
-    keys, vals = pl.ds(0, dk), pl.ds(0, dv)
-    start = pl.multiple_of(n * c, c)
-    prev = runs_ref[b, jnp.maximum(start - 1, 0)]  # the run of the token before the chunk
-    last = runs_ref[b, start + c - 1]
-    glast = gc_ref[b, h, start + c - 1]
-
-    def rows(i, m):
-        return pl.ds(pl.multiple_of(start + i * m, m), m)
-
-    def token_mask(ts, x):
-        return jnp.where(plgpu.load(valid_ref.at[b, ts])[:, None] != 0, x, 0.0) if masked else x
-
-    def normed(ref, ts):
-        x = token_mask(ts, plgpu.load(ref.at[b, ts, hk, keys]).astype(f32))
-        return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) if use_qk_l2norm else x
-
-    # the whole chunk: q, k, the gates and A
-    tc = rows(0, c)
-    gc, run = plgpu.load(gc_ref.at[b, h, tc]), plgpu.load(runs_ref.at[b, tc])
-    plgpu.store(e_ref.at[b, h, tc], jnp.where(run == prev, jnp.exp(gc), 0.0))
-    plgpu.store(f_ref.at[b, h, tc], jnp.where(run == last, jnp.exp(glast - gc), 0.0))
-    qd, kd = (normed(q_ref, tc) * scale).astype(dt), normed(k_ref, tc).astype(dt)
-
-    @pl.when(h % ratio == 0)
-    def _():
-        plgpu.store(qo_ref.at[b, hk, tc, keys], qd)
-        plgpu.store(ko_ref.at[b, hk, tc, keys], kd)
-
-    a = plgpu.dot(qd, kd, trans_b=True) * _decay(gc, gc, run, run, strict=False, diagonal=True)
-    plgpu.store(a_ref.at[b, h, tc, pl.ds(0, c)], a.astype(dt))
-
-    # the UT matrix L = strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j)) in 16-row blocks, X = (I + L)^-1
-    sub = min(_SUB, c)
-    nb = c // sub
-    ks, gs, rs, bs, es, vs = [], [], [], [], [], []
-    for i in range(nb):
-        ts = rows(i, sub)
-        ks.append(normed(k_ref, ts))
-        gs.append(plgpu.load(gc_ref.at[b, h, ts]))
-        rs.append(plgpu.load(runs_ref.at[b, ts]))
-        bs.append(plgpu.load(beta_ref.at[b, h, ts]))
-        es.append(jnp.where(rs[i] == prev, jnp.exp(gs[i]), 0.0))
-        vs.append(token_mask(ts, plgpu.load(v_ref.at[b, ts, h, vals]).astype(f32)))
-    exact = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST)
-    lower = {(i, j): bs[i][:, None] * plgpu.dot(ks[i], ks[j], trans_b=True)
-             * _decay(gs[i], gs[j], rs[i], rs[j], strict=True, diagonal=i == j)
-             for i in range(nb) for j in range(i + 1)}
-    inv = {}
-    for i in range(nb):
-        inv[i, i] = _unit_lower_inverse_block(lower[i, i])
-        for j in range(i - 1, -1, -1):
-            acc = exact(lower[i, j], inv[j, j])
-            for m in range(j + 1, i):
-                acc += exact(lower[i, m], inv[m, j])
-            inv[i, j] = -exact(inv[i, i], acc)
-    kbe = [(ks[j] * (bs[j] * es[j])[:, None]).astype(dt) for j in range(nb)]
-    vb = [(vs[j] * bs[j][:, None]).astype(dt) for j in range(nb)]
-    for i in range(nb):
-        xs = [inv[i, j].astype(dt) for j in range(i + 1)]
-        w = functools.reduce(jnp.add, [plgpu.dot(xs[j], kbe[j]) for j in range(i + 1)])
-        u = functools.reduce(jnp.add, [plgpu.dot(xs[j], vb[j]) for j in range(i + 1)])
-        plgpu.store(w_ref.at[b, h, rows(i, sub), keys], w.astype(dt))
-        plgpu.store(u_ref.at[b, h, rows(i, sub), vals], u.astype(dt))
+def _decay(gc, run):
+    """gc, run [C] -> [C, C]: exp(gc_i - gc_j) where i >= j and tokens i, j are in one run, else 0."""
+    c = gc.shape[0]
+    row, col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0), jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    return jnp.exp(jnp.where((run[:, None] == run[None, :]) & (row >= col), gc[:, None] - gc[None, :], -jnp.inf))
 
 
 def _block_diagonal_inverse(lower, sub: int):
-    """lower [C, C] float32 strictly lower triangular -> the inverse of I + its block-diagonal part (``sub``-row
-    diagonal blocks), all blocks at once by forward substitution: step r forms row r of every block's inverse
-    from the rows above it (masked reductions over the whole tile, no register slicing)."""
+    """lower [C, C] float32 strictly lower triangular -> (the inverse of I + its block-diagonal part (``sub``-row
+    diagonal blocks), the rest of ``lower``): all blocks at once by forward substitution, step r forming row r
+    of every block's inverse from the rows above it (masked reductions over the whole tile, no register
+    slicing, which Triton lacks)."""
     c = lower.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -385,12 +216,33 @@ def _block_diagonal_inverse(lower, sub: int):
     return x + jnp.where(row == col, 1.0, 0.0), jnp.where(same, 0.0, lower)
 
 
-def _prep_kernel_full(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, qo_ref, ko_ref, w_ref, u_ref,
-                      a_ref, e_ref, f_ref, *x_ref, c: int, ratio: int, scale: float, use_qk_l2norm: bool, masked: bool,
-                      exact):
-    """:func:`_prep_kernel` on whole-chunk tiles: the UT matrix from one k k^T, the diagonal 16-blocks of its
-    inverse by :func:`_block_diagonal_inverse`, the rest by the block-nilpotent series
-    ``(I + L)^-1 = (I + N)^-1 Xd`` with ``N = Xd L_off`` (``N^(C/16) = 0``: ``(I - N)(I + N^2)...``)."""
+def ut_inverse(lower, exact=None, sub: int = _SUB):
+    """lower [C, C] float32 strictly lower triangular -> (I + lower)^-1, as the preparation kernels form it on
+    chip: the ``sub``-row diagonal blocks ``Xd`` by :func:`_block_diagonal_inverse`, the rest by the
+    block-nilpotent series ``(I + L)^-1 = (I + N)^-1 Xd``, ``N = Xd L_off`` (``N^(C/sub) = 0``, so
+    ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)...``): the products of block forward substitution, as whole-tile
+    matmuls. ``exact``: the matmul (default: float32 ``plgpu.dot`` at HIGHEST)."""
+    exact = exact or functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST)
+    c = lower.shape[0]
+    x, off = _block_diagonal_inverse(lower, min(sub, c))
+    if c > sub:
+        nil = exact(x, off)
+        powers = [nil]
+        while 2 ** len(powers) < c // sub:
+            powers.append(exact(powers[-1], powers[-1]))
+        for p in reversed(powers[1:]):  # right to left
+            x = x + exact(p, x)
+        x = x - exact(nil, x)
+    return x
+
+
+def _prep_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, qo_ref, ko_ref, w_ref, u_ref,
+                 a_ref, e_ref, f_ref, *x_ref, c: int, ratio: int, scale: float, use_qk_l2norm: bool, masked: bool,
+                 exact):
+    """One chunk of one value head, whole-chunk tiles: the L2-normed, scaled q / k (stored by the group's first
+    value head), the gates e, f, the causal decayed ``A = q k^T``, the UT matrix ``L`` from one k k^T, its
+    inverse X (:func:`ut_inverse`, float32), ``w = X (beta e k)``, ``u = X (beta v)``; with ``x_ref`` X too.
+    The matmuls of q / k / w / u / A with operands of the output dtype, float32 accumulation."""
     n, bh = pl.program_id(0), pl.program_id(1)
     hv = gc_ref.shape[1]
     b, h = bh // hv, bh % hv
@@ -399,15 +251,18 @@ def _prep_kernel_full(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref
     dt, f32 = w_ref.dtype, jnp.float32
     keys, vals = pl.ds(0, dk), pl.ds(0, dv)
     start = pl.multiple_of(n * c, c)
-    prev = runs_ref[b, jnp.maximum(start - 1, 0)]
+    prev = runs_ref[b, jnp.maximum(start - 1, 0)]  # the run of the token before the chunk
     last = runs_ref[b, start + c - 1]
     glast = gc_ref[b, h, start + c - 1]
     tc = pl.ds(start, c)
     ok = plgpu.load(valid_ref.at[b, tc])[:, None] != 0 if masked else None
 
+    def load(ref, head, cols):  # padding tokens: zero input (and no NaN from whatever they hold)
+        x = plgpu.load(ref.at[b, tc, head, cols]).astype(f32)
+        return jnp.where(ok, x, 0.0) if masked else x
+
     def normed(ref):
-        x = plgpu.load(ref.at[b, tc, hk, keys]).astype(f32)
-        x = jnp.where(ok, x, 0.0) if masked else x
+        x = load(ref, hk, keys)
         return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) if use_qk_l2norm else x
 
     gc, run, beta = plgpu.load(gc_ref.at[b, h, tc]), plgpu.load(runs_ref.at[b, tc]), plgpu.load(beta_ref.at[b, h, tc])
@@ -423,33 +278,19 @@ def _prep_kernel_full(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref
         plgpu.store(qo_ref.at[b, hk, tc, keys], qd)
         plgpu.store(ko_ref.at[b, hk, tc, keys], kd)
 
-    decay = _decay(gc, gc, run, run, strict=False, diagonal=True)
+    decay = _decay(gc, run)
     plgpu.store(a_ref.at[b, h, tc, pl.ds(0, c)], (plgpu.dot(qd, kd, trans_b=True) * decay).astype(dt))
     row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
     lower = jnp.where(row > col, beta[:, None] * plgpu.dot(k, k, trans_b=True) * decay, 0.0)
-    if _PREP_EXACT == "skip":  # diagnostic: no inverse
-        x, off = lower, lower
-    else:
-        x, off = _block_diagonal_inverse(lower, min(_SUB, c))
-    if c > _SUB and _PREP_EXACT != "skip":
-        nil = exact(x, off)  # N = Xd L_off
-        factors = [nil]
-        while 2 ** len(factors) < c // _SUB:
-            factors.append(exact(factors[-1], factors[-1]))
-        for p in reversed(factors[1:]):  # X = (I - N)(I + N^2)(I + N^4)... Xd, applied right to left
-            x = x + exact(p, x)
-        x = x - exact(nil, x)
-    if x_ref:  # the backward's: the inverse itself, float32
+    x = lower if _PREP_EXACT == "skip" else ut_inverse(lower, exact)
+    if x_ref:  # the backward's
         plgpu.store(x_ref[0].at[b, h, tc, pl.ds(0, c)], x)
     xd = x.astype(dt)
-    v = plgpu.load(v_ref.at[b, tc, h, vals]).astype(f32)
-    v = jnp.where(ok, v, 0.0) if masked else v
     plgpu.store(w_ref.at[b, h, tc, keys], plgpu.dot(xd, (k * (beta * e)[:, None]).astype(dt)).astype(dt))
-    plgpu.store(u_ref.at[b, h, tc, vals], plgpu.dot(xd, (v * beta[:, None]).astype(dt)).astype(dt))
+    plgpu.store(u_ref.at[b, h, tc, vals], plgpu.dot(xd, (load(v_ref, h, vals) * beta[:, None]).astype(dt)).astype(dt))
 
 
-_PREP_FULL = True  # which preparation kernel (an experiment's switch)
 _PREP_EXACT = "x3"  # the series' matmuls on the GPU: "x3" (3 TF32 passes) or "ieee"
 
 
@@ -501,10 +342,7 @@ def _prepare_kernel(q, k, v, g, beta, runs, valid, st: _Static, inverse: bool = 
     f32 = jnp.float32
     gates = _gate_inputs(g, beta, runs, valid, st)
     kw = dict(c=c, ratio=hv // hk, scale=st.scale, use_qk_l2norm=st.use_qk_l2norm, masked=valid is not None)
-    if _PREP_FULL or inverse:
-        kernel = functools.partial(_prep_kernel_full, exact=_exact_dot(st), **kw)
-    else:
-        kernel = functools.partial(_prep_kernel, **kw)
+    kernel = functools.partial(_prep_kernel, exact=_exact_dot(st), **kw)
     dt = st.dtype
     out_shape = (jax.ShapeDtypeStruct((b, hk, t, dk), dt), jax.ShapeDtypeStruct((b, hk, t, dk), dt),
                  jax.ShapeDtypeStruct((b, hv, t, dk), dt), jax.ShapeDtypeStruct((b, hv, t, dv), dt),
@@ -557,7 +395,6 @@ def _prep_bwd_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref,
     row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
     run = plgpu.load(runs_ref.at[b, tc])
-    pair = run[:, None] == run[None, :]
     last_token = jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1
 
     def head(j, carry):
@@ -568,7 +405,7 @@ def _prep_bwd_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref,
         e = jnp.where(run == prev, jnp.exp(gc), 0.0)
         f = jnp.where(run == last, jnp.exp(glast - gc), 0.0)
         cd = jnp.where(last == prev, jnp.exp(glast), 0.0)
-        decay = jnp.exp(jnp.where(pair & (row >= col), gc[:, None] - gc[None, :], -jnp.inf))
+        decay = _decay(gc, run)
         x = plgpu.load(x_ref.at[b, h, tc, pl.ds(0, c)])
         xq = yk = dw = jnp.zeros((c, dk), f32)
         da = dxv = jnp.zeros((c, c), f32)
@@ -770,40 +607,7 @@ def _chunk_outputs(x: Prepared, hs, vn, st: _Static) -> jax.Array:
     return jnp.swapaxes(out.reshape(b, hv, t, dv), 1, 2)
 
 
-def _chunk_grads(x: Prepared, hs, vn, dvn, dhs, do, st: _Static) -> Prepared:
-    """Given the kernel inputs ``x`` (operand dtype), each chunk's start state ``hs``, v_new, d(v_new) and
-    end-state gradient ``dhs`` (the kernels), the float32 gradients of the kernel inputs, all chunks at once
-    (per value head; q and k summed over the value heads of their key head):
-
-        du = dv_new      dw = -dv_new S^T      dA = do v_new^T      dcd = <S, dS>
-        dq = e do S^T    de = q.(do S^T)       dk = f v_new dS^T    df = k.(v_new dS^T)
-    """
-    f32 = jnp.float32
-    ein = functools.partial(jnp.einsum, precision=st.precision, preferred_element_type=f32)
-    q, k, e, f, s_, view = _grouped(x, hs, st)
-    ds_ = dhs.reshape(s_.shape)
-    b, hv, t = vn.shape[:3]
-    do_ = view(jnp.swapaxes(do, 1, 2).astype(st.dtype))
-    x_q = ein("bhrncv,bhrnkv->bhrnck", do_, s_)  # do S^T
-    y_k = ein("bhrncv,bhrnkv->bhrnck", view(vn), ds_)  # v_new dS^T
-    per_token = lambda y: y.reshape(b, hv, t, *y.shape[5:])
-    return Prepared(
-        q=jnp.sum(e[..., None] * x_q, axis=2).reshape(x.q.shape),
-        k=jnp.sum(f[..., None] * y_k, axis=2).reshape(x.k.shape),
-        w=-per_token(ein("bhrncv,bhrnkv->bhrnck", view(dvn), s_)),
-        u=dvn.astype(f32),
-        a=per_token(ein("bhrniv,bhrnjv->bhrnij", do_, view(vn))),
-        e=per_token(jnp.sum(q[:, :, None].astype(f32) * x_q, axis=-1)),
-        f=per_token(jnp.sum(k[:, :, None].astype(f32) * y_k, axis=-1)),
-        cd=jnp.sum(s_.astype(f32) * ds_.astype(f32), axis=(-2, -1)).reshape(x.cd.shape))
-
-
 # ----------------------------------------------------------------------------- the rule under one custom VJP
-
-def _kernel_inputs(x: Prepared, st: _Static) -> Prepared:
-    """The prepared float32 inputs, the matmul operands in the kernels' operand dtype (the gates stay float32)."""
-    return x._replace(**{name: getattr(x, name).astype(st.dtype) for name in ("q", "k", "w", "u", "a")})
-
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rule(st: _Static, q, k, v, g, beta, h0, runs, valid):
