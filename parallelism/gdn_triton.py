@@ -13,26 +13,28 @@ Per value head, chunks of C tokens, ``gc`` the log decay summed from the chunk s
     S     = exp(gc_C) S + (k exp(gc_C - gc))^T v_new
 
 The decomposition (flash-linear-attention's): everything within a chunk depends on the chunk's own tokens only
-and runs for all chunks at once; only the state recurrence is sequential. So:
+and runs for all chunks at once; only the state recurrence is sequential. Four Pallas-Triton kernels:
 
-- :func:`_prepare` (XLA, batched over all chunks): the q/k L2 norm, ``gc``, the gates (``e = exp(gc)``,
-  ``f = exp(gc_C - gc)``, the chunk decay), the ``[C, C]`` UT matrix, its unit lower inverse
-  (:func:`unit_lower_inverse`: log2(C) levels of batched matmuls, a closed-form backward), ``w``, ``u`` and the
-  causal decayed ``A = q k^T * exp(gc_i - gc_j)``. The q.k and k.k products are formed per *key* head and
-  broadcast over the ``Hv / Hk`` value heads of its group (HF's ``repeat_interleave``), so repeated q / k never
-  exist; the packed-row masks are applied here too.
-- :func:`_fwd_kernel` (Pallas): one program per (value head, Dv block) walks the chunks in order with its
-  ``[Dk, BV]`` float32 state tile in registers: ``v_new = u - w S``, the chunk's output ``(q e) S + A v_new`` and
-  the next state, four tile matmuls a chunk and no HBM round trip of the state between chunks (``lax.scan``
-  writes and reads it every chunk). The key head of value head ``h`` is ``h // (Hv / Hk)``, read by index.
-  A, the gates and the masks come ready from the preparation, so the kernel's registers go to the state tile
-  and the matmul operands.
+- :func:`_prep_kernel` (one program per (chunk, value head)): the q/k L2 norm, the gates (``e = exp(gc)``,
+  ``f = exp(gc_C - gc)``), the causal decayed ``A = q k^T * exp(gc_i - gc_j)``, the ``[C, C]`` UT matrix and its
+  unit lower inverse on chip (:func:`ut_inverse`: the 16-row diagonal blocks by forward substitution, the rest by
+  a block series of whole-tile matmuls, float32), ``w`` and ``u``. q / k are read by key head (``h // (Hv /
+  Hk)``, HF's ``repeat_interleave``), so repeated q / k never exist; the packed-row masks are applied here. XLA
+  forms only the per-token inputs (the chunk-local cumulative log decay ``gc``, beta, the chunk decay ``cd``:
+  :func:`_gate_inputs`).
+- :func:`_fwd_kernel` (one program per (value head, Dv block)) walks the chunks in order with its ``[Dk, BV]``
+  float32 state tile in registers: ``v_new = u - w S``, the chunk's output ``(q e) S + A v_new`` and the next
+  state, four tile matmuls a chunk and no HBM round trip of the state between chunks (``lax.scan`` writes and
+  reads it every chunk).
 - The backward recomputes (residuals are the inputs only, O(S x D) a layer, never the O(S x C) chunk factors):
-  :func:`_prepare` again under ``jax.vjp``, the chunk-start states and ``v_new`` (the forward kernel in its
-  ``states`` mode), then :func:`_bwd_kernel` walks the chunks in reverse carrying ``dS`` (``dv_new = A^T do +
-  (k f) dS``, ``dS <- cd dS + (q e)^T do - w^T dv_new``), storing ``dv_new`` and each chunk's end-state gradient.
-  The gradients of the kernel inputs need no recurrence given those and are batched matmuls over all chunks
-  (:func:`_chunk_grads`, XLA); the pullback of :func:`_prepare` takes them to q, k, v, g, beta.
+  the preparation kernel again, this time also storing the UT inverse X, the chunk-start states and ``v_new``
+  (the forward kernel in its ``states`` mode), then :func:`_bwd_kernel` walks the chunks in reverse carrying
+  ``dS`` (``dv_new = A^T do + (k f) dS``, ``dS <- cd dS + (q e)^T do - w^T dv_new``), storing ``dv_new`` and each
+  chunk's end-state gradient. Given those, the rest needs no recurrence: :func:`_prep_bwd_kernel` (one program
+  per (chunk, key head), its value heads in a loop) forms the chunk gradients of the kernel inputs (``dw = -dv_new
+  S^T``, ``dA = do v_new^T``, ``dq = e do S^T``, ...) and takes them through the preparation in registers
+  (``dL = -X^T dX X^T``, the decay's gradient as row minus column sums, the reverse cumulative sum of the log
+  decay, the L2 norm) to q, k, v, g, beta (fla's ``chunk_bwd_dqkwg`` and ``prepare_wy_repr_bwd``, fused).
 
 Packed rows: ``segment_ids`` become a run index per token (+1 at every id change); a token receives the state
 carried into its chunk only if it is in the run of the token before the chunk (``e``), its update reaches the
@@ -40,10 +42,11 @@ chunk's end only if it is in the chunk's last run (``f``), the carried state sur
 starts in it (``cd``), and ``A`` and the UT matrix pair tokens of one run: the masks of the reference. Padding
 (id 0) tokens have zero inputs and no decay.
 
-Numerics: the state, the gates and every accumulation are float32; the matmul operands of the kernels (q, k,
-w, u, A, the state tile, v_new) are in the input dtype (bf16 in training, as flash-linear-attention's kernels),
-float32 inputs keep everything float32 (the tests). Triton's constraints hold by construction: every block
-(C, Dk, BV) a power of two >= 16, both operands of a dot of one dtype, no slicing of register values.
+Numerics: the state, the gates, the UT matrix and its inverse and every accumulation are float32; the matmul
+operands of q, k, w, u, A, the state tile and v_new are in the input dtype (bf16 in training, as
+flash-linear-attention's kernels); float32 inputs keep everything float32 (the tests). Triton's constraints hold
+by construction: every block (C, Dk, BV) a power of two >= 16, both operands of a dot of one dtype, no slicing of
+register values.
 """
 
 from __future__ import annotations
@@ -172,7 +175,8 @@ def _runs(segment_ids: jax.Array | None, b: int, s: int, t: int) -> tuple[jax.Ar
 
 
 class Prepared(NamedTuple):
-    """The kernels' inputs, float32 (:func:`_prepare`); T = S padded to whole chunks, N = T / C."""
+    """The recurrence kernels' inputs (:func:`_prepare_kernel`: the matmul operands in the input dtype, the gates
+    float32); T = S padded to whole chunks, N = T / C."""
 
     q: jax.Array  # [B, Hk, T, Dk] L2-normed (if asked), scaled
     k: jax.Array  # [B, Hk, T, Dk] L2-normed (if asked)
@@ -331,10 +335,10 @@ def _exact_dot(st: _Static):
 
 
 def _prepare_kernel(q, k, v, g, beta, runs, valid, st: _Static, inverse: bool = False):
-    """:func:`_prepare` (cast by :func:`_kernel_inputs`) with the per-chunk work in one Pallas kernel
-    (:func:`_prep_kernel`, a program per (chunk, value head)); XLA forms only the per-token gate inputs
-    (:func:`_gate_inputs`). q / k are read by key head in their [B, S, H, D] layout. ``inverse``: also the UT
-    inverse [B, Hv, T, C] float32 (the backward's)."""
+    """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], g, beta [B, S, Hv], runs [B, T], valid [B, S] -> the recurrence
+    kernels' inputs (:class:`Prepared`), the per-chunk work in :func:`_prep_kernel` (a program per (chunk, value
+    head)), the per-token gate inputs in XLA (:func:`_gate_inputs`); q / k read by key head in their [B, S, H, D]
+    layout. ``inverse``: (inputs, the UT inverse [B, Hv, T, C] float32, the gate inputs), the backward's."""
     b, _, hk, dk = q.shape
     hv, dv = v.shape[2:]
     c, t = st.chunk, runs.shape[1]
