@@ -22,8 +22,9 @@ Per shape:
   through ``cu_seqlens``; the masks cost our kernels the same either way), and its output's max abs
   difference from the kernel path's on those unpacked rows (grouped value heads if fla takes them, else q / k
   repeated: ``fla.gva``);
-- ``breakdown_ms``: the kernel path's pieces alone (XLA preparation, forward kernel, the backward's states
-  and reverse kernels, the chunk-parallel gradients);
+- ``breakdown_ms``: the kernel path's pieces alone (:func:`breakdown`: the preparation kernel, the forward
+  kernel; the backward's preparation (also storing the UT inverse), chunk states, reverse kernel and the
+  preparation's backward kernel), the preparation kernels also at other warps;
 - ``sweep`` (``--sweep``): forward and forward + backward of the kernel path per tile config (block_v,
   num_warps, num_stages, fused_output).
 
