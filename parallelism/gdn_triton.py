@@ -287,15 +287,12 @@ def _prep_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, qo_
     row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
     lower = jnp.where(row > col, beta[:, None] * plgpu.dot(k, k, trans_b=True) * decay, 0.0)
-    x = lower if _PREP_EXACT == "skip" else ut_inverse(lower, exact)
+    x = ut_inverse(lower, exact)
     if x_ref:  # the backward's
         plgpu.store(x_ref[0].at[b, h, tc, pl.ds(0, c)], x)
     xd = x.astype(dt)
     plgpu.store(w_ref.at[b, h, tc, keys], plgpu.dot(xd, (k * (beta * e)[:, None]).astype(dt)).astype(dt))
     plgpu.store(u_ref.at[b, h, tc, vals], plgpu.dot(xd, (load(v_ref, h, vals) * beta[:, None]).astype(dt)).astype(dt))
-
-
-_PREP_EXACT = "x3"  # the series' matmuls on the GPU: "x3" (3 TF32 passes) or "ieee"
 
 
 class _Gates(NamedTuple):
@@ -329,8 +326,8 @@ def _gate_inputs(g, beta, runs, valid, st: _Static) -> _Gates:
 
 
 def _exact_dot(st: _Static):
-    prec = (jax.lax.Precision.HIGHEST if st.interpret or _PREP_EXACT == "ieee"
-            else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    """The UT inverse's float32 matmuls: three TF32 passes on the GPU (float32 accuracy on tensor cores)."""
+    prec = jax.lax.Precision.HIGHEST if st.interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return functools.partial(plgpu.dot, precision=prec)
 
 
