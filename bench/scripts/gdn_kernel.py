@@ -417,17 +417,17 @@ def main(argv=None) -> int:
         except Exception:
             r["inputs"] = _error(f"{name}/inputs", errors)
             continue
-        if not args.no_check:
-            r["check"] = check(x, errors, args.variants.split(","))
-            dump()
-        r["time_ms"] = timings(x, args.variants.split(","), reps, errors)
-        dump()
-        r["breakdown_ms"] = breakdown(x, reps, errors)
+        r["time_ms"] = timings(x, args.variants.split(","), reps, errors)  # the headline first
         dump()
         if not args.no_fla:
             r["time_ms"]["fla"] = fla(x, reps, errors)
             results.setdefault("fla_version", r["time_ms"]["fla"].get("version"))
             dump()
+        if not args.no_check:
+            r["check"] = check(x, errors, args.variants.split(","))
+            dump()
+        r["breakdown_ms"] = breakdown(x, reps, errors)
+        dump()
         if args.sweep and not args.smoke:
             r["sweep"] = sweep(x, reps, errors)
             dump()
