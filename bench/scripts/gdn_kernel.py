@@ -389,12 +389,15 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help=f"also time {len(SWEEP)} tile configs of the kernel path")
     p.add_argument("--no-check", action="store_true", help="skip the error check against the float32 reference")
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the pieces")
+    p.add_argument("--check-on", default=None, help="the shapes checked against float32 (default: every one)")
     p.add_argument("--variants", default="einsum,triton", help="the JAX paths timed (comma list)")
     p.add_argument("--smoke", action="store_true", help="a tiny shape, 3 reps")
     args = p.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = SMOKE if args.smoke else {n: SHAPES[n] for n in args.shapes.split(",")}
+    shapes = SMOKE if args.smoke else {n: {**SHAPES, **SMOKE}[n] for n in args.shapes.split(",")}
+    check_on = set(args.check_on.split(",")) if args.check_on else set(shapes)
     reps = 3 if args.smoke else max(10, args.reps)
     results = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "jax": jax.__version__,
                "args": vars(args), "chunk": CHUNK, "shapes": {}, "errors": []}
@@ -419,15 +422,16 @@ def main(argv=None) -> int:
             continue
         r["time_ms"] = timings(x, args.variants.split(","), reps, errors)  # the headline first
         dump()
-        if not args.no_fla:
+        if not args.no_fla and name in SHAPES:
             r["time_ms"]["fla"] = fla(x, reps, errors)
             results.setdefault("fla_version", r["time_ms"]["fla"].get("version"))
             dump()
-        if not args.no_check:
+        if not args.no_check and name in check_on:
             r["check"] = check(x, errors, args.variants.split(","))
             dump()
-        r["breakdown_ms"] = breakdown(x, reps, errors)
-        dump()
+        if not args.no_breakdown:
+            r["breakdown_ms"] = breakdown(x, reps, errors)
+            dump()
         if args.sweep and not args.smoke:
             r["sweep"] = sweep(x, reps, errors)
             dump()
