@@ -1,6 +1,6 @@
-"""The chunked gated delta rule (Qwen3.5-MoE's Gated DeltaNet core) with its sequential part as Pallas-Triton
-kernels (GPU; on CPU they run in Pallas' interpret mode for tests), forward and backward under one
-``jax.custom_vjp``. The math, HF's conventions and the packed-row semantics are those of
+"""The chunked gated delta rule (Qwen3.5-MoE's Gated DeltaNet core) with the forward's chunk preparation and the
+sequential part as Pallas-Triton kernels (GPU; on CPU they run in Pallas' interpret mode for tests), forward and
+backward under one ``jax.custom_vjp``. The math, HF's conventions and the packed-row semantics are those of
 ``moevlm_jax.model.gated_deltanet`` (its module docstring), whose einsum form is the reference and the CPU path.
 
 Per value head, chunks of C tokens, ``gc`` the log decay summed from the chunk start (inclusive), the state
@@ -13,28 +13,28 @@ Per value head, chunks of C tokens, ``gc`` the log decay summed from the chunk s
     S     = exp(gc_C) S + (k exp(gc_C - gc))^T v_new
 
 The decomposition (flash-linear-attention's): everything within a chunk depends on the chunk's own tokens only
-and runs for all chunks at once; only the state recurrence is sequential. Four Pallas-Triton kernels:
+and runs for all chunks at once; only the state recurrence is sequential. So:
 
-- :func:`_prep_kernel` (one program per (chunk, value head)): the q/k L2 norm, the gates (``e = exp(gc)``,
-  ``f = exp(gc_C - gc)``), the causal decayed ``A = q k^T * exp(gc_i - gc_j)``, the ``[C, C]`` UT matrix and its
-  unit lower inverse on chip (:func:`ut_inverse`: the 16-row diagonal blocks by forward substitution, the rest by
-  a block series of whole-tile matmuls, float32), ``w`` and ``u``. q / k are read by key head (``h // (Hv /
-  Hk)``, HF's ``repeat_interleave``), so repeated q / k never exist; the packed-row masks are applied here. XLA
-  forms only the per-token inputs (the chunk-local cumulative log decay ``gc``, beta, the chunk decay ``cd``:
-  :func:`_gate_inputs`).
-- :func:`_fwd_kernel` (one program per (value head, Dv block)) walks the chunks in order with its ``[Dk, BV]``
-  float32 state tile in registers: ``v_new = u - w S``, the chunk's output ``(q e) S + A v_new`` and the next
-  state, four tile matmuls a chunk and no HBM round trip of the state between chunks (``lax.scan`` writes and
-  reads it every chunk).
+- :func:`_prep_kernel` (Pallas, the forward's; one program per (chunk, value head)): the q/k L2 norm, the gates
+  (``e = exp(gc)``, ``f = exp(gc_C - gc)``), the causal decayed ``A = q k^T * exp(gc_i - gc_j)``, the ``[C, C]``
+  UT matrix and its unit lower inverse on chip (:func:`ut_inverse`: the 16-row diagonal blocks by forward
+  substitution, the rest by a block series of whole-tile matmuls, float32), ``w`` and ``u``. q / k are read by
+  key head (``h // (Hv / Hk)``, HF's ``repeat_interleave``), so repeated q / k never exist; the packed-row masks
+  are applied here. XLA forms only the per-token inputs (the chunk-local cumulative log decay ``gc``, beta, the
+  chunk decay ``cd``: :func:`_gate_inputs`).
+- :func:`_prepare` (XLA, batched over all chunks, the backward's): the same inputs in float32 (the UT inverse
+  by :func:`unit_lower_inverse`: log2(C) levels of batched matmuls, a closed-form backward), differentiated by
+  ``jax.vjp``. The q.k and k.k products are formed per *key* head and broadcast over its value heads.
+- :func:`_fwd_kernel` (Pallas): one program per (value head, Dv block) walks the chunks in order with its
+  ``[Dk, BV]`` float32 state tile in registers: ``v_new = u - w S``, the chunk's output ``(q e) S + A v_new`` and
+  the next state, four tile matmuls a chunk and no HBM round trip of the state between chunks (``lax.scan``
+  writes and reads it every chunk). The key head of value head ``h`` is ``h // (Hv / Hk)``, read by index.
 - The backward recomputes (residuals are the inputs only, O(S x D) a layer, never the O(S x C) chunk factors):
-  the preparation kernel again, this time also storing the UT inverse X, the chunk-start states and ``v_new``
-  (the forward kernel in its ``states`` mode), then :func:`_bwd_kernel` walks the chunks in reverse carrying
-  ``dS`` (``dv_new = A^T do + (k f) dS``, ``dS <- cd dS + (q e)^T do - w^T dv_new``), storing ``dv_new`` and each
-  chunk's end-state gradient. Given those, the rest needs no recurrence: :func:`_prep_bwd_kernel` (one program
-  per (chunk, key head), its value heads in a loop) forms the chunk gradients of the kernel inputs (``dw = -dv_new
-  S^T``, ``dA = do v_new^T``, ``dq = e do S^T``, ...) and takes them through the preparation in registers
-  (``dL = -X^T dX X^T``, the decay's gradient as row minus column sums, the reverse cumulative sum of the log
-  decay, the L2 norm) to q, k, v, g, beta (fla's ``chunk_bwd_dqkwg`` and ``prepare_wy_repr_bwd``, fused).
+  :func:`_prepare` under ``jax.vjp``, the chunk-start states and ``v_new`` (the forward kernel in its
+  ``states`` mode), then :func:`_bwd_kernel` walks the chunks in reverse carrying ``dS`` (``dv_new = A^T do +
+  (k f) dS``, ``dS <- cd dS + (q e)^T do - w^T dv_new``), storing ``dv_new`` and each chunk's end-state gradient.
+  The gradients of the kernel inputs need no recurrence given those and are batched matmuls over all chunks
+  (:func:`_chunk_grads`, XLA); the pullback of :func:`_prepare` takes them to q, k, v, g, beta.
 
 Packed rows: ``segment_ids`` become a run index per token (+1 at every id change); a token receives the state
 carried into its chunk only if it is in the run of the token before the chunk (``e``), its update reaches the
@@ -73,7 +73,6 @@ class Config:
     # all chunks in XLA (False: a shorter sequential loop, for few long rows)
     fused_output: bool = True
     prep_num_warps: int = 4  # the preparation kernel's warps
-    prep_bwd_num_warps: int = 8  # the preparation backward kernel's warps
 
 
 DEFAULT_CONFIG = Config()
@@ -138,6 +137,27 @@ def unit_lower_inverse(lower: jax.Array, precision: jax.lax.PrecisionLike = None
     return blocks[..., 0, :c, :c]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _inverse(lower: jax.Array, precision) -> jax.Array:
+    """:func:`unit_lower_inverse` with its closed-form backward: for ``Ti = (I + L)^-1``,
+    ``d L = -strictly_lower(Ti^T dTi Ti^T)`` (two batched matmuls, not the recursion's transpose)."""
+    return unit_lower_inverse(lower, precision)
+
+
+def _inverse_fwd(lower, precision):
+    inv = unit_lower_inverse(lower, precision)
+    return inv, inv
+
+
+def _inverse_bwd(precision, inv, d_inv):
+    c = inv.shape[-1]
+    d = -jnp.einsum("...ji,...jk,...lk->...il", inv, d_inv, inv, precision=precision)
+    return (jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), d, 0.0),)
+
+
+_inverse.defvjp(_inverse_fwd, _inverse_bwd)
+
+
 # ----------------------------------------------------------------------------- intra-chunk preparation (XLA)
 
 class _Static(NamedTuple):
@@ -186,6 +206,57 @@ class Prepared(NamedTuple):
     e: jax.Array  # [B, Hv, T] exp(gc) where the carried state reaches the token, else 0
     f: jax.Array  # [B, Hv, T] exp(gc_C - gc) where the token's update reaches the chunk's end, else 0
     cd: jax.Array  # [B, Hv, N] the carried state's decay over the chunk (0 where a new run starts in it)
+
+
+def _gates(gc: jax.Array, runs: jax.Array, hk: int) -> tuple[jax.Array, ...]:
+    """gc [B, Hv, N, C] float32, runs [B, T] -> per value head, grouped [B, Hk, r, N, ...]: e = exp(gc) where the
+    carried state reaches the token [.., C], f = exp(gc_C - gc) where the token's update reaches the chunk end
+    [.., C], cd = the carried state's decay over the chunk (0 across a boundary) [..], decay = exp(gc_i - gc_j)
+    for i >= j within a run [.., C, C]: the masks of the reference."""
+    b, hv, n, c = gc.shape
+    rc = runs.reshape(b, 1, 1, n, c)
+    prev = jnp.concatenate([rc[..., :1, :1], rc[..., :-1, -1:]], axis=-2)  # run of the token before each chunk
+    carry, last = rc == prev, rc == rc[..., -1:]
+    g = gc.reshape(b, hk, hv // hk, n, c)
+    glast = g[..., -1:]
+    e = jnp.exp(jnp.where(carry, g, -jnp.inf))
+    f = jnp.exp(jnp.where(last, glast - g, -jnp.inf))
+    cd = jnp.exp(jnp.where(carry[..., -1], glast[..., 0], -jnp.inf))
+    pair = jnp.tril(jnp.ones((c, c), bool)) & (rc[..., :, None] == rc[..., None, :])
+    decay = jnp.exp(jnp.where(pair, g[..., :, None] - g[..., None, :], -jnp.inf))
+    return e, f, cd, decay
+
+
+def _prepare(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
+    """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], g, beta [B, S, Hv], runs [B, T], valid [B, S] -> the kernels'
+    float32 inputs, all chunks at once; q.k^T and k.k^T per key head, broadcast over its value heads."""
+    b, s, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    r, c, t = hv // hk, st.chunk, runs.shape[1]
+    n = t // c
+    f32 = jnp.float32
+    q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
+    if valid is not None:  # padding: no input (and no NaN from whatever it holds), no decay, no update
+        q, k, v = (jnp.where(valid[:, :, None, None], x, 0.0) for x in (q, k, v))
+        g, beta = (jnp.where(valid[:, :, None], x, 0.0) for x in (g, beta))
+    if st.use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * st.scale
+    heads = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, t - s)) + ((0, 0),) * (x.ndim - 3))
+    q, k, v, g, beta = (heads(x) for x in (q, k, v, g, beta))  # [B, H, T, (D)]
+    gc = jnp.cumsum(g.reshape(b, hv, n, c), axis=-1)
+    e, f, cd, decay = _gates(gc, runs, hk)
+    qc, kc = q.reshape(b, hk, n, c, dk), k.reshape(b, hk, n, c, dk)
+    bc = beta.reshape(b, hk, r, n, c)
+    ein = functools.partial(jnp.einsum, precision=st.precision)
+    kk = ein("bhnid,bhnjd->bhnij", kc, kc)[:, :, None]  # per key head
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    t_inv = _inverse(jnp.where(strict, bc[..., :, None] * kk * decay, 0.0), st.precision)
+    w = ein("bhrnij,bhnjd->bhrnid", t_inv * (bc * e)[..., None, :], kc)  # T^-1 diag(beta exp(gc)) k
+    u = ein("bhrnij,bhrnjd->bhrnid", t_inv * bc[..., None, :], v.reshape(b, hk, r, n, c, dv))
+    a = ein("bhnid,bhnjd->bhnij", qc, kc)[:, :, None] * decay
+    per_token = lambda x: x.reshape(b, hv, t, *x.shape[5:])
+    return Prepared(q, k, per_token(w), per_token(u), per_token(a), per_token(e), per_token(f), cd.reshape(b, hv, n))
 
 
 # ----------------------------------------------------------------------------- intra-chunk preparation (Pallas)
@@ -241,11 +312,11 @@ def ut_inverse(lower, exact=None, sub: int = _SUB):
 
 
 def _prep_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, qo_ref, ko_ref, w_ref, u_ref,
-                 a_ref, e_ref, f_ref, *x_ref, c: int, ratio: int, scale: float, use_qk_l2norm: bool, masked: bool,
+                 a_ref, e_ref, f_ref, *, c: int, ratio: int, scale: float, use_qk_l2norm: bool, masked: bool,
                  exact):
     """One chunk of one value head, whole-chunk tiles: the L2-normed, scaled q / k (stored by the group's first
     value head), the gates e, f, the causal decayed ``A = q k^T``, the UT matrix ``L`` from one k k^T, its
-    inverse X (:func:`ut_inverse`, float32), ``w = X (beta e k)``, ``u = X (beta v)``; with ``x_ref`` X too.
+    inverse X (:func:`ut_inverse`, float32), ``w = X (beta e k)``, ``u = X (beta v)``.
     The matmuls of q / k / w / u / A with operands of the output dtype, float32 accumulation."""
     n, bh = pl.program_id(0), pl.program_id(1)
     hv = gc_ref.shape[1]
@@ -288,8 +359,6 @@ def _prep_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, qo_
     col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
     lower = jnp.where(row > col, beta[:, None] * plgpu.dot(k, k, trans_b=True) * decay, 0.0)
     x = ut_inverse(lower, exact)
-    if x_ref:  # the backward's
-        plgpu.store(x_ref[0].at[b, h, tc, pl.ds(0, c)], x)
     xd = x.astype(dt)
     plgpu.store(w_ref.at[b, h, tc, keys], plgpu.dot(xd, (k * (beta * e)[:, None]).astype(dt)).astype(dt))
     plgpu.store(u_ref.at[b, h, tc, vals], plgpu.dot(xd, (load(v_ref, h, vals) * beta[:, None]).astype(dt)).astype(dt))
@@ -331,11 +400,12 @@ def _exact_dot(st: _Static):
     return functools.partial(plgpu.dot, precision=prec)
 
 
-def _prepare_kernel(q, k, v, g, beta, runs, valid, st: _Static, inverse: bool = False):
+def _prepare_kernel(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
     """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], g, beta [B, S, Hv], runs [B, T], valid [B, S] -> the recurrence
     kernels' inputs (:class:`Prepared`), the per-chunk work in :func:`_prep_kernel` (a program per (chunk, value
     head)), the per-token gate inputs in XLA (:func:`_gate_inputs`); q / k read by key head in their [B, S, H, D]
-    layout. ``inverse``: (inputs, the UT inverse [B, Hv, T, C] float32, the gate inputs), the backward's."""
+    layout: :func:`_prepare` cast by :func:`_kernel_inputs`, up to rounding (the forward's; the backward
+    differentiates :func:`_prepare`)."""
     b, _, hk, dk = q.shape
     hv, dv = v.shape[2:]
     c, t = st.chunk, runs.shape[1]
@@ -349,136 +419,12 @@ def _prepare_kernel(q, k, v, g, beta, runs, valid, st: _Static, inverse: bool = 
                  jax.ShapeDtypeStruct((b, hv, t, dk), dt), jax.ShapeDtypeStruct((b, hv, t, dv), dt),
                  jax.ShapeDtypeStruct((b, hv, t, c), dt), jax.ShapeDtypeStruct((b, hv, t), f32),
                  jax.ShapeDtypeStruct((b, hv, t), f32))
-    if inverse:
-        out_shape += (jax.ShapeDtypeStruct((b, hv, t, c), f32),)
-    qo, ko, w, u, a, e, f, *x_inv = pl.pallas_call(
+    qo, ko, w, u, a, e, f = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(n, b * hv), interpret=st.interpret, name="gdn_prepare",
         compiler_params=plgpu.CompilerParams(num_warps=st.config.prep_num_warps, num_stages=1),
     )(_pad_rows(q.astype(dt), t), _pad_rows(k.astype(dt), t), _pad_rows(v.astype(dt), t), gates.gc, gates.beta, runs,
       gates.valid)
-    x = Prepared(qo, ko, w, u, a, e, f, gates.cd)
-    return (x, x_inv[0], gates) if inverse else x
-
-
-def _prep_bwd_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, x_ref, hs_ref, dhs_ref, vn_ref,
-                     dvn_ref, do_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, c: int, ratio: int, bv: int,
-                     scale: float, use_qk_l2norm: bool, masked: bool):
-    """The backward of one chunk of one key head and its value heads: the gradients of the kernel inputs (the
-    chunk gradients: ``dw = -dv_new S^T``, ``du = dv_new``, ``dA = do v_new^T``, ``dq = e do S^T``, ...) taken
-    straight through the preparation (the UT inverse X from the forward's kernel: ``dL = -X^T dX X^T``; the
-    decay's gradient as row minus column sums; the reverse cumulative sum of the log decay; the L2 norm) to
-    q, k, v, g, beta. Value columns in blocks of ``bv``; q / k summed over the value heads in registers."""
-    n, bk = pl.program_id(0), pl.program_id(1)
-    hkn = q_ref.shape[2]
-    b, hk = bk // hkn, bk % hkn
-    dk, dv = q_ref.shape[-1], v_ref.shape[-1]
-    dt, f32 = vn_ref.dtype, jnp.float32
-    keys = pl.ds(0, dk)
-    start = pl.multiple_of(n * c, c)
-    tc = pl.ds(start, c)
-    prev = runs_ref[b, jnp.maximum(start - 1, 0)]
-    last = runs_ref[b, start + c - 1]
-    ok = plgpu.load(valid_ref.at[b, tc]) != 0 if masked else None
-    mask = (lambda x: jnp.where(ok if x.ndim == 1 else ok[:, None], x, 0.0)) if masked else (lambda x: x)
-
-    def unit(ref):
-        x = mask(plgpu.load(ref.at[b, tc, hk, keys]).astype(f32))
-        if not use_qk_l2norm:
-            return x, None
-        r = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6)
-        return x * r, r
-
-    qh, rq = unit(q_ref)
-    kn, rk = unit(k_ref)
-    qn = qh * scale
-    qk = plgpu.dot(qn, kn, trans_b=True)
-    kk = plgpu.dot(kn, kn, trans_b=True)
-    row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    run = plgpu.load(runs_ref.at[b, tc])
-    last_token = jax.lax.broadcasted_iota(jnp.int32, (c,), 0) == c - 1
-
-    def head(j, carry):
-        dqn, dkn = carry
-        h = hk * ratio + j
-        gc, beta = plgpu.load(gc_ref.at[b, h, tc]), plgpu.load(beta_ref.at[b, h, tc])
-        glast = gc_ref[b, h, start + c - 1]
-        e = jnp.where(run == prev, jnp.exp(gc), 0.0)
-        f = jnp.where(run == last, jnp.exp(glast - gc), 0.0)
-        cd = jnp.where(last == prev, jnp.exp(glast), 0.0)
-        decay = _decay(gc, run)
-        x = plgpu.load(x_ref.at[b, h, tc, pl.ds(0, c)])
-        xq = yk = dw = jnp.zeros((c, dk), f32)
-        da = dxv = jnp.zeros((c, c), f32)
-        dcd, dbeta = jnp.zeros((), f32), jnp.zeros((c,), f32)
-        for i in range(dv // bv):  # the value columns: the chunk gradients and everything of v
-            vs = pl.ds(i * bv, bv)
-            s_, ds_ = plgpu.load(hs_ref.at[b, h, n, keys, vs]), plgpu.load(dhs_ref.at[b, h, n, keys, vs])
-            do = plgpu.load(do_ref.at[b, tc, h, vs]).astype(dt)
-            vn, dvn = plgpu.load(vn_ref.at[b, h, tc, vs]), plgpu.load(dvn_ref.at[b, h, tc, vs])
-            xq += plgpu.dot(do, s_, trans_b=True)  # do S^T
-            yk += plgpu.dot(vn, ds_, trans_b=True)  # v_new dS^T
-            dw -= plgpu.dot(dvn, s_, trans_b=True)
-            da += plgpu.dot(do, vn, trans_b=True)
-            dcd += jnp.sum(jnp.sum(s_.astype(f32) * ds_.astype(f32), axis=1), axis=0)
-            du = dvn.astype(f32)
-            vv = mask(plgpu.load(v_ref.at[b, tc, h, vs]).astype(f32))
-            dbv = plgpu.dot(x, du, trans_a=True)  # X^T du
-            plgpu.store(dv_ref.at[b, tc, h, vs], mask(beta[:, None] * dbv).astype(dv_ref.dtype))
-            dbeta += jnp.sum(vv * dbv, axis=1)
-            dxv += plgpu.dot(du, vv * beta[:, None], trans_b=True)
-        de = jnp.sum(qn * xq, axis=1)
-        df = jnp.sum(kn * yk, axis=1)
-        dqn += e[:, None] * xq
-        dkn += f[:, None] * yk
-        be = beta * e
-        dbek = plgpu.dot(x, dw, trans_a=True)  # X^T dw
-        kdb = jnp.sum(kn * dbek, axis=1)
-        dx = dxv + plgpu.dot(dw, kn * be[:, None], trans_b=True)
-        dl = jnp.where(row > col, -plgpu.dot(plgpu.dot(x, dx, trans_a=True), x, trans_b=True), 0.0)
-        dkk = jnp.where(row > col, dl * beta[:, None] * decay, 0.0)
-        dqk = da * decay
-        dbeta += e * kdb + jnp.sum(dl * kk * jnp.where(row > col, decay, 0.0), axis=1)
-        dkn += (be[:, None] * dbek + plgpu.dot(dkk, kn) + plgpu.dot(dkk, kn, trans_a=True)
-                + plgpu.dot(dqk, qn, trans_a=True))
-        dqn += plgpu.dot(dqk, kn)
-        gd = dkk * kk + dqk * qk  # d(decay) * decay
-        dgc = (jnp.sum(gd, axis=1) - jnp.sum(gd, axis=0) + (de + beta * kdb) * e - df * f
-               + jnp.where(last_token, jnp.sum(df * f) + dcd * cd, 0.0))
-        plgpu.store(dg_ref.at[b, h, tc], mask(jnp.sum(dgc) - jnp.cumsum(dgc) + dgc))
-        plgpu.store(dbeta_ref.at[b, h, tc], mask(dbeta))
-        return dqn, dkn
-
-    zeros = jnp.zeros((c, dk), f32)
-    dqn, dkn = jax.lax.fori_loop(0, ratio, head, (zeros, zeros))
-    dqh = dqn * scale
-    if use_qk_l2norm:
-        dqh = rq * (dqh - qh * jnp.sum(qh * dqh, axis=1, keepdims=True))
-        dkn = rk * (dkn - kn * jnp.sum(kn * dkn, axis=1, keepdims=True))
-    plgpu.store(dq_ref.at[b, tc, hk, keys], mask(dqh).astype(dq_ref.dtype))
-    plgpu.store(dk_ref.at[b, tc, hk, keys], mask(dkn).astype(dk_ref.dtype))
-
-
-def _prepare_bwd(q, k, v, runs, gates: _Gates, x_inv, hs, dhs, vn, dvn, d_out, masked: bool, st: _Static):
-    """The gradients of q, k, v, g, beta from the recurrence's (:func:`_bwd_prep_kernel`, a program per (chunk,
-    key head)); d(gc) -> d(g) inside (reverse cumulative sum over the chunk)."""
-    b, s, hk, dk = q.shape
-    hv, dv = v.shape[2:]
-    c, t = st.chunk, vn.shape[2]
-    bv = min(64, dv)
-    kernel = functools.partial(_prep_bwd_kernel, c=c, ratio=hv // hk, bv=bv, scale=st.scale,
-                               use_qk_l2norm=st.use_qk_l2norm, masked=masked)
-    f32 = jnp.float32
-    out_shape = (jax.ShapeDtypeStruct((b, t, hk, dk), q.dtype), jax.ShapeDtypeStruct((b, t, hk, dk), k.dtype),
-                 jax.ShapeDtypeStruct((b, t, hv, dv), v.dtype), jax.ShapeDtypeStruct((b, hv, t), f32),
-                 jax.ShapeDtypeStruct((b, hv, t), f32))
-    dq, dk_, dv_, dg, dbeta = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(t // c, b * hk), interpret=st.interpret, name="gdn_prepare_bwd",
-        compiler_params=plgpu.CompilerParams(num_warps=st.config.prep_bwd_num_warps, num_stages=1),
-    )(_pad_rows(q, t), _pad_rows(k, t), _pad_rows(v, t), gates.gc, gates.beta, runs, gates.valid, x_inv, hs, dhs,
-      vn, dvn, d_out)
-    heads = lambda x: jnp.swapaxes(x, 1, 2)[:, :s]
-    return dq[:, :s], dk_[:, :s], dv_[:, :s], heads(dg), heads(dbeta)
+    return Prepared(qo, ko, w, u, a, e, f, gates.cd)
 
 
 # ----------------------------------------------------------------------------- the recurrence kernels
@@ -608,7 +554,40 @@ def _chunk_outputs(x: Prepared, hs, vn, st: _Static) -> jax.Array:
     return jnp.swapaxes(out.reshape(b, hv, t, dv), 1, 2)
 
 
+def _chunk_grads(x: Prepared, hs, vn, dvn, dhs, do, st: _Static) -> Prepared:
+    """Given the kernel inputs ``x`` (operand dtype), each chunk's start state ``hs``, v_new, d(v_new) and
+    end-state gradient ``dhs`` (the kernels), the float32 gradients of the kernel inputs, all chunks at once
+    (per value head; q and k summed over the value heads of their key head):
+
+        du = dv_new      dw = -dv_new S^T      dA = do v_new^T      dcd = <S, dS>
+        dq = e do S^T    de = q.(do S^T)       dk = f v_new dS^T    df = k.(v_new dS^T)
+    """
+    f32 = jnp.float32
+    ein = functools.partial(jnp.einsum, precision=st.precision, preferred_element_type=f32)
+    q, k, e, f, s_, view = _grouped(x, hs, st)
+    ds_ = dhs.reshape(s_.shape)
+    b, hv, t = vn.shape[:3]
+    do_ = view(jnp.swapaxes(do, 1, 2).astype(st.dtype))
+    x_q = ein("bhrncv,bhrnkv->bhrnck", do_, s_)  # do S^T
+    y_k = ein("bhrncv,bhrnkv->bhrnck", view(vn), ds_)  # v_new dS^T
+    per_token = lambda y: y.reshape(b, hv, t, *y.shape[5:])
+    return Prepared(
+        q=jnp.sum(e[..., None] * x_q, axis=2).reshape(x.q.shape),
+        k=jnp.sum(f[..., None] * y_k, axis=2).reshape(x.k.shape),
+        w=-per_token(ein("bhrncv,bhrnkv->bhrnck", view(dvn), s_)),
+        u=dvn.astype(f32),
+        a=per_token(ein("bhrniv,bhrnjv->bhrnij", do_, view(vn))),
+        e=per_token(jnp.sum(q[:, :, None].astype(f32) * x_q, axis=-1)),
+        f=per_token(jnp.sum(k[:, :, None].astype(f32) * y_k, axis=-1)),
+        cd=jnp.sum(s_.astype(f32) * ds_.astype(f32), axis=(-2, -1)).reshape(x.cd.shape))
+
+
 # ----------------------------------------------------------------------------- the rule under one custom VJP
+
+def _kernel_inputs(x: Prepared, st: _Static) -> Prepared:
+    """The prepared float32 inputs, the matmul operands in the kernels' operand dtype (the gates stay float32)."""
+    return x._replace(**{name: getattr(x, name).astype(st.dtype) for name in ("q", "k", "w", "u", "a")})
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _rule(st: _Static, q, k, v, g, beta, h0, runs, valid):
@@ -629,13 +608,13 @@ def _rule_fwd(st: _Static, q, k, v, g, beta, h0, runs, valid):
 def _rule_bwd(st: _Static, res, cotangents):
     q, k, v, g, beta, h0, runs, valid = res
     d_out, d_state = cotangents
-    x, x_inv, gates = _prepare_kernel(q, k, v, g, beta, runs, valid, st, inverse=True)
+    x32, pullback = jax.vjp(lambda *a: _prepare(*a, runs, valid, st), q, k, v, g, beta)
+    x = _kernel_inputs(x32, st)
     hs, vn, _ = _recurrence(x, h0, q.dtype, st, states=True)
     d_out = jnp.pad(d_out, ((0, 0), (0, runs.shape[1] - d_out.shape[1]), (0, 0), (0, 0)))
     dvn, dhs, dh0 = _reverse(x, d_out, d_state.astype(jnp.float32), st)
-    dq, dk, dv, dg, dbeta = _prepare_bwd(q, k, v, runs, gates, x_inv, hs, dhs, vn, dvn, d_out.astype(st.dtype),
-                                         valid is not None, st)
-    return dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0.astype(h0.dtype), None, None
+    grads = pullback(_chunk_grads(x, hs, vn, dvn, dhs, d_out, st))
+    return (*grads, dh0.astype(h0.dtype), None, None)
 
 
 _rule.defvjp(_rule_fwd, _rule_bwd)

@@ -22,9 +22,9 @@ Per shape:
   through ``cu_seqlens``; the masks cost our kernels the same either way), and its output's max abs
   difference from the kernel path's on those unpacked rows (grouped value heads if fla takes them, else q / k
   repeated: ``fla.gva``);
-- ``breakdown_ms``: the kernel path's pieces alone (:func:`breakdown`: the preparation kernel, the forward
-  kernel; the backward's preparation (also storing the UT inverse), chunk states, reverse kernel and the
-  preparation's backward kernel), the preparation kernels also at other warps;
+- ``breakdown_ms``: the kernel path's pieces alone (:func:`breakdown`: the forward's preparation kernel, also
+  at other warps, and forward kernel; the backward's XLA preparation, chunk states, reverse kernel, chunk
+  gradients and the preparation's pullback);
 - ``sweep`` (``--sweep``): forward and forward + backward of the kernel path per tile config (block_v,
   num_warps, num_stages, fused_output).
 
@@ -67,8 +67,7 @@ SHAPES = {"proxy35": (4, 4096, 16, 32, 128, 128), "row32k": (1, 32768, 16, 32, 1
 SMOKE = {"smoke": (2, 256, 2, 4, 64, 64)}
 CHUNK = 64
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-PREP_WARPS = (4, 8)  # the preparation kernels' warps timed in the breakdown
-PREP_BWD_WARPS = (4, 8)
+PREP_WARPS = (4, 8)  # the preparation kernel's warps timed in the breakdown
 SWEEP = [gdn_triton.Config(block_v=bv, num_warps=w, num_stages=2, fused_output=fused)
          for fused in (True, False) for bv in (16, 32, 64) for w in (4, 8)]
 
@@ -202,12 +201,11 @@ def timings(x: dict, variants, reps: int, errors: list, configs=None) -> dict:
 
 def breakdown(x: dict, reps: int, errors: list) -> dict:
     """The kernel path's pieces, each jitted alone on the default config: the forward's preparation kernel
-    (``prepare``; with ``--sweep`` also at other warps), the forward kernel; the backward's preparation (the
-    same kernel, also storing the UT inverse), chunk states, reverse kernel and the preparation's backward
-    kernel."""
+    (``prepare``, also at other warps), the forward kernel; the backward's XLA preparation (``prepare_xla``),
+    chunk states, reverse kernel, chunk gradients and the preparation's pullback."""
     res = {}
     try:
-        b, s, hk, dk = x["q"].shape
+        b, s, _, dk = x["q"].shape
         t = -(-s // CHUNK) * CHUNK
         runs, valid = gdn_triton._runs(x["seg"], b, s, t)
         st = gdn_triton._Static(CHUNK, dk ** -0.5, True, None, jnp.dtype(x["q"].dtype), gdn_triton.DEFAULT_CONFIG,
@@ -220,10 +218,10 @@ def breakdown(x: dict, reps: int, errors: list) -> dict:
                 q, k, v, g, beta, runs, valid, stw))
             name = "prepare" if warps == st.config.prep_num_warps else f"prepare_w{warps}"
             res[name] = time_jax(prep, args, reps)["median"]
-        prep_inv = jax.jit(lambda q, k, v, g, beta: gdn_triton._prepare_kernel(q, k, v, g, beta, runs, valid, st,
-                                                                               inverse=True))
-        res["prepare_inverse"] = time_jax(prep_inv, args, reps)["median"]
-        xk, x_inv, gates = prep_inv(*args)
+        prep_xla = jax.jit(lambda q, k, v, g, beta: gdn_triton._kernel_inputs(
+            gdn_triton._prepare(q, k, v, g, beta, runs, valid, st), st))
+        res["prepare_xla"] = time_jax(prep_xla, args, reps)["median"]
+        xk = prep_xla(*args)
         fwd = jax.jit(lambda xx: gdn_triton._recurrence(xx, h0, x["q"].dtype, st, states=False))
         res["fwd_kernel"] = time_jax(fwd, (xk,), reps)["median"]
         states = jax.jit(lambda xx: gdn_triton._recurrence(xx, h0, x["q"].dtype, st, states=True))
@@ -233,13 +231,12 @@ def breakdown(x: dict, reps: int, errors: list) -> dict:
         rev = jax.jit(lambda xx, do, dht: gdn_triton._reverse(xx, do, dht, st))
         res["bwd_kernel"] = time_jax(rev, (xk, do, x["probe_state"]), reps)["median"]
         dvn, dhs, _ = rev(xk, do, x["probe_state"])
-        masked = valid is not None
-        for warps in PREP_BWD_WARPS:
-            stw = st._replace(config=dataclasses.replace(st.config, prep_bwd_num_warps=warps))
-            pbwd = jax.jit(lambda q, k, v, gates, x_inv, hs, dhs, vn, dvn, do, stw=stw: gdn_triton._prepare_bwd(
-                q, k, v, runs, gates, x_inv, hs, dhs, vn, dvn, do, masked, stw))
-            name = "prepare_bwd" if warps == st.config.prep_bwd_num_warps else f"prepare_bwd_w{warps}"
-            res[name] = time_jax(pbwd, (*args[:3], gates, x_inv, hs, dhs, vn, dvn, do), reps)["median"]
+        grads = jax.jit(lambda xx, hs, vn, dvn, dhs, do: gdn_triton._chunk_grads(xx, hs, vn, dvn, dhs, do, st))
+        res["chunk_grads"] = time_jax(grads, (xk, hs, vn, dvn, dhs, do), reps)["median"]
+        x32 = jax.jit(lambda q, k, v, g, beta: gdn_triton._prepare(q, k, v, g, beta, runs, valid, st))(*args)
+        pull = jax.jit(lambda q, k, v, g, beta, ct: jax.vjp(
+            lambda *a: gdn_triton._prepare(*a, runs, valid, st), q, k, v, g, beta)[1](ct))
+        res["prepare_vjp"] = time_jax(pull, (*args, x32), reps)["median"]
         log("  breakdown: " + " ".join(f"{k} {v:.3f}" for k, v in res.items()))
     except Exception:
         res["error"] = _error("breakdown", errors)["error"]

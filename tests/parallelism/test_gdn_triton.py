@@ -1,10 +1,11 @@
 """The chunked gated delta rule's Pallas-Triton path (parallelism/gdn_triton.py, Pallas' interpret mode on CPU)
 against the float32 einsum reference (model.gated_deltanet.chunk_gated_delta_rule): outputs, final state and the
-gradients of q, k, v, g, beta and the initial state (the preparation kernel, the recurrence kernels and the
-preparation's backward kernel together), on packed rows with uneven samples, one ending exactly on a chunk edge,
-a padding tail and a tail past the last whole chunk, for Hv = Hk (chunks of 16: one diagonal block of the UT
-inverse) and Hv = 2 Hk (chunks of 32: two blocks, the block series); the UT inverse as the kernels form it; the
-path through the model's dispatcher and per-device map; the config key. Tiny shapes (head dims 16 / 32).
+gradients of q, k, v, g, beta and the initial state (the forward's preparation kernel and the recurrence kernels,
+the backward's XLA preparation and chunk gradients), on packed rows with uneven samples, one ending exactly on a
+chunk edge, a padding tail and a tail past the last whole chunk, for Hv = Hk (chunks of 16: one diagonal block
+of the UT inverse) and Hv = 2 Hk (chunks of 32: two blocks, the block series); the UT inverse as the kernel
+forms it and the XLA one's backward; the path through the model's dispatcher and per-device map; the config
+key. Tiny shapes (head dims 16 / 32).
 
 Tolerances are relative to scale: max |ours - ref| <= tol * max |ref|.
 """
@@ -146,6 +147,19 @@ def test_ut_inverse_is_the_triangular_inverse():
     want = jax.jit(gdn_triton.unit_lower_inverse, static_argnums=1)(lower, jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
     np.testing.assert_allclose(np.asarray(got @ (jnp.eye(c) + lower), np.float64), np.eye(c), atol=1e-3)
+
+
+def test_unit_lower_inverse_backward_is_the_recursions():
+    """The closed-form backward of the UT inverse equals autodiff through the block recursion."""
+    rng = np.random.default_rng(4)
+    lower = jnp.asarray(np.tril(rng.standard_normal((3, C, C)), -1) * 0.3, jnp.float32)
+    probe = jnp.asarray(rng.standard_normal((3, C, C)), jnp.float32)
+    want = jax.jit(jax.grad(lambda x: jnp.sum(gdn_triton.unit_lower_inverse(x) * probe)))(lower)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(gdn_triton._inverse(x, None) * probe)))(lower)
+    np.testing.assert_allclose(np.asarray(got), np.tril(np.asarray(want), -1), rtol=1e-5, atol=1e-5)
+    inv = jax.jit(gdn_triton.unit_lower_inverse)(lower)
+    np.testing.assert_allclose(np.asarray(inv @ (jnp.eye(C) + lower)), np.broadcast_to(np.eye(C), (3, C, C)),
+                               atol=1e-5)
 
 
 def test_gdn_kernel_key_and_its_resolution():
