@@ -589,20 +589,27 @@ def _kernel_inputs(x: Prepared, st: _Static) -> Prepared:
     return x._replace(**{name: getattr(x, name).astype(st.dtype) for name in ("q", "k", "w", "u", "a")})
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rule(st: _Static, q, k, v, g, beta, h0, runs, valid):
-    out, state = _rule_fwd(st, q, k, v, g, beta, h0, runs, valid)[0]
-    return out, state
-
-
-def _rule_fwd(st: _Static, q, k, v, g, beta, h0, runs, valid):
-    x = _prepare_kernel(q, k, v, g, beta, runs, valid, st)
+def _forward(x: Prepared, h0, q, st: _Static):
     if st.config.fused_output:
         out, state = _recurrence(x, h0, q.dtype, st, states=False)
     else:
         hs, vn, state = _recurrence(x, h0, q.dtype, st, states=True)
         out = _chunk_outputs(x, hs, vn, st).astype(q.dtype)
-    return (out[:, :q.shape[1]], state), (q, k, v, g, beta, h0, runs, valid)
+    return out[:, :q.shape[1]], state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rule(st: _Static, q, k, v, g, beta, h0, runs, valid):
+    """Not differentiated (evaluation, generation): the preparation kernel."""
+    return _forward(_prepare_kernel(q, k, v, g, beta, runs, valid, st), h0, q, st)
+
+
+def _rule_fwd(st: _Static, q, k, v, g, beta, h0, runs, valid):
+    """Differentiated: the XLA preparation, the same program as the backward's re-run of it (:func:`_rule_bwd`),
+    which XLA then computes once for both; with the kernel here the training step is slower
+    (bench/results/qwen35.md)."""
+    x = _kernel_inputs(_prepare(q, k, v, g, beta, runs, valid, st), st)
+    return _forward(x, h0, q, st), (q, k, v, g, beta, h0, runs, valid)
 
 
 def _rule_bwd(st: _Static, res, cotangents):
