@@ -1,6 +1,6 @@
-"""The chunked gated delta rule (Qwen3.5-MoE's Gated DeltaNet core) with its sequential part as Pallas-Triton
-kernels (GPU; on CPU they run in Pallas' interpret mode for tests), forward and backward under one
-``jax.custom_vjp``. The math, HF's conventions and the packed-row semantics are those of
+"""The chunked gated delta rule (Qwen3.5-MoE's Gated DeltaNet core) with the forward's chunk preparation and the
+sequential part as Pallas-Triton kernels (GPU; on CPU they run in Pallas' interpret mode for tests), forward and
+backward under one ``jax.custom_vjp``. The math, HF's conventions and the packed-row semantics are those of
 ``moevlm_jax.model.gated_deltanet`` (its module docstring), whose einsum form is the reference and the CPU path.
 
 Per value head, chunks of C tokens, ``gc`` the log decay summed from the chunk start (inclusive), the state
@@ -15,20 +15,22 @@ Per value head, chunks of C tokens, ``gc`` the log decay summed from the chunk s
 The decomposition (flash-linear-attention's): everything within a chunk depends on the chunk's own tokens only
 and runs for all chunks at once; only the state recurrence is sequential. So:
 
-- :func:`_prepare` (XLA, batched over all chunks): the q/k L2 norm, ``gc``, the gates (``e = exp(gc)``,
-  ``f = exp(gc_C - gc)``, the chunk decay), the ``[C, C]`` UT matrix, its unit lower inverse
-  (:func:`unit_lower_inverse`: log2(C) levels of batched matmuls, a closed-form backward), ``w``, ``u`` and the
-  causal decayed ``A = q k^T * exp(gc_i - gc_j)``. The q.k and k.k products are formed per *key* head and
-  broadcast over the ``Hv / Hk`` value heads of its group (HF's ``repeat_interleave``), so repeated q / k never
-  exist; the packed-row masks are applied here too.
+- :func:`_prep_kernel` (Pallas, the forward's; one program per (chunk, value head)): the q/k L2 norm, the gates
+  (``e = exp(gc)``, ``f = exp(gc_C - gc)``), the causal decayed ``A = q k^T * exp(gc_i - gc_j)``, the ``[C, C]``
+  UT matrix and its unit lower inverse on chip (:func:`ut_inverse`: the 16-row diagonal blocks by forward
+  substitution, the rest by a block series of whole-tile matmuls, float32), ``w`` and ``u``. q / k are read by
+  key head (``h // (Hv / Hk)``, HF's ``repeat_interleave``), so repeated q / k never exist; the packed-row masks
+  are applied here. XLA forms only the per-token inputs (the chunk-local cumulative log decay ``gc``, beta, the
+  chunk decay ``cd``: :func:`_gate_inputs`).
+- :func:`_prepare` (XLA, batched over all chunks, the backward's): the same inputs in float32 (the UT inverse
+  by :func:`unit_lower_inverse`: log2(C) levels of batched matmuls, a closed-form backward), differentiated by
+  ``jax.vjp``. The q.k and k.k products are formed per *key* head and broadcast over its value heads.
 - :func:`_fwd_kernel` (Pallas): one program per (value head, Dv block) walks the chunks in order with its
   ``[Dk, BV]`` float32 state tile in registers: ``v_new = u - w S``, the chunk's output ``(q e) S + A v_new`` and
   the next state, four tile matmuls a chunk and no HBM round trip of the state between chunks (``lax.scan``
   writes and reads it every chunk). The key head of value head ``h`` is ``h // (Hv / Hk)``, read by index.
-  A, the gates and the masks come ready from the preparation, so the kernel's registers go to the state tile
-  and the matmul operands.
 - The backward recomputes (residuals are the inputs only, O(S x D) a layer, never the O(S x C) chunk factors):
-  :func:`_prepare` again under ``jax.vjp``, the chunk-start states and ``v_new`` (the forward kernel in its
+  :func:`_prepare` under ``jax.vjp``, the chunk-start states and ``v_new`` (the forward kernel in its
   ``states`` mode), then :func:`_bwd_kernel` walks the chunks in reverse carrying ``dS`` (``dv_new = A^T do +
   (k f) dS``, ``dS <- cd dS + (q e)^T do - w^T dv_new``), storing ``dv_new`` and each chunk's end-state gradient.
   The gradients of the kernel inputs need no recurrence given those and are batched matmuls over all chunks
@@ -40,10 +42,11 @@ chunk's end only if it is in the chunk's last run (``f``), the carried state sur
 starts in it (``cd``), and ``A`` and the UT matrix pair tokens of one run: the masks of the reference. Padding
 (id 0) tokens have zero inputs and no decay.
 
-Numerics: the state, the gates and every accumulation are float32; the matmul operands of the kernels (q, k,
-w, u, A, the state tile, v_new) are in the input dtype (bf16 in training, as flash-linear-attention's kernels),
-float32 inputs keep everything float32 (the tests). Triton's constraints hold by construction: every block
-(C, Dk, BV) a power of two >= 16, both operands of a dot of one dtype, no slicing of register values.
+Numerics: the state, the gates, the UT matrix and its inverse and every accumulation are float32; the matmul
+operands of q, k, w, u, A, the state tile and v_new are in the input dtype (bf16 in training, as
+flash-linear-attention's kernels); float32 inputs keep everything float32 (the tests). Triton's constraints hold
+by construction: every block (C, Dk, BV) a power of two >= 16, both operands of a dot of one dtype, no slicing of
+register values.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Config:
     # the forward's outputs in the recurrence kernel (True) or, from the chunk-start states it stores, batched over
     # all chunks in XLA (False: a shorter sequential loop, for few long rows)
     fused_output: bool = True
+    prep_num_warps: int = 4  # the preparation kernel's warps
 
 
 DEFAULT_CONFIG = Config()
@@ -190,6 +194,20 @@ def _runs(segment_ids: jax.Array | None, b: int, s: int, t: int) -> tuple[jax.Ar
     return jnp.pad(runs, ((0, 0), (0, t - s)), mode="edge"), valid
 
 
+class Prepared(NamedTuple):
+    """The recurrence kernels' inputs (:func:`_prepare_kernel`: the matmul operands in the input dtype, the gates
+    float32); T = S padded to whole chunks, N = T / C."""
+
+    q: jax.Array  # [B, Hk, T, Dk] L2-normed (if asked), scaled
+    k: jax.Array  # [B, Hk, T, Dk] L2-normed (if asked)
+    w: jax.Array  # [B, Hv, T, Dk] T^-1 (beta k exp(gc)), masked to the carried run
+    u: jax.Array  # [B, Hv, T, Dv] T^-1 (beta v)
+    a: jax.Array  # [B, Hv, T, C] row t: q_t.k_j exp(gc_t - gc_j) for j <= t in t's run and chunk (else 0)
+    e: jax.Array  # [B, Hv, T] exp(gc) where the carried state reaches the token, else 0
+    f: jax.Array  # [B, Hv, T] exp(gc_C - gc) where the token's update reaches the chunk's end, else 0
+    cd: jax.Array  # [B, Hv, N] the carried state's decay over the chunk (0 where a new run starts in it)
+
+
 def _gates(gc: jax.Array, runs: jax.Array, hk: int) -> tuple[jax.Array, ...]:
     """gc [B, Hv, N, C] float32, runs [B, T] -> per value head, grouped [B, Hk, r, N, ...]: e = exp(gc) where the
     carried state reaches the token [.., C], f = exp(gc_C - gc) where the token's update reaches the chunk end
@@ -207,19 +225,6 @@ def _gates(gc: jax.Array, runs: jax.Array, hk: int) -> tuple[jax.Array, ...]:
     pair = jnp.tril(jnp.ones((c, c), bool)) & (rc[..., :, None] == rc[..., None, :])
     decay = jnp.exp(jnp.where(pair, g[..., :, None] - g[..., None, :], -jnp.inf))
     return e, f, cd, decay
-
-
-class Prepared(NamedTuple):
-    """The kernels' inputs, float32 (:func:`_prepare`); T = S padded to whole chunks, N = T / C."""
-
-    q: jax.Array  # [B, Hk, T, Dk] L2-normed (if asked), scaled
-    k: jax.Array  # [B, Hk, T, Dk] L2-normed (if asked)
-    w: jax.Array  # [B, Hv, T, Dk] T^-1 (beta k exp(gc)), masked to the carried run
-    u: jax.Array  # [B, Hv, T, Dv] T^-1 (beta v)
-    a: jax.Array  # [B, Hv, T, C] row t: q_t.k_j exp(gc_t - gc_j) for j <= t in t's run and chunk (else 0)
-    e: jax.Array  # [B, Hv, T] exp(gc) where the carried state reaches the token, else 0
-    f: jax.Array  # [B, Hv, T] exp(gc_C - gc) where the token's update reaches the chunk's end, else 0
-    cd: jax.Array  # [B, Hv, N] the carried state's decay over the chunk (0 where a new run starts in it)
 
 
 def _prepare(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
@@ -252,6 +257,174 @@ def _prepare(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
     a = ein("bhnid,bhnjd->bhnij", qc, kc)[:, :, None] * decay
     per_token = lambda x: x.reshape(b, hv, t, *x.shape[5:])
     return Prepared(q, k, per_token(w), per_token(u), per_token(a), per_token(e), per_token(f), cd.reshape(b, hv, n))
+
+
+# ----------------------------------------------------------------------------- intra-chunk preparation (Pallas)
+
+_SUB = 16  # the UT inverse's diagonal blocks (Triton's smallest dot)
+
+
+def _decay(gc, run):
+    """gc, run [C] -> [C, C]: exp(gc_i - gc_j) where i >= j and tokens i, j are in one run, else 0."""
+    c = gc.shape[0]
+    row, col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0), jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    return jnp.exp(jnp.where((run[:, None] == run[None, :]) & (row >= col), gc[:, None] - gc[None, :], -jnp.inf))
+
+
+def _block_diagonal_inverse(lower, sub: int):
+    """lower [C, C] float32 strictly lower triangular -> (the inverse of I + its block-diagonal part (``sub``-row
+    diagonal blocks), the rest of ``lower``): all blocks at once by forward substitution, step r forming row r
+    of every block's inverse from the rows above it (masked reductions over the whole tile, no register
+    slicing, which Triton lacks)."""
+    c = lower.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    same = (row // sub) == (col // sub)
+    diag = jnp.where(same, lower, 0.0)
+
+    def body(r, x):
+        at = (row % sub) == r
+        lr = -jnp.sum(jnp.where(at, diag, 0.0), axis=0)  # column j: -(row r of j's block)[j]
+        return jnp.where(at & same, (lr + jnp.sum(lr[:, None] * x, axis=0))[None, :], x)
+
+    x = jax.lax.fori_loop(2, sub, body, -diag) if sub > 2 else -diag
+    return x + jnp.where(row == col, 1.0, 0.0), jnp.where(same, 0.0, lower)
+
+
+def ut_inverse(lower, exact=None, sub: int = _SUB):
+    """lower [C, C] float32 strictly lower triangular -> (I + lower)^-1, as the preparation kernels form it on
+    chip: the ``sub``-row diagonal blocks ``Xd`` by :func:`_block_diagonal_inverse`, the rest by the
+    block-nilpotent series ``(I + L)^-1 = (I + N)^-1 Xd``, ``N = Xd L_off`` (``N^(C/sub) = 0``, so
+    ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)...``): the products of block forward substitution, as whole-tile
+    matmuls. ``exact``: the matmul (default: float32 ``plgpu.dot`` at HIGHEST)."""
+    exact = exact or functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST)
+    c = lower.shape[0]
+    x, off = _block_diagonal_inverse(lower, min(sub, c))
+    if c > sub:
+        nil = exact(x, off)
+        powers = [nil]
+        while 2 ** len(powers) < c // sub:
+            powers.append(exact(powers[-1], powers[-1]))
+        for p in reversed(powers[1:]):  # right to left
+            x = x + exact(p, x)
+        x = x - exact(nil, x)
+    return x
+
+
+def _prep_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, runs_ref, valid_ref, qo_ref, ko_ref, w_ref, u_ref,
+                 a_ref, e_ref, f_ref, *, c: int, ratio: int, scale: float, use_qk_l2norm: bool, masked: bool,
+                 exact):
+    """One chunk of one value head, whole-chunk tiles: the L2-normed, scaled q / k (stored by the group's first
+    value head), the gates e, f, the causal decayed ``A = q k^T``, the UT matrix ``L`` from one k k^T, its
+    inverse X (:func:`ut_inverse`, float32), ``w = X (beta e k)``, ``u = X (beta v)``.
+    The matmuls of q / k / w / u / A with operands of the output dtype, float32 accumulation."""
+    n, bh = pl.program_id(0), pl.program_id(1)
+    hv = gc_ref.shape[1]
+    b, h = bh // hv, bh % hv
+    hk = h // ratio
+    dk, dv = q_ref.shape[-1], v_ref.shape[-1]
+    dt, f32 = w_ref.dtype, jnp.float32
+    keys, vals = pl.ds(0, dk), pl.ds(0, dv)
+    start = pl.multiple_of(n * c, c)
+    prev = runs_ref[b, jnp.maximum(start - 1, 0)]  # the run of the token before the chunk
+    last = runs_ref[b, start + c - 1]
+    glast = gc_ref[b, h, start + c - 1]
+    tc = pl.ds(start, c)
+    ok = plgpu.load(valid_ref.at[b, tc])[:, None] != 0 if masked else None
+
+    def load(ref, head, cols):  # padding tokens: zero input (and no NaN from whatever they hold)
+        x = plgpu.load(ref.at[b, tc, head, cols]).astype(f32)
+        return jnp.where(ok, x, 0.0) if masked else x
+
+    def normed(ref):
+        x = load(ref, hk, keys)
+        return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + 1e-6) if use_qk_l2norm else x
+
+    gc, run, beta = plgpu.load(gc_ref.at[b, h, tc]), plgpu.load(runs_ref.at[b, tc]), plgpu.load(beta_ref.at[b, h, tc])
+    e = jnp.where(run == prev, jnp.exp(gc), 0.0)
+    plgpu.store(e_ref.at[b, h, tc], e)
+    plgpu.store(f_ref.at[b, h, tc], jnp.where(run == last, jnp.exp(glast - gc), 0.0))
+    k = normed(k_ref)
+    kd = k.astype(dt)
+    qd = (normed(q_ref) * scale).astype(dt)
+
+    @pl.when(h % ratio == 0)
+    def _():
+        plgpu.store(qo_ref.at[b, hk, tc, keys], qd)
+        plgpu.store(ko_ref.at[b, hk, tc, keys], kd)
+
+    decay = _decay(gc, run)
+    plgpu.store(a_ref.at[b, h, tc, pl.ds(0, c)], (plgpu.dot(qd, kd, trans_b=True) * decay).astype(dt))
+    row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    lower = jnp.where(row > col, beta[:, None] * plgpu.dot(k, k, trans_b=True) * decay, 0.0)
+    x = ut_inverse(lower, exact)
+    xd = x.astype(dt)
+    plgpu.store(w_ref.at[b, h, tc, keys], plgpu.dot(xd, (k * (beta * e)[:, None]).astype(dt)).astype(dt))
+    plgpu.store(u_ref.at[b, h, tc, vals], plgpu.dot(xd, (load(v_ref, h, vals) * beta[:, None]).astype(dt)).astype(dt))
+
+
+class _Gates(NamedTuple):
+    """The per-token inputs of the preparation kernels, [B, Hv, T] float32 (padding: 0), and cd [B, Hv, N]."""
+
+    gc: jax.Array  # the chunk-local cumulative log decay
+    beta: jax.Array
+    cd: jax.Array
+    valid: jax.Array  # [B, T] int32 (zeros when there are no segment ids: unread)
+
+
+def _pad_rows(x, t: int):
+    return jnp.pad(x, ((0, 0), (0, t - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+
+def _gate_inputs(g, beta, runs, valid, st: _Static) -> _Gates:
+    b, _, hv = g.shape
+    c, t = st.chunk, runs.shape[1]
+    n = t // c
+    f32 = jnp.float32
+    g, beta = g.astype(f32), beta.astype(f32)
+    if valid is not None:
+        g, beta = (jnp.where(valid[:, :, None], x, 0.0) for x in (g, beta))
+    heads = lambda x: jnp.swapaxes(_pad_rows(x, t), 1, 2)  # [B, Hv, T]
+    gc = jnp.cumsum(heads(g).reshape(b, hv, n, c), axis=-1)
+    rc = runs.reshape(b, 1, n, c)
+    prev = jnp.concatenate([rc[..., :1, :1], rc[..., :-1, -1:]], axis=-2)[..., 0]  # [B, 1, N]
+    cd = jnp.exp(jnp.where(rc[..., -1] == prev, gc[..., -1], -jnp.inf))
+    valid_t = jnp.zeros((b, t), jnp.int32) if valid is None else _pad_rows(valid.astype(jnp.int32), t)
+    return _Gates(gc.reshape(b, hv, t), heads(beta), cd, valid_t)
+
+
+def _exact_dot(st: _Static):
+    """The UT inverse's float32 matmuls: three TF32 passes on the GPU (float32 accuracy on tensor cores)."""
+    prec = jax.lax.Precision.HIGHEST if st.interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return functools.partial(plgpu.dot, precision=prec)
+
+
+def _prepare_kernel(q, k, v, g, beta, runs, valid, st: _Static) -> Prepared:
+    """q, k [B, S, Hk, Dk], v [B, S, Hv, Dv], g, beta [B, S, Hv], runs [B, T], valid [B, S] -> the recurrence
+    kernels' inputs (:class:`Prepared`), the per-chunk work in :func:`_prep_kernel` (a program per (chunk, value
+    head)), the per-token gate inputs in XLA (:func:`_gate_inputs`); q / k read by key head in their [B, S, H, D]
+    layout: :func:`_prepare` cast by :func:`_kernel_inputs`, up to rounding (the forward's; the backward
+    differentiates :func:`_prepare`)."""
+    b, _, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    c, t = st.chunk, runs.shape[1]
+    n = t // c
+    f32 = jnp.float32
+    gates = _gate_inputs(g, beta, runs, valid, st)
+    kw = dict(c=c, ratio=hv // hk, scale=st.scale, use_qk_l2norm=st.use_qk_l2norm, masked=valid is not None)
+    kernel = functools.partial(_prep_kernel, exact=_exact_dot(st), **kw)
+    dt = st.dtype
+    out_shape = (jax.ShapeDtypeStruct((b, hk, t, dk), dt), jax.ShapeDtypeStruct((b, hk, t, dk), dt),
+                 jax.ShapeDtypeStruct((b, hv, t, dk), dt), jax.ShapeDtypeStruct((b, hv, t, dv), dt),
+                 jax.ShapeDtypeStruct((b, hv, t, c), dt), jax.ShapeDtypeStruct((b, hv, t), f32),
+                 jax.ShapeDtypeStruct((b, hv, t), f32))
+    qo, ko, w, u, a, e, f = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(n, b * hv), interpret=st.interpret, name="gdn_prepare",
+        compiler_params=plgpu.CompilerParams(num_warps=st.config.prep_num_warps, num_stages=1),
+    )(_pad_rows(q.astype(dt), t), _pad_rows(k.astype(dt), t), _pad_rows(v.astype(dt), t), gates.gc, gates.beta, runs,
+      gates.valid)
+    return Prepared(qo, ko, w, u, a, e, f, gates.cd)
 
 
 # ----------------------------------------------------------------------------- the recurrence kernels
@@ -416,20 +589,27 @@ def _kernel_inputs(x: Prepared, st: _Static) -> Prepared:
     return x._replace(**{name: getattr(x, name).astype(st.dtype) for name in ("q", "k", "w", "u", "a")})
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rule(st: _Static, q, k, v, g, beta, h0, runs, valid):
-    out, state = _rule_fwd(st, q, k, v, g, beta, h0, runs, valid)[0]
-    return out, state
-
-
-def _rule_fwd(st: _Static, q, k, v, g, beta, h0, runs, valid):
-    x = _kernel_inputs(_prepare(q, k, v, g, beta, runs, valid, st), st)
+def _forward(x: Prepared, h0, q, st: _Static):
     if st.config.fused_output:
         out, state = _recurrence(x, h0, q.dtype, st, states=False)
     else:
         hs, vn, state = _recurrence(x, h0, q.dtype, st, states=True)
         out = _chunk_outputs(x, hs, vn, st).astype(q.dtype)
-    return (out[:, :q.shape[1]], state), (q, k, v, g, beta, h0, runs, valid)
+    return out[:, :q.shape[1]], state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rule(st: _Static, q, k, v, g, beta, h0, runs, valid):
+    """Not differentiated (evaluation, generation): the preparation kernel."""
+    return _forward(_prepare_kernel(q, k, v, g, beta, runs, valid, st), h0, q, st)
+
+
+def _rule_fwd(st: _Static, q, k, v, g, beta, h0, runs, valid):
+    """Differentiated: the XLA preparation, the same program as the backward's re-run of it (:func:`_rule_bwd`),
+    which XLA then computes once for both; with the kernel here the training step is slower
+    (bench/results/qwen35.md)."""
+    x = _kernel_inputs(_prepare(q, k, v, g, beta, runs, valid, st), st)
+    return _forward(x, h0, q, st), (q, k, v, g, beta, h0, runs, valid)
 
 
 def _rule_bwd(st: _Static, res, cotangents):

@@ -22,8 +22,9 @@ Per shape:
   through ``cu_seqlens``; the masks cost our kernels the same either way), and its output's max abs
   difference from the kernel path's on those unpacked rows (grouped value heads if fla takes them, else q / k
   repeated: ``fla.gva``);
-- ``breakdown_ms``: the kernel path's pieces alone (XLA preparation, forward kernel, the backward's states
-  and reverse kernels, the chunk-parallel gradients);
+- ``breakdown_ms``: the kernel path's pieces alone (:func:`breakdown`: the forward's preparation kernel, also
+  at other warps, and forward kernel; the backward's XLA preparation, chunk states, reverse kernel, chunk
+  gradients and the preparation's pullback);
 - ``sweep`` (``--sweep``): forward and forward + backward of the kernel path per tile config (block_v,
   num_warps, num_stages, fused_output).
 
@@ -66,6 +67,7 @@ SHAPES = {"proxy35": (4, 4096, 16, 32, 128, 128), "row32k": (1, 32768, 16, 32, 1
 SMOKE = {"smoke": (2, 256, 2, 4, 64, 64)}
 CHUNK = 64
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+PREP_WARPS = (4, 8)  # the preparation kernel's warps timed in the breakdown
 SWEEP = [gdn_triton.Config(block_v=bv, num_warps=w, num_stages=2, fused_output=fused)
          for fused in (True, False) for bv in (16, 32, 64) for w in (4, 8)]
 
@@ -156,7 +158,7 @@ def time_jax(fn, args, reps: int) -> dict:
     return {"median": statistics.median(times), "min": min(times), "compile_s": compile_s, "reps": reps}
 
 
-def check(x: dict, errors: list) -> dict:
+def check(x: dict, errors: list, variants=("einsum", "triton")) -> dict:
     """Max abs errors of the einsum and kernel paths against the float32 reference."""
     out = {}
     try:
@@ -165,7 +167,7 @@ def check(x: dict, errors: list) -> dict:
         out["reference_max_abs"] = {k: float(jnp.max(jnp.abs(v))) for k, v in ref.items()}
     except Exception:
         return {"reference": _error("check/reference", errors)}
-    for variant in ("einsum", "triton"):
+    for variant in variants:
         try:
             (_, (o, st)), grads = loss_and_grads(variant)(*_args(x))
             got = {"out": o.astype(jnp.float32), "state": st, **dict(zip(GRADS, grads))}
@@ -198,20 +200,28 @@ def timings(x: dict, variants, reps: int, errors: list, configs=None) -> dict:
 
 
 def breakdown(x: dict, reps: int, errors: list) -> dict:
-    """The kernel path's pieces, each jitted alone on the default config."""
+    """The kernel path's pieces, each jitted alone on the default config: the forward's preparation kernel
+    (``prepare``, also at other warps), the forward kernel; the backward's XLA preparation (``prepare_xla``),
+    chunk states, reverse kernel, chunk gradients and the preparation's pullback."""
     res = {}
     try:
-        b, s, hk, dk = x["q"].shape
+        b, s, _, dk = x["q"].shape
         t = -(-s // CHUNK) * CHUNK
         runs, valid = gdn_triton._runs(x["seg"], b, s, t)
         st = gdn_triton._Static(CHUNK, dk ** -0.5, True, None, jnp.dtype(x["q"].dtype), gdn_triton.DEFAULT_CONFIG,
                                 jax.default_backend() == "cpu")
         h0 = jnp.zeros_like(x["h0"])
-        prep = jax.jit(lambda q, k, v, g, beta: gdn_triton._kernel_inputs(
-            gdn_triton._prepare(q, k, v, g, beta, runs, valid, st), st))
         args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-        res["prepare"] = time_jax(prep, args, reps)["median"]
-        xk = prep(*args)
+        for warps in PREP_WARPS:
+            stw = st._replace(config=dataclasses.replace(st.config, prep_num_warps=warps))
+            prep = jax.jit(lambda q, k, v, g, beta, stw=stw: gdn_triton._prepare_kernel(
+                q, k, v, g, beta, runs, valid, stw))
+            name = "prepare" if warps == st.config.prep_num_warps else f"prepare_w{warps}"
+            res[name] = time_jax(prep, args, reps)["median"]
+        prep_xla = jax.jit(lambda q, k, v, g, beta: gdn_triton._kernel_inputs(
+            gdn_triton._prepare(q, k, v, g, beta, runs, valid, st), st))
+        res["prepare_xla"] = time_jax(prep_xla, args, reps)["median"]
+        xk = prep_xla(*args)
         fwd = jax.jit(lambda xx: gdn_triton._recurrence(xx, h0, x["q"].dtype, st, states=False))
         res["fwd_kernel"] = time_jax(fwd, (xk,), reps)["median"]
         states = jax.jit(lambda xx: gdn_triton._recurrence(xx, h0, x["q"].dtype, st, states=True))
@@ -376,11 +386,15 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help=f"also time {len(SWEEP)} tile configs of the kernel path")
     p.add_argument("--no-check", action="store_true", help="skip the error check against the float32 reference")
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the pieces")
+    p.add_argument("--check-on", default=None, help="the shapes checked against float32 (default: every one)")
+    p.add_argument("--variants", default="einsum,triton", help="the JAX paths timed (comma list)")
     p.add_argument("--smoke", action="store_true", help="a tiny shape, 3 reps")
     args = p.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = SMOKE if args.smoke else {n: SHAPES[n] for n in args.shapes.split(",")}
+    shapes = SMOKE if args.smoke else {n: {**SHAPES, **SMOKE}[n] for n in args.shapes.split(",")}
+    check_on = set(args.check_on.split(",")) if args.check_on else set(shapes)
     reps = 3 if args.smoke else max(10, args.reps)
     results = {"device": str(jax.devices()[0]), "backend": jax.default_backend(), "jax": jax.__version__,
                "args": vars(args), "chunk": CHUNK, "shapes": {}, "errors": []}
@@ -403,16 +417,17 @@ def main(argv=None) -> int:
         except Exception:
             r["inputs"] = _error(f"{name}/inputs", errors)
             continue
-        if not args.no_check:
-            r["check"] = check(x, errors)
-            dump()
-        r["time_ms"] = timings(x, ("einsum", "triton"), reps, errors)
+        r["time_ms"] = timings(x, args.variants.split(","), reps, errors)  # the headline first
         dump()
-        r["breakdown_ms"] = breakdown(x, reps, errors)
-        dump()
-        if not args.no_fla:
+        if not args.no_fla and name in SHAPES:
             r["time_ms"]["fla"] = fla(x, reps, errors)
             results.setdefault("fla_version", r["time_ms"]["fla"].get("version"))
+            dump()
+        if not args.no_check and name in check_on:
+            r["check"] = check(x, errors, args.variants.split(","))
+            dump()
+        if not args.no_breakdown:
+            r["breakdown_ms"] = breakdown(x, reps, errors)
             dump()
         if args.sweep and not args.smoke:
             r["sweep"] = sweep(x, reps, errors)

@@ -33,10 +33,10 @@ i+1's first token continues that sample or starts a new one: the caller zeroes t
 where ``segment_ids_{i+1}[:, 0] != segment_ids_i[:, -1]`` (a sample starting exactly on the shard
 boundary). Model code here names no mesh and no collectives.
 
-Kernels (:func:`gated_delta_rule`, ``compute.gdn_kernel``): on GPUs the chunked rule runs its recurrence in
-Pallas-Triton kernels (``parallelism.gdn_triton``: the sequential state walk in one kernel per direction, the
-intra-chunk work batched in XLA, its own backward that recomputes the chunk factors); the einsum form here is
-the CPU path and the reference the kernels are tested against. The context-parallel form
+Kernels (:func:`gated_delta_rule`, ``compute.gdn_kernel``): on GPUs the chunked rule runs in Pallas-Triton
+kernels (``parallelism.gdn_triton``: the forward's intra-chunk work in one kernel over all chunks, the
+sequential state walk in one kernel per direction, its own backward that recomputes the chunk factors in XLA);
+the einsum form here is the CPU path and the reference the kernels are tested against. The context-parallel form
 (:func:`chunk_gated_delta_rule_carry`, below) runs on the einsum path whatever the setting.
 
 Shards in parallel (:func:`chunk_gated_delta_rule_carry`): the rule is affine in its initial state,

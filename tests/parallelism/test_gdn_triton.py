@@ -1,8 +1,11 @@
 """The chunked gated delta rule's Pallas-Triton path (parallelism/gdn_triton.py, Pallas' interpret mode on CPU)
 against the float32 einsum reference (model.gated_deltanet.chunk_gated_delta_rule): outputs, final state and the
-gradients of q, k, v, g, beta and the initial state, on packed rows with uneven samples, one ending exactly on a
-chunk edge, a padding tail and a tail past the last whole chunk, for Hv = Hk and Hv = 2 Hk; the path through the
-model's dispatcher and per-device map; the config key. Tiny shapes (chunks of 16, head dims 16 / 32).
+gradients of q, k, v, g, beta and the initial state (the forward's preparation kernel and the recurrence kernels,
+the backward's XLA preparation and chunk gradients), on packed rows with uneven samples, one ending exactly on a
+chunk edge, a padding tail and a tail past the last whole chunk, for Hv = Hk (chunks of 16: one diagonal block
+of the UT inverse) and Hv = 2 Hk (chunks of 32: two blocks, the block series); the UT inverse as the kernel
+forms it and the XLA one's backward; the path through the model's dispatcher and per-device map; the config
+key. Tiny shapes (head dims 16 / 32).
 
 Tolerances are relative to scale: max |ours - ref| <= tol * max |ref|.
 """
@@ -27,7 +30,7 @@ from moevlm_jax.parallelism.logical import sharding_context
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 C = 16  # chunk
-B, S, HK, DK, DV = 2, 40, 2, 16, 32  # S: two whole chunks and a partial one
+B, HK, DK, DV = 2, 2, 16, 32
 
 
 def _rel(ours, ref) -> float:
@@ -39,25 +42,27 @@ def _row(lengths, pad):
     return np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [np.zeros(pad, int)]).astype(np.int32)
 
 
-def _problem(hv: int, seed: int = 0):
-    """q, k, v, g, beta, initial state (float32), segment ids: row 0 = samples of 7 and 9 (ending on the first
-    chunk edge), 14, then 10 padding tokens; row 1 = 23 + 17 (crossing both chunk edges)."""
+def _problem(hv: int, seed: int = 0, c: int = C):
+    """q, k, v, g, beta, initial state (float32), segment ids over S = 2c + 8 tokens (two whole chunks and a
+    partial one): row 0 = samples of 7 and c - 7 (ending on the first chunk edge), c - 2, then 10 padding
+    tokens; row 1 = c + 7 and c + 1 (crossing both chunk edges)."""
+    S = 2 * c + 8
     rng = np.random.default_rng(seed)
     q, k = (rng.standard_normal((B, S, HK, DK)) for _ in range(2))
     v = rng.standard_normal((B, S, hv, DV))
     g = -rng.uniform(0.02, 1.5, (B, S, hv))
     beta = rng.uniform(0.05, 0.95, (B, S, hv))
     h0 = 0.5 * rng.standard_normal((B, hv, DK, DV))
-    seg = np.stack([_row([7, 9, 14], 10), _row([23, 17], 0)])
+    seg = np.stack([_row([7, c - 7, c - 2], 10), _row([c + 7, c + 1], 0)])
     return tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, h0)) + (jnp.asarray(seg),)
 
 
-def _value_and_grads(kernel: str, config=None):
+def _value_and_grads(kernel: str, config=None, c: int = C):
     """jit: (q, k, v, g, beta, h0, seg, probe_out, probe_state) -> ((out, final state), grads of q, k, v, g, beta,
     h0) of sum(out * probe_out) + sum(state * probe_state)."""
 
     def loss(q, k, v, g, beta, h0, seg, po, ps):
-        kw = dict(chunk_size=C, initial_state=h0, segment_ids=seg, use_qk_l2norm=True)
+        kw = dict(chunk_size=c, initial_state=h0, segment_ids=seg, use_qk_l2norm=True)
         if kernel == "reference":
             out, state = gated_deltanet.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
         elif config is not None:
@@ -72,21 +77,22 @@ def _value_and_grads(kernel: str, config=None):
 UNFUSED = gdn_triton.Config(block_v=32, num_warps=8, fused_output=False)
 
 
-@pytest.mark.parametrize("ratio,config", [(1, None), (2, UNFUSED)],
-                         ids=["hv=hk,dispatcher", "hv=2hk,one-v-block,unfused-output"])
-def test_kernel_path_matches_the_einsum_reference(ratio, config):
+@pytest.mark.parametrize("ratio,config,c", [(1, None, 16), (2, UNFUSED, 32)],
+                         ids=["hv=hk,dispatcher,c16", "hv=2hk,one-v-block,unfused-output,c32"])
+def test_kernel_path_matches_the_einsum_reference(ratio, config, c):
     """Forward, final state and every gradient, float32: through the model's dispatcher with the automatic tiles
     (two Dv blocks of 16 a head: a small grid), and with one Dv block a program and the outputs formed in XLA from
     the stored chunk states."""
-    *args, seg = _problem(HK * ratio)
+    *args, seg = _problem(HK * ratio, c=c)
+    S = seg.shape[1]
     rng = np.random.default_rng(1)
     probes = (jnp.asarray(rng.standard_normal((B, S, HK * ratio, DV)), jnp.float32),
               jnp.asarray(rng.standard_normal((B, HK * ratio, DK, DV)), jnp.float32))
-    (_, (out, state)), grads = _value_and_grads("triton", config)(*args, seg, *probes)
-    (_, (ref_out, ref_state)), ref_grads = _value_and_grads("reference")(*args, seg, *probes)
+    (_, (out, state)), grads = _value_and_grads("triton", config, c)(*args, seg, *probes)
+    (_, (ref_out, ref_state)), ref_grads = _value_and_grads("reference", c=c)(*args, seg, *probes)
     assert out.dtype == jnp.float32 and state.shape == (B, HK * ratio, DK, DV)
     assert _rel(out, ref_out) < 1e-5 and _rel(state, ref_state) < 1e-5
-    assert not np.asarray(out)[0, 30:].any()  # padding outputs zeros
+    assert not np.asarray(out)[0, S - 10:].any()  # padding outputs zeros
     for name, got, want in zip(("q", "k", "v", "g", "beta", "h0"), grads, ref_grads):
         assert got.shape == want.shape and got.dtype == want.dtype, name
         assert _rel(got, want) < 1e-5, (name, _rel(got, want))
@@ -124,6 +130,23 @@ def test_per_device_map_runs_the_kernels_on_each_devices_rows_and_heads():
     want = jax.jit(gated_deltanet.chunk_gated_delta_rule, static_argnames=("chunk_size", "use_qk_l2norm"))(
         q, k, v, g, beta, chunk_size=C, segment_ids=seg, use_qk_l2norm=True)[0]
     assert _rel(got, want) < 1e-5
+
+
+def test_ut_inverse_is_the_triangular_inverse():
+    """The UT inverse as the kernels form it (16-row diagonal blocks by forward substitution, the block series for
+    the rest; C = 64: four blocks, the series to N^3) equals the block recursion of the einsum path, on a UT
+    matrix of correlated unit keys (the hard case: entries near 1)."""
+    rng = np.random.default_rng(4)
+    c = 64
+    k = rng.standard_normal((c, 8)) + 2.0  # correlated
+    k /= np.linalg.norm(k, axis=1, keepdims=True)
+    beta = rng.uniform(0.5, 1.0, (c, 1))
+    decay = np.exp(np.minimum(0.0, -0.01 * (np.arange(c)[:, None] - np.arange(c)[None, :])))
+    lower = jnp.asarray(np.tril(beta * (k @ k.T) * decay, -1), jnp.float32)
+    got = jax.jit(gdn_triton.ut_inverse)(lower)
+    want = jax.jit(gdn_triton.unit_lower_inverse, static_argnums=1)(lower, jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(np.asarray(got @ (jnp.eye(c) + lower), np.float64), np.eye(c), atol=1e-3)
 
 
 def test_unit_lower_inverse_backward_is_the_recursions():
