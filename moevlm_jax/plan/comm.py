@@ -98,31 +98,28 @@ def cross_host_fraction(shape: Mapping[str, int], axes: Sequence[str], devices_p
     return _cross_host_fraction(tuple(sorted(shape.items())), tuple(axes), devices_per_host)
 
 
-@functools.lru_cache(maxsize=4096)
-def _cross_host_fraction(shape_items: tuple[tuple[str, int], ...], axes: tuple[str, ...],
-                         devices_per_host: int) -> float:
-
-    shape = dict(shape_items)
+def _group_devices(shape: Mapping[str, int], axes: Sequence[str]) -> list[int]:
+    """The devices of device 0's group over ``axes`` (those differing from it only along them), numbered in mesh
+    order (``MESH_AXES``, row-major)."""
     sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
     strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
     idx = [MESH_AXES.index(a) for a in axes]
-    n = math.prod(sizes[i] for i in idx)
-    if n <= 1:
+    return [sum(c * strides[i] for c, i in zip(coords, idx))
+            for coords in itertools.product(*(range(sizes[i]) for i in idx))]
+
+
+@functools.lru_cache(maxsize=4096)
+def _cross_host_fraction(shape_items: tuple[tuple[str, int], ...], axes: tuple[str, ...],
+                         devices_per_host: int) -> float:
+    devices = _group_devices(dict(shape_items), axes)
+    if len(devices) <= 1:
         return 0.0
-    peers = 0
-    for coords in itertools.product(*(range(sizes[i]) for i in idx)):
-        dev = sum(c * strides[i] for c, i in zip(coords, idx))
-        peers += dev // devices_per_host != 0
-    return peers / (n - 1)
+    return sum(dev // devices_per_host != 0 for dev in devices) / (len(devices) - 1)
 
 
 def hosts_spanned(shape: Mapping[str, int], axes: Sequence[str], devices_per_host: int) -> int:
     """Hosts a group over ``axes`` (device 0's) spans, devices numbered as :func:`cross_host_fraction` numbers them."""
-    sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
-    strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
-    idx = [MESH_AXES.index(a) for a in axes]
-    return len({sum(c * strides[i] for c, i in zip(coords, idx)) // devices_per_host
-                for coords in itertools.product(*(range(sizes[i]) for i in idx))})
+    return len({dev // devices_per_host for dev in _group_devices(shape, axes)})
 
 
 def remote_hosts_per_token(experts: int, top_k: int, hosts: int) -> float:
