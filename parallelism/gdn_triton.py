@@ -1,7 +1,8 @@
-"""The chunked gated delta rule (Qwen3.5-MoE's Gated DeltaNet core) with the forward's chunk preparation and the
-sequential part as Pallas-Triton kernels (GPU; on CPU they run in Pallas' interpret mode for tests), forward and
-backward under one ``jax.custom_vjp``. The math, HF's conventions and the packed-row semantics are those of
-``moevlm_jax.model.gated_deltanet`` (its module docstring), whose einsum form is the reference and the CPU path.
+"""The chunked gated delta rule (Qwen3.5-MoE's Gated DeltaNet core) with the chunk preparation (where the rule is
+not differentiated) and the sequential part as Pallas-Triton kernels (GPU; on CPU they run in Pallas' interpret
+mode for tests), forward and backward under one ``jax.custom_vjp``. The math, HF's conventions and the packed-row
+semantics are those of ``moevlm_jax.model.gated_deltanet`` (its module docstring), whose einsum form is the
+reference and the CPU path.
 
 Per value head, chunks of C tokens, ``gc`` the log decay summed from the chunk start (inclusive), the state
 ``S [Dk, Dv]`` float32::
@@ -15,16 +16,19 @@ Per value head, chunks of C tokens, ``gc`` the log decay summed from the chunk s
 The decomposition (flash-linear-attention's): everything within a chunk depends on the chunk's own tokens only
 and runs for all chunks at once; only the state recurrence is sequential. So:
 
-- :func:`_prep_kernel` (Pallas, the forward's; one program per (chunk, value head)): the q/k L2 norm, the gates
-  (``e = exp(gc)``, ``f = exp(gc_C - gc)``), the causal decayed ``A = q k^T * exp(gc_i - gc_j)``, the ``[C, C]``
+- :func:`_prep_kernel` (Pallas, the undifferentiated forward's: evaluation, generation; one program per (chunk,
+  value head)): the q/k L2 norm, the gates (``e = exp(gc)``, ``f = exp(gc_C - gc)``), the causal decayed
+  ``A = q k^T * exp(gc_i - gc_j)``, the ``[C, C]``
   UT matrix and its unit lower inverse on chip (:func:`ut_inverse`: the 16-row diagonal blocks by forward
   substitution, the rest by a block series of whole-tile matmuls, float32), ``w`` and ``u``. q / k are read by
   key head (``h // (Hv / Hk)``, HF's ``repeat_interleave``), so repeated q / k never exist; the packed-row masks
   are applied here. XLA forms only the per-token inputs (the chunk-local cumulative log decay ``gc``, beta, the
   chunk decay ``cd``: :func:`_gate_inputs`).
-- :func:`_prepare` (XLA, batched over all chunks, the backward's): the same inputs in float32 (the UT inverse
-  by :func:`unit_lower_inverse`: log2(C) levels of batched matmuls, a closed-form backward), differentiated by
-  ``jax.vjp``. The q.k and k.k products are formed per *key* head and broadcast over its value heads.
+- :func:`_prepare` (XLA, batched over all chunks, training's: its forward and the backward's re-run are one
+  program, which XLA computes once; the kernel in training's forward measured slower): the same inputs in
+  float32 (the UT inverse by :func:`unit_lower_inverse`: log2(C) levels of batched matmuls, a closed-form
+  backward), differentiated by ``jax.vjp``. The q.k and k.k products are formed per *key* head and broadcast over
+  its value heads.
 - :func:`_fwd_kernel` (Pallas): one program per (value head, Dv block) walks the chunks in order with its
   ``[Dk, BV]`` float32 state tile in registers: ``v_new = u - w S``, the chunk's output ``(q e) S + A v_new`` and
   the next state, four tile matmuls a chunk and no HBM round trip of the state between chunks (``lax.scan``
@@ -208,6 +212,12 @@ class Prepared(NamedTuple):
     cd: jax.Array  # [B, Hv, N] the carried state's decay over the chunk (0 where a new run starts in it)
 
 
+def _run_before(rc: jax.Array) -> jax.Array:
+    """Runs by chunk [..., N, C] -> the run of the token before each chunk [..., N, 1] (the first chunk: its own
+    first token's): the carried state reaches a token of its run."""
+    return jnp.concatenate([rc[..., :1, :1], rc[..., :-1, -1:]], axis=-2)
+
+
 def _gates(gc: jax.Array, runs: jax.Array, hk: int) -> tuple[jax.Array, ...]:
     """gc [B, Hv, N, C] float32, runs [B, T] -> per value head, grouped [B, Hk, r, N, ...]: e = exp(gc) where the
     carried state reaches the token [.., C], f = exp(gc_C - gc) where the token's update reaches the chunk end
@@ -215,7 +225,7 @@ def _gates(gc: jax.Array, runs: jax.Array, hk: int) -> tuple[jax.Array, ...]:
     for i >= j within a run [.., C, C]: the masks of the reference."""
     b, hv, n, c = gc.shape
     rc = runs.reshape(b, 1, 1, n, c)
-    prev = jnp.concatenate([rc[..., :1, :1], rc[..., :-1, -1:]], axis=-2)  # run of the token before each chunk
+    prev = _run_before(rc)
     carry, last = rc == prev, rc == rc[..., -1:]
     g = gc.reshape(b, hk, hv // hk, n, c)
     glast = g[..., -1:]
@@ -388,7 +398,7 @@ def _gate_inputs(g, beta, runs, valid, st: _Static) -> _Gates:
     heads = lambda x: jnp.swapaxes(_pad_rows(x, t), 1, 2)  # [B, Hv, T]
     gc = jnp.cumsum(heads(g).reshape(b, hv, n, c), axis=-1)
     rc = runs.reshape(b, 1, n, c)
-    prev = jnp.concatenate([rc[..., :1, :1], rc[..., :-1, -1:]], axis=-2)[..., 0]  # [B, 1, N]
+    prev = _run_before(rc)[..., 0]  # [B, 1, N]
     cd = jnp.exp(jnp.where(rc[..., -1] == prev, gc[..., -1], -jnp.inf))
     valid_t = jnp.zeros((b, t), jnp.int32) if valid is None else _pad_rows(valid.astype(jnp.int32), t)
     return _Gates(gc.reshape(b, hv, t), heads(beta), cd, valid_t)
