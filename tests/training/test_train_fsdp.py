@@ -1,9 +1,10 @@
 """The train step under FSDP against a single-device reference: the tiny model on real VQA batches
 (images included) gives the same losses, gradient norms and parameters on 1 device (MBS 8), under
-FSDP over 8 CPU devices (MBS 1), and with gradient accumulation 4 x MBS 1 on a 2-device FSDP mesh
-(= MBS 4 per rank = the same 8-row global batch), and 2 devices at MBS 4 with the images balanced over each
-rank's vision rows (``data.balance_vision_rows``), and unrolled layers under FSDP over 8 devices (each layer's
-weight gradient behind its own barrier, the gradient norm summed per layer). The router aux loss is off in the
+FSDP over 8 CPU devices (MBS 1) with unrolled layers (each layer's weight gradient behind its own barrier, the
+gradient norm summed per layer; the scanned layers under FSDP over 8 devices train as one device in
+tests/parallelism/test_layouts.py), with gradient accumulation 4 x MBS 1 on a 2-device FSDP mesh (= MBS 4 per
+rank = the same 8-row global batch), and 2 devices at MBS 4 with the images balanced over each rank's vision rows
+(``data.balance_vision_rows``). The router aux loss is off in the
 objective here because Megatron-style accumulation computes it per microbatch (the logged HF aux loss is still
 compared between 1 and 8 devices). One test function, so that pytest-xdist runs them all on one
 worker and the reference is computed once."""
@@ -66,8 +67,10 @@ def test_fsdp_and_accumulation_match_one_device(tmp_path):
     assert records[-1]["ce_loss"] < records[0]["ce_loss"] - 0.5  # it trains (lr 3e-3 on the same small set)
     assert [r["trained_tokens"] for r in records] == [float((b["loss_mask"] > 0).sum()) for b in batches]
 
-    # FSDP over 8 devices, MBS 1; initialised directly sharded (same values: partitionable RNG)
-    fsdp = _trainer(8)
+    # FSDP over 8 devices, MBS 1, unrolled layers (compute.scan_layers false): the per-layer gradient barriers
+    # (layers.materialised_grad) and the gradient norm summed per layer (trainer._norm_pieces) change nothing;
+    # initialised directly sharded (same values: partitionable RNG)
+    fsdp = _trainer(8, scan_layers=False)
     assert fsdp.data_parallel_size == 8
     shardings = fsdp.state_shardings
     embed = shardings["params"]["language_model"]["embed_tokens"]
@@ -96,7 +99,3 @@ def test_fsdp_and_accumulation_match_one_device(tmp_path):
     moved = [((b["patch_dest"] // s) != 0) & (b["patch_segment_ids"] > 0) for b in balanced]
     assert any(m.any() for m in moved)  # some image is in another row's vision row
     _assert_same_run(_train(_trainer(2), balanced, params=initial), reference)
-
-    # unrolled layers (compute.scan_layers false), FSDP over 8 devices: the per-layer gradient barriers
-    # (layers.materialised_grad) and the gradient norm summed per layer (trainer._norm_pieces) change nothing
-    _assert_same_run(_train(_trainer(8, scan_layers=False), batches, params=initial), reference)
