@@ -119,7 +119,7 @@ def compile_step(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: in
                  grad_accum: int = 1, devices: Sequence[Any] | None = None, mesh: Any = None, optimizer: Any = None,
                  capacity: int | None = None, compiler_options: Mapping[str, Any] | None = None,
                  frozen: Sequence[str] = (), param_groups: Mapping[str, Sequence[str]] | None = None,
-                 bounded: bool = True) -> CompiledStep:
+                 bounded: bool = True, dest: bool = False, steps: int = 1000) -> CompiledStep:
     """Compile (never run) the train step for this setting: the memory fields per device plus ``compile_s``
     and the setting (``.report``), and the executable. ``model``/``layout``: configs or names; ``compute`` a
     ComputeConfig or a mapping of its fields; ``mesh``: the layout's mesh built by the caller (e.g. hybrid over
@@ -128,19 +128,21 @@ def compile_step(model: Any, layout: Any, compute: Any, *, mbs: int, seq_len: in
     ``frozen`` / ``param_groups``: frozen parameter groups as ``Trainer.create`` takes them (no gradients
     or optimizer state for them: ``train.freeze_*``); ``bounded``: the batch within cuDNN's ragged bound
     (``compute.attention_options``: the step the trainer runs for such batches; False: the dense-mask
-    fallback's step, much larger on the H200's proxy, bench/results/attention.md)."""
+    fallback's step, much larger on the H200's proxy, bench/results/attention.md); ``dest``: the batch carries
+    ``patch_dest`` (``data.balance_vision_rows``), as the run's batches then do; ``steps``: the run's length (the
+    learning-rate schedule's, a constant of the program)."""
     model = model if isinstance(model, CONFIG_TYPES) else load_model_config(model)  # any family
     layout = load_layout(layout) if isinstance(layout, str) else layout
     compute = compute if isinstance(compute, ComputeConfig) else ComputeConfig.from_dict(compute)
     patches = default_patches(seq_len) if patches is None else patches
     devices = list(mesh.devices.flat) if mesh is not None else list(devices if devices is not None else jax.devices())
-    trainer = Trainer.create(model, compute, layout, optimizer or OptimizerConfig(), steps=1000,
+    trainer = Trainer.create(model, compute, layout, optimizer or OptimizerConfig(), steps=steps,
                              grad_accum=grad_accum, devices=devices, mesh=mesh, frozen=frozen,
                              param_groups=param_groups)
     validate_layout(model, layout, trainer.mesh, batch_size=mbs * trainer.data_parallel_size, seq_len=seq_len)
     t0 = time.perf_counter()
-    lowered = lower_step(trainer, trainer.abstract_state(), trainer.abstract_batch(mbs, seq_len, patches), capacity,
-                         bounded)
+    lowered = lower_step(trainer, trainer.abstract_state(), trainer.abstract_batch(mbs, seq_len, patches, dest),
+                         capacity, bounded)
     compiled = lowered.compile(dict(compiler_options)) if compiler_options else lowered.compile()
     fields = memory_fields(compiled)
     report = {"model": model.name, "layout": layout.name, "devices": len(devices), "mbs": mbs,

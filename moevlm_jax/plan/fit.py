@@ -31,7 +31,9 @@ from moevlm_jax.plan.search import (
     valid,
 )
 from moevlm_jax.plan.time import H200
+from moevlm_jax.training.compile_policy import CompilePolicy
 from moevlm_jax.training.config import OptimizerConfig
+from moevlm_jax.training.objective import largest_capacity
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,15 @@ log = logging.getLogger(__name__)
 def compile_candidate(c: Candidate, w: Workload, devices: Sequence[Any] | None = None, *, compute: Any = None,
                       optimizer: Any = None, patches: int | None = None,
                       compiler_options: Mapping[str, Any] | None = None, hosts: Sequence[int] | None = None,
-                      ) -> CompiledStep:
+                      ahead: bool = False, dest: bool = False, steps: int = 1000) -> CompiledStep:
     """The candidate's train step compiled (never run) on ``devices`` (default: all; their count must be the
     workload's; ``hosts``: each device's host, for a mesh hybrid over hosts as a multi-host run builds it):
     ``.report`` holds XLA's memory analysis (``memory_report``) and the analytic estimate for the same
-    backend, ``.compiled`` the executable."""
+    backend, ``.compiled`` the executable. ``ahead``: the loss capacity a run compiling ahead reserves
+    (``train.compile: ahead``: the largest short of whole rows) in place of the planner's expected one, and
+    ``dest`` its batches' ``patch_dest``, ``steps`` its length (the schedule's): the check then compiles the very
+    program the run compiles next (with ``train.compilation_cache_dir``, the run loads it: one compile of the
+    step, not two)."""
     devices = list(devices if devices is not None else jax.devices())[: w.devices]
     if len(devices) < w.devices:
         raise ValueError(f"{w.devices} devices needed for the compiled check, {len(devices)} present "
@@ -55,8 +61,9 @@ def compile_candidate(c: Candidate, w: Workload, devices: Sequence[Any] | None =
     mesh = c.layout.make_mesh(devices, list(hosts)[: w.devices]) if hosts is not None else None
     step = compile_step(w.model, c.layout, comp, mbs=c.mbs, seq_len=w.seq, patches=w.patches if patches is None
                         else patches, grad_accum=c.grad_accum, devices=devices, mesh=mesh, optimizer=opt,
-                        capacity=knobs.loss_capacity, frozen=("vision_model",) if c.freeze_vision else (),
-                        compiler_options=compiler_options)
+                        capacity=largest_capacity(c.mbs * w.seq) if ahead else knobs.loss_capacity,
+                        frozen=("vision_model",) if c.freeze_vision else (), compiler_options=compiler_options,
+                        dest=dest, steps=steps)
     same = dataclasses.replace(w, platform="gpu" if platform == "gpu" else "cpu")
     g = candidate_geometry(c, same)
     step.report["analytic_same_backend_bytes"] = estimate_memory(same.model, g, knobs_of(c, same, compute)).total
@@ -66,11 +73,13 @@ def compile_candidate(c: Candidate, w: Workload, devices: Sequence[Any] | None =
 
 def compiled_memory(c: Candidate, w: Workload, devices: Sequence[Any] | None = None, *, compute: Any = None,
                     optimizer: Any = None, patches: int | None = None,
-                    compiler_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    compiler_options: Mapping[str, Any] | None = None, ahead: bool = False,
+                    dest: bool = False, steps: int = 1000) -> dict[str, Any]:
     """XLA's compiled memory analysis of the candidate's train step (``memory_report``) on ``devices``
-    (default: all; their count must be the workload's), plus the analytic estimate for the same backend."""
+    (default: all; their count must be the workload's), plus the analytic estimate for the same backend
+    (``ahead`` / ``dest`` / ``steps``: :func:`compile_candidate`'s)."""
     return compile_candidate(c, w, devices, compute=compute, optimizer=optimizer, patches=patches,
-                             compiler_options=compiler_options).report
+                             compiler_options=compiler_options, ahead=ahead, dest=dest, steps=steps).report
 
 
 def check_compiled(estimates: Sequence[Estimate], w: Workload, top: int, devices: Sequence[Any] | None = None,
@@ -168,6 +177,11 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
         w = dataclasses.replace(w, device_memory_gib=limit_dev / GIB / w.hw.usable_fraction)
     allow = set(allow)
     compute = cfg.compute
+    # a run that compiles its step ahead (train.compile: ahead) compiles it at its reserved patch bucket and loss
+    # capacity: the compiled checks take the same shapes, so that the run's compile is the check's program
+    policy = CompilePolicy.from_config(cfg, evaluates=False)
+    shapes = dict(patches=policy.bucket, ahead=True, dest=policy.balance_vision_rows) if policy.ahead else {}
+    shapes["steps"] = cfg.train.steps
     current = estimate(candidate_of(cfg, len(devices)), w, compute)
     band = compile if isinstance(compile, tuple) else ((0.0, float("inf")) if compile else None)
 
@@ -178,7 +192,7 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     if in_doubt(current):
         try:
             current.compiled = compiled_memory(current.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
-                                               compiler_options=compiler_options)
+                                               compiler_options=compiler_options, **shapes)
             compiled_total = float(current.compiled["total_bytes"])
         except Exception as err:  # noqa: BLE001 - fall back to the estimate, say so
             current.compiled = {"error": f"{type(err).__name__}: {err}"[:300]}
@@ -201,7 +215,7 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
         if in_doubt(e):
             try:
                 e.compiled = compiled_memory(e.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
-                                             compiler_options=compiler_options)
+                                             compiler_options=compiler_options, **shapes)
             except Exception as err:  # noqa: BLE001
                 e.compiled = {"error": f"{type(err).__name__}: {err}"[:300]}
                 continue

@@ -6,7 +6,10 @@ with the tiny model and real VQA images, under a deliberately small per-device m
   keeps the global batch, saves the changed settings in its config.yaml, and trains; the planner
   judges the changed run to fit the same limit;
 - where nothing fits, the command stops with exit status 2 and the planner's table;
-- ``--no-auto-fit`` runs the recipe as written (no plan, no change).
+- ``--no-auto-fit`` runs the recipe as written (no plan, no change);
+- a run that compiles its step ahead (``train.compile: ahead``) whose fit is in doubt: the compiled check
+  compiles the run's own program (its patch bucket, loss capacity and schedule), so that with
+  ``train.compilation_cache_dir`` the run loads it: the step compiled once, not twice.
 """
 
 from __future__ import annotations
@@ -102,3 +105,36 @@ def test_nothing_fits_stops_with_the_table_and_no_auto_fit_keeps_the_recipe(tmp_
 _SUMMARY = {"run_dir": "r", "start_step": 0, "end_step": 0, "steps": STEPS, "wall_s": 0.0, "compiles": 0,
             "loss_first": None, "loss_last": None, "first_step": None, "last_step": None, "tokens_per_s": None,
             "tflops_per_device": None, "skipped_updates": 0, "data": {}, "evals": []}
+
+
+def test_the_compiled_check_is_the_program_the_run_compiles_ahead(tmp_path, capsys):
+    import jax.monitoring
+
+    recipe = tmp_path / "recipe.yaml"
+    cache = tmp_path / "jax_cache"
+    recipe.write_text(yaml.safe_dump({
+        "name": "autofit-ahead", "model": "tiny", "layout": "fsdp", "data": data_config(), "compute": COMPUTE,
+        "optimizer": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {"steps": 1, "global_batch_size": 8, "seq_len": SEQ_LEN, "eval_every": 0, "eval_batches": 0,
+                  "checkpointing": False, "tensorboard": False, "show_answers": 0, "compile": "ahead",
+                  "compilation_cache_dir": str(cache)},
+    }))
+    cfg = load_config(str(recipe), num_devices=8)
+    estimated = fit(cfg, jax.devices(), device_memory_gib=1000.0, compile=False).current.memory.total
+    limit_gib = estimated / 2**30 / H200.usable_fraction  # the estimate at the usable memory: in doubt, compiled
+    hits = []
+
+    def listen(event, **_):
+        hits.append(event)
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        assert main(["--recipe", str(recipe), "--run-dir", str(tmp_path / "run"), "--device-memory", str(limit_gib),
+                     "--quiet"]) == 0
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+    assert "auto-fit" not in capsys.readouterr().out  # it fits as written (XLA's figure decided)
+    steps = [p for p in cache.iterdir() if p.name.startswith("jit__train_step")]
+    # one train-step program in the cache: the check's compile, which the run's compile ahead loaded
+    assert len(steps) == 1 and hits.count("/jax/compilation_cache/cache_hits") >= 1, (steps, hits)
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1]
