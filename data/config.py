@@ -55,6 +55,25 @@ class ImageConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VideoConfig:
+    """Qwen-VL video processing (HF ``Qwen3VLVideoProcessor``'s defaults): frames sampled at ``fps``, resized
+    together within a pixel budget over all frames, paired into temporal patches (``image.temporal_patch_size``)."""
+
+    fps: float = 2.0  # frames sampled per second of video (HF's fps)
+    min_frames: int = 4  # fewest frames sampled (fewer when the clip has fewer)
+    # most frames sampled: a longer clip is sampled down to this many, evenly over its whole length (HF's
+    # max_frames: the clip is never cut short); bounds a clip's patches with max_pixels
+    max_frames: int = 768
+    # smallest / largest resized area of all sampled frames together (HF's size.shortest_edge / longest_edge:
+    # the frames share one size, chosen from height x width x frame count)
+    min_pixels: int = 131072
+    max_pixels: int = 786432
+    # frame rate assumed where the source gives none (a folder of frames; HF's fallback)
+    default_fps: float = 24.0
+    max_decode_frames: int = 100_000  # refuse to read a clip of more frames than this (counted as corrupt_video)
+
+
+@dataclasses.dataclass(frozen=True)
 class VqaConfig:
     """The built-in procedural VQA scenes (``data.vqa``; generated once into the cache directory)."""
 
@@ -178,6 +197,7 @@ class DataConfig:
     balance_vision_rows: bool = False  # balance images over the vision rows of each row group
     balance_group: int = 0  # rows per balancing group (in a run: derived, train.micro_batch_size; 0: all rows)
     image: ImageConfig = ImageConfig()  # Qwen-VL image processing
+    video: VideoConfig = VideoConfig()  # Qwen-VL video processing (decoding with PyAV, frame sampling, resize)
     tokenizer: str = "qwen3"  # "qwen3" (offline BPE ranks) or a path to a tokenizer.json
     system_prompt: str | None = None  # a system turn before every conversation (null: none)
     workers: int = 0  # grain worker processes (0: in the calling process)
@@ -263,6 +283,14 @@ def validate(cfg: DataConfig) -> None:
                          f"but the largest patch bucket is {cfg.max_patches}")
     if len(img.image_mean) != 3 or len(img.image_std) != 3 or min(img.image_std) <= 0:
         raise ValueError("data.image.image_mean / image_std need 3 values, std > 0")
+    vid = cfg.video
+    if not (vid.fps > 0 and vid.default_fps > 0 and 1 <= vid.min_frames <= vid.max_frames <= vid.max_decode_frames):
+        raise ValueError(f"data.video: need fps ({vid.fps}) and default_fps ({vid.default_fps}) > 0 and 1 <= "
+                         f"min_frames ({vid.min_frames}) <= max_frames ({vid.max_frames}) <= max_decode_frames "
+                         f"({vid.max_decode_frames})")
+    if not 0 < vid.min_pixels <= vid.max_pixels:
+        raise ValueError(f"data.video.min_pixels: need 0 < min_pixels ({vid.min_pixels}) <= max_pixels "
+                         f"({vid.max_pixels})")
     if cfg.workers < 0 or cfg.read_threads < 0 or cfg.read_buffer < 1 or cfg.worker_buffer < 1:
         raise ValueError(f"data.workers ({cfg.workers}) / read_threads ({cfg.read_threads}) must be >= 0 and "
                          "read_buffer / worker_buffer >= 1")

@@ -41,7 +41,8 @@ from moevlm_jax.data.sources import build_source
 log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 2: logical data shards (streams)
 HOST_KEYS = ("stats", "sample_index", *EVAL_KEYS)
-_TOTAL_KEYS = ("samples", "images", "tokens", "useful_tokens", "trained_tokens", "patch_slots", "useful_patches")
+_TOTAL_KEYS = ("samples", "images", "videos", "tokens", "useful_tokens", "trained_tokens", "patch_slots",
+               "useful_patches")
 
 
 class _Read:
@@ -116,7 +117,7 @@ class _Stream:
     def set_state(self, state: Mapping[str, Any]) -> None:
         self.iterator().set_state(state["grain"])
         self.batches = int(state["batches"])
-        self.totals = {k: int(state["totals"][k]) for k in _TOTAL_KEYS}
+        self.totals = {k: int(state["totals"].get(k, 0)) for k in _TOTAL_KEYS}  # "videos": absent in older states
         self.skipped = collections.Counter(state["skipped"])
 
     def close(self) -> None:
@@ -143,7 +144,7 @@ def merge_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
                                                                                              0)] * (a.ndim - axis - 2),
                              constant_values=fill) for a in arrays]
         out[key] = np.concatenate(arrays, axis=axis)
-    summed = ("rows", "samples", "images", "tokens", "useful_tokens", "trained_tokens", "useful_patches")
+    summed = ("rows", "samples", "images", "videos", "tokens", "useful_tokens", "trained_tokens", "useful_patches")
     stats = {k: sum(b["stats"][k] for b in parts) for k in summed}
     stats["patch_bucket"] = max(b["stats"].get("patch_bucket", 0) for b in parts)
     stats["patch_slots"] = stats["rows"] * stats["patch_bucket"]
@@ -352,7 +353,8 @@ def build_loader(
             grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.read_buffer))
         dataset: grain.IterDataset = PackedBatchDataset(samples, stream_cfg, pad_id=processor.tokenizer.pad_id,
                                                         eval_mode=eval_mode,
-                                                        image_id=processor.tokenizer.special_id("<|image_pad|>"))
+                                                        visual_ids=[processor.tokenizer.special_id(t) for t in
+                                                                    ("<|image_pad|>", "<|video_pad|>")])
         if cfg.workers > 0:
             _absl_flags_parsed()
             dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.workers,
