@@ -54,12 +54,17 @@ def prepare_entry(entry: Any, image_root: Path, image_cfg: ImageConfig, decode_c
             raise RecordError("unparsable JSON line")
         if isinstance(entry, dict) and "messages" in entry and "images" in entry and "meta" in entry:
             messages, paths, meta = entry["messages"], [i["path"] for i in entry["images"]], entry["meta"]
+            videos = []
         else:
             messages, paths, videos, meta = from_llava(entry)
-            if videos:  # the record format holds encoded images only
-                raise UnsupportedMedia("an entry with video cannot be written to ArrayRecord shards yet: train from "
-                                       "the JSON file itself (--data FILE.json decodes its videos)")
-        n = validate_messages(messages).count("image")
+        kinds = validate_messages(messages)
+        if kinds.count("video") != len(videos):
+            raise ConversationError("video_count_mismatch",
+                                    f"{kinds.count('video')} video placeholders but {len(videos)} videos")
+        if videos:  # the record format holds encoded images only
+            raise UnsupportedMedia("an entry with video cannot be written to ArrayRecord shards yet: train from "
+                                   "the JSON file itself (--data FILE.json decodes its videos)")
+        n = kinds.count("image")
         if n != len(paths):
             raise ConversationError("image_count_mismatch", f"{n} image placeholders but {len(paths)} images")
         images = []
