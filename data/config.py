@@ -64,10 +64,9 @@ class VideoConfig:
     # most frames sampled: a longer clip is sampled down to this many, evenly over its whole length (HF's
     # max_frames: the clip is never cut short); bounds a clip's patches with max_pixels
     max_frames: int = 768
-    # smallest / largest resized area of all sampled frames together (HF's size.shortest_edge / longest_edge:
-    # the frames share one size, chosen from height x width x frame count)
-    min_pixels: int = 131072
-    max_pixels: int = 786432
+    # the frames share one size, chosen so that frames x height x width lies within [min_pixels, max_pixels]
+    min_pixels: int = 131072  # smallest resized area of all sampled frames together (HF's size.shortest_edge)
+    max_pixels: int = 786432  # largest resized area of all sampled frames together (HF's size.longest_edge)
     # frame rate assumed where the source gives none (a folder of frames; HF's fallback)
     default_fps: float = 24.0
     max_decode_frames: int = 100_000  # refuse to read a clip of more frames than this (counted as corrupt_video)

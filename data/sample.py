@@ -62,6 +62,29 @@ def is_skip(sample: Mapping[str, Any]) -> bool:
     return "skip" in sample
 
 
+def read_record(raw: Any) -> dict[str, Any]:
+    """What a source yields -> the in-memory record ``{"messages", "images", "videos", "meta"}``: an ArrayRecord
+    entry (bytes), a LLaVA / messages JSON entry (``{"llava": entry, "image_root": ...}``; paths made absolute) or a
+    record already. Raises ``RecordError`` (``UnsupportedMedia`` for audio)."""
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        return decode_record(bytes(raw))
+    if isinstance(raw, Mapping) and "llava" in raw:
+        if raw["llava"] is None:
+            raise RecordError("unparsable JSON line")
+        messages, paths, videos, meta = from_llava(raw["llava"])
+        root = raw.get("image_root")
+
+        def rooted(p: str) -> str:
+            return str(Path(root) / p) if root and not Path(p).is_absolute() else p
+
+        images = [{"path": rooted(p)} for p in paths]
+        clips = [{"path": rooted(v) if isinstance(v, str) else [rooted(f) for f in v]} for v in videos]
+        return {"messages": messages, "images": images, "videos": clips, "meta": meta}
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    raise RecordError(f"record of type {type(raw).__name__}")
+
+
 class SampleProcessor:
     """Callable ``(index, raw record) -> sample | skip``; picklable (tokenizer loaded lazily per process)."""
 
@@ -102,23 +125,7 @@ class SampleProcessor:
     # -- internals ---------------------------------------------------------------------------------
 
     def _record(self, raw: Any) -> dict[str, Any]:
-        if isinstance(raw, (bytes, bytearray, memoryview)):
-            return decode_record(bytes(raw))
-        if isinstance(raw, Mapping) and "llava" in raw:
-            if raw["llava"] is None:
-                raise RecordError("unparsable JSON line")
-            messages, paths, videos, meta = from_llava(raw["llava"])
-            root = raw.get("image_root")
-
-            def rooted(p: str) -> str:
-                return str(Path(root) / p) if root and not Path(p).is_absolute() else p
-
-            images = [{"path": rooted(p)} for p in paths]
-            clips = [{"path": rooted(v) if isinstance(v, str) else [rooted(f) for f in v]} for v in videos]
-            return {"messages": messages, "images": images, "videos": clips, "meta": meta}
-        if isinstance(raw, Mapping):
-            return dict(raw)
-        raise RecordError(f"record of type {type(raw).__name__}")
+        return read_record(raw)
 
     def _image_bytes(self, ref: Any) -> bytes:
         if isinstance(ref, (bytes, bytearray)):

@@ -152,3 +152,20 @@ def test_convert_counts_video_and_audio_entries(tmp_path):
                                         else "video_count_mismatch"), detail
     with pytest.raises(UnsupportedMedia):
         from_llava({"conversations": [{"from": "human", "value": "<audio> hi"}, {"from": "gpt", "value": "x"}]})
+
+
+def test_read_record_roots_llava_media(tmp_path):
+    """What the answers hook and the sample processor read: a JSON entry's image and video paths made absolute
+    (a frame list each), a shard entry decoded; an unparsable line is a RecordError, not a crash."""
+    from moevlm_jax.data.records import encode_record
+    from moevlm_jax.data.sample import read_record
+
+    entry = {"messages": [{"role": "user", "content": [{"type": "video", "video": ["f1.png", "/abs/f2.png"]},
+                                                       {"type": "image", "image": "a.jpg"}]},
+                          {"role": "assistant", "content": ANSWER}], "videos": None}
+    record = read_record({"llava": entry, "image_root": str(tmp_path)})
+    assert record["images"] == [{"path": str(tmp_path / "a.jpg")}]
+    assert record["videos"] == [{"path": [str(tmp_path / "f1.png"), "/abs/f2.png"]}]
+    assert read_record(encode_record(record["messages"], [b"x"]))["images"] == [b"x"]
+    with pytest.raises(RecordError):
+        read_record({"llava": None})
