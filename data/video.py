@@ -25,6 +25,7 @@ sample is counted as skipped, never trained on its text alone.
 
 from __future__ import annotations
 
+import io
 import math
 import re
 from collections.abc import Sequence
@@ -53,6 +54,18 @@ class Clip:
     indices: np.ndarray  # int [n], their indices in the source
     fps: float  # the source's frame rate (default_fps where it has none)
     total: int  # frames in the source
+    at_fps: int = 0  # frames sampling at data.video.fps would take: above max_frames, the clip was sampled down
+
+    @property
+    def sampled_down(self) -> bool:
+        """Fewer frames than ``data.video.fps`` asks for: the clip is longer than ``max_frames / fps`` seconds."""
+        return self.at_fps > len(self.indices)
+
+
+def frames_at_fps(total: int, source_fps: float | None, cfg: VideoConfig) -> int:
+    """Frames sampling at ``cfg.fps`` takes from a clip of ``total`` frames (before ``max_frames`` bounds it)."""
+    fps_in = cfg.default_fps if not source_fps else float(source_fps)
+    return min(max(int(total / fps_in * cfg.fps), cfg.min_frames), total)
 
 
 def sample_frame_indices(total: int, source_fps: float | None, cfg: VideoConfig) -> np.ndarray:
@@ -126,14 +139,17 @@ def _read_frames(files: Sequence[Path], cfg: VideoConfig, image_cfg: ImageConfig
             raise VideoSkip("corrupt_video", f"frame {files[i]}: {e}") from None
     if len({f.shape for f in frames}) > 1:
         raise VideoSkip("corrupt_video", f"frames differ in size: {sorted({f.shape[:2] for f in frames})}")
-    return Clip(np.stack(frames), indices, cfg.default_fps, len(files))
+    return Clip(np.stack(frames), indices, cfg.default_fps, len(files), frames_at_fps(len(files), None, cfg))
 
 
-def _decode_file(path: Path, cfg: VideoConfig) -> Clip:
+def _decode_file(path: Path | bytes, cfg: VideoConfig) -> Clip:
     import av  # PyAV; imported here so that image-only pipelines never load FFmpeg
 
+    source = io.BytesIO(path) if isinstance(path, bytes) else str(path)
+    if isinstance(path, bytes):
+        path = f"video of {len(path)} bytes"  # its name in messages
     try:
-        with av.open(str(path)) as container:
+        with av.open(source) as container:
             if not container.streams.video:
                 raise VideoSkip("corrupt_video", f"{path} has no video stream")
             stream = container.streams.video[0]
@@ -166,12 +182,18 @@ def _decode_file(path: Path, cfg: VideoConfig) -> Clip:
     if len(frames) < len(wanted):
         raise VideoSkip("corrupt_video", f"{path}: decoded {len(frames)} of the {len(wanted)} sampled frames "
                                          f"(the stream claims {total})")
-    return Clip(np.stack([frames[int(i)] for i in indices]), indices, fps or cfg.default_fps, total)
+    return Clip(np.stack([frames[int(i)] for i in indices]), indices, fps or cfg.default_fps, total,
+                frames_at_fps(total, fps, cfg))
 
 
-def decode_video(ref: str | Path | Sequence[str | Path], cfg: VideoConfig, image_cfg: ImageConfig) -> Clip:
-    """A video file (any container FFmpeg reads: mp4, webm, mkv, avi, ...), a folder of frame images or a list of
-    frame image paths -> the sampled frames (uint8 RGB). Raises :class:`VideoSkip` with the reason."""
+def decode_video(ref: str | Path | bytes | Sequence[str | Path], cfg: VideoConfig, image_cfg: ImageConfig) -> Clip:
+    """A video file (any container FFmpeg reads: mp4, webm, mkv, avi, ...), its encoded bytes (a record's payload),
+    a folder of frame images or a list of frame image paths -> the sampled frames (uint8 RGB). Raises
+    :class:`VideoSkip` with the reason."""
+    if isinstance(ref, (bytes, bytearray, memoryview)):
+        if not len(ref):
+            raise VideoSkip("corrupt_video", "video of zero bytes")
+        return _decode_file(bytes(ref), cfg)
     if not isinstance(ref, (str, Path)):
         return _read_frames([Path(p) for p in ref], cfg, image_cfg)
     path = Path(ref)

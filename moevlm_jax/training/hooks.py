@@ -268,11 +268,10 @@ def answers(cfg: RunConfig, state: Any, count: int) -> list[dict[str, Any]] | No
             record = read_record(source[i])
         except RecordError:
             continue  # counted by the pipeline; nothing to ask
-        if record.get("videos"):  # generation takes images only
-            continue
         questions += inference.record_questions(record)[: count - len(questions)]
     model = inference.model_for_generation(cfg.model, cfg.compute, state["params"])
     rows = inference.answer_questions(model, load_tokenizer(cfg.data.tokenizer), questions, image_config=cfg.data.image,
-                                      system_prompt=cfg.data.system_prompt, max_new_tokens=16)
+                                      video_config=cfg.data.video, system_prompt=cfg.data.system_prompt,
+                                      max_new_tokens=16)
     log.info("answers: %d held-out questions generated (%.1fs)", len(rows), time.perf_counter() - t)
     return rows
