@@ -138,7 +138,8 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
         if balance:
             out["patch_dest"] = np.zeros((b, p), np.int32)
     sample_index = np.full((b, max((len(r) for r in rows), default=0)), -1, np.int64)
-    images = videos = 0
+    images = videos = down = 0
+    note = None
     # per decoder row, per image (in order): (its patches, its grid, where its tokens sit in the row)
     row_images: list[list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]] = []
     for r, row in enumerate(rows):
@@ -168,6 +169,8 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
                     q, tok = q + n, tok + n // unit
                 images += len(sizes) - int(x.get("videos", 0))
                 videos += int(x.get("videos", 0))
+                down += int(x.get("sampled_down", 0))
+                note = note or x.get("sampled_down_note")
             sample_index[r, k] = x["index"]
             t += length
         row_images.append(mine)
@@ -197,6 +200,7 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
         "samples": int(sum(len(r) for r in rows)),
         "images": images,
         "videos": videos,
+        "videos_sampled_down": down,
         "tokens": b * s,
         "useful_tokens": useful,
         "trained_tokens": int(out["loss_mask"].sum()),
@@ -206,6 +210,8 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
         "patch_fill": useful_patches / (b * p) if p else 0.0,
         "patch_bucket": p,
     }
+    if note:
+        out["stats"]["sampled_down_note"] = note  # the first video sampled down to max_frames
     return out
 
 

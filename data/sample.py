@@ -12,7 +12,9 @@ A sample is a dict of numpy arrays (``L`` tokens, ``N`` patches, ``n`` images an
     answer_type int16 [L] (question type id of that turn, -1 = none);
     patches uint8 [N, 3*p*p] (compact, see data.image; [N, 3*T*p*p] in a sample with a video, whose rows hold
     their own frames, see data.video); grids int32 [n, 3] (images and videos in prompt order: their patches,
-    and their tokens, follow each other in that order); videos int (how many of the n are videos); index int
+    and their tokens, follow each other in that order); videos int (how many of the n are videos); index int;
+    with a video longer than ``data.video.max_frames / fps`` seconds: sampled_down int (how many such videos were
+    sampled down to max_frames) and sampled_down_note str (what the first was)
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from moevlm_jax.data.image import ImageSkip, decode_image, process_image
 from moevlm_jax.data.mrope import mrope_position_ids
 from moevlm_jax.data.records import RecordError, UnsupportedMedia, decode_record, from_llava
 from moevlm_jax.data.tokenizer import Tokenizer, load_tokenizer
-from moevlm_jax.data.video import decode_video, process_video
+from moevlm_jax.data.video import Clip, decode_video, process_video
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +52,41 @@ SKIP_REASONS = {
     "unsupported_media": "sample holds audio, not supported yet (never trained as text alone)",
     "no_assistant": "conversation has no assistant turn",
     "too_long": "sample has more tokens than seq_len",
-    "too_many_patches": "sample has more patches than the largest patch bucket",
+    "too_many_patches": "sample has more patches than the largest patch bucket (a video: its frames x patches a "
+                        "frame pair; lower data.video.max_frames / max_pixels)",
     "processing_error": "unexpected error while processing (logged)",
 }
 # Question types of the built-in VQA set; ``answer_type`` ids index this tuple.
 _MAX_ERROR_LOGS = 5
+
+
+def too_many_patches(grids: np.ndarray, order: list[str], cfg: DataConfig) -> str:
+    """The reason a sample's media exceed the largest patch bucket; a video's names its frames, patches a frame pair
+    and the settings that bound them."""
+    counts = grids.prod(axis=1).astype(int)
+    total = int(counts.sum())
+    videos = [(g, int(n)) for g, n, kind in zip(grids.tolist(), counts, order) if kind == "video"]
+    if not videos:
+        return f"{total} patches > the largest patch bucket {cfg.max_patches}"
+    t = cfg.image.temporal_patch_size
+    parts = ", ".join(f"{g[0] * t} frames ({g[0]} frame pairs x {g[1] * g[2]} patches) = {n} patches"
+                      for g, n in videos)
+    return (f"video: {parts}; the sample's {total} patches > the largest patch bucket {cfg.max_patches}; lower "
+            f"data.video.max_frames ({cfg.video.max_frames}) / max_pixels ({cfg.video.max_pixels}) or add a larger "
+            f"data.patch_buckets entry")
+
+
+def sampled_down(clips: list[Clip], cfg: DataConfig) -> dict[str, Any]:
+    """The sample's count of videos sampled down to ``data.video.max_frames`` and a note on the first (nothing when
+    none was)."""
+    down = [c for c in clips if c.sampled_down]
+    if not down:
+        return {}
+    c = down[0]
+    note = (f"a video of {c.total} frames ({c.total / c.fps:.1f} s at {c.fps:g} fps) would take {c.at_fps} frames at "
+            f"data.video.fps {cfg.video.fps:g}: sampled down to data.video.max_frames {len(c.indices)}, spread over "
+            f"its whole length")
+    return {"sampled_down": len(down), "sampled_down_note": note}
 
 
 def is_skip(sample: Mapping[str, Any]) -> bool:
@@ -141,18 +173,18 @@ class SampleProcessor:
             raise ImageSkip("corrupt_image", f"cannot read {path}: {e}") from None
 
     def _media(self, record: Mapping[str, Any], order: list[str], rng_index: int
-               ) -> tuple[np.ndarray, np.ndarray, list[VideoTokens]]:
-        """Patches and grids of the record's images and videos in prompt order (``order``: their kinds), and each
-        video's prompt groups."""
+               ) -> tuple[np.ndarray, np.ndarray, list[VideoTokens], list[Clip]]:
+        """Patches and grids of the record's images and videos in prompt order (``order``: their kinds), each
+        video's prompt groups, and its decoded clip."""
         cfg = self.cfg.image
         dim = 3 * cfg.patch_size**2
         if "mock_grids" in record:  # mock: random patch payload of a fixed shape, no decoding
             grids = np.asarray(record["mock_grids"], np.int32).reshape(-1, 3)
             n = int(grids.prod(axis=1).sum())
             rng = np.random.default_rng(rng_index)
-            return rng.integers(0, 256, (n, dim), dtype=np.uint8), grids, []
+            return rng.integers(0, 256, (n, dim), dtype=np.uint8), grids, [], []
         images, videos = iter(record.get("images", [])), iter(record.get("videos", []))
-        patches, grids, prompts = [], [], []
+        patches, grids, prompts, clips = [], [], [], []
         for kind in order:
             if kind == "image":
                 p, g = process_image(decode_image(self._image_bytes(next(images)), cfg), cfg)
@@ -161,15 +193,16 @@ class SampleProcessor:
                 clip = decode_video(ref["path"] if isinstance(ref, Mapping) else ref, self.cfg.video, cfg)
                 p, g, seconds = process_video(clip, self.cfg.video, cfg)
                 prompts.append(VideoTokens(int(g[1] * g[2]) // cfg.merge_size**2, tuple(seconds)))
+                clips.append(clip)
             patches.append(p)
             grids.append(g)
         if not patches:
-            return np.zeros((0, dim), np.uint8), np.zeros((0, 3), np.int32), []
+            return np.zeros((0, dim), np.uint8), np.zeros((0, 3), np.int32), [], []
         if prompts and len({p.shape[1] for p in patches}) > 1:  # images beside a video: their frame duplicated
             t = cfg.temporal_patch_size
             patches = [p if p.shape[1] != dim else np.repeat(p.reshape(len(p), 3, 1, -1), t, axis=2).reshape(len(p), -1)
                        for p in patches]
-        return np.concatenate(patches), np.stack(grids).astype(np.int32), prompts
+        return np.concatenate(patches), np.stack(grids).astype(np.int32), prompts, clips
 
     def _process(self, index: int, raw: Any) -> dict[str, Any]:
         cfg = self.cfg
@@ -186,9 +219,9 @@ class SampleProcessor:
         if num_videos != len(record.get("videos", [])):
             raise ConversationError("video_count_mismatch",
                                     f"{num_videos} video placeholders but {len(record.get('videos', []))} videos")
-        patches, grids, prompts = self._media(record, order, index)
+        patches, grids, prompts, clips = self._media(record, order, index)
         if len(patches) > cfg.max_patches:
-            raise ConversationError("too_many_patches", f"{len(patches)} patches > {cfg.max_patches}")
+            raise ConversationError("too_many_patches", too_many_patches(grids, order, cfg))
         m = cfg.image.merge_size
         is_video = np.array([k == "video" for k in order], bool).reshape(-1)  # one kind per grid, prompt order
         tokens_per_image = (grids[~is_video].prod(axis=1) // m**2).tolist() if len(grids) else []
@@ -226,4 +259,5 @@ class SampleProcessor:
             "patches": patches,
             "grids": grids,
             "videos": int(is_video.sum()),
+            **sampled_down(clips, cfg),
         }

@@ -268,3 +268,28 @@ def test_video_trains_through_the_grain_pipeline(video_json, balance):
     if got is not None:
         np.testing.assert_array_equal(got, expand_patches(x["patches"], cfg.image))
     assert x["grids"].tolist() == [[2, 4, 4]] and x["videos"] == 1  # 4 frames of 48x64 -> 64x64 (16384 px in all)
+
+
+def test_long_clip_sampled_down_is_counted_and_too_many_patches_names_the_video(video_json, caplog):
+    """``max_frames`` 2: the 2 s mp4 (4 frames at 2 fps) is sampled down to 2 frames, counted in the loader's totals
+    with one log line for the run; the 30-frame folder (2 frames at 24 fps assumed) is not. A video beyond the
+    largest patch bucket is a counted skip whose reason names its frames and patches and the settings to lower."""
+    video = {"min_pixels": 4096, "max_pixels": 32768, "min_frames": 2, "max_frames": 2}
+    cfg = load_data_config(_sample_config(video_json, video=video))
+    with caplog.at_level("INFO", logger="moevlm_jax.data.loader"), build_loader(cfg) as loader:
+        batches = list(loader)
+        summary = loader.summary()
+    assert summary["videos"] == 2 and summary["videos_sampled_down"] == 1
+    assert sum(b["stats"]["videos_sampled_down"] for b in batches) == 1
+    noted = [r.getMessage() for r in caplog.records if "sampled down" in r.getMessage()]
+    assert noted == ["data (train): a video of 20 frames (2.0 s at 10 fps) would take 4 frames at data.video.fps 2: "
+                     "sampled down to data.video.max_frames 2, spread over its whole length; such videos are counted "
+                     "as videos_sampled_down"]
+
+    small = load_data_config(_sample_config(video_json, patch_buckets=[16]))  # the 4 frames of 64x64: 32 patches
+    entry = json.loads(video_json.read_text().splitlines()[0])
+    skip = SampleProcessor(small)(0, {"llava": entry, "image_root": str(video_json.parent)})
+    assert skip["skip"] == "too_many_patches"
+    assert skip["detail"] == ("video: 4 frames (2 frame pairs x 16 patches) = 32 patches; the sample's 32 patches > "
+                              "the largest patch bucket 16; lower data.video.max_frames (768) / max_pixels (32768) "
+                              "or add a larger data.patch_buckets entry")
