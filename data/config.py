@@ -20,8 +20,11 @@ from typing import Any, Literal
 from moevlm_jax.schema import ConfigError, coerce_fields, load_typed
 
 DEFAULT_CONFIG = "vqa"
-# question types of the built-in VQA set, in the order eval batches index them (answer_type)
-QUESTION_TYPES = ("colour", "shape", "count", "position", "text")
+# question types of the built-in VQA set, in the order eval batches index them (answer_type): those of its images,
+# then those of its clips (``source.video_fraction``), which only the frames' order answers
+IMAGE_QUESTION_TYPES = ("colour", "shape", "count", "position", "text")
+VIDEO_QUESTION_TYPES = ("motion", "blinks")
+QUESTION_TYPES = IMAGE_QUESTION_TYPES + VIDEO_QUESTION_TYPES
 
 
 class DataError(RuntimeError):
@@ -83,7 +86,7 @@ class VqaConfig:
     aspect: tuple[float, float] = (0.5, 2.0)  # [min, max] width / height
     images_per_sample: tuple[int, int] = (1, 1)  # [min, max] images a sample holds
     describe_turns: tuple[int, int] = (0, 0)  # [min, max] extra "describe" turns (long untrained-for-accuracy answers)
-    questions: tuple[str, ...] = QUESTION_TYPES  # question types asked
+    questions: tuple[str, ...] = IMAGE_QUESTION_TYPES  # question types asked of images
     jpeg_quality: tuple[int, int] = (70, 95)  # [min, max] JPEG quality of the stored images
     seed: int = 1234  # generator seed (samples are deterministic per seed, split and index)
     shard_size: int = 4096  # samples per ArrayRecord shard
@@ -92,11 +95,29 @@ class VqaConfig:
     # wider than the image is drawn at the largest size that fits)
     text_size: tuple[float, float] = (0.2, 0.3)
     text_words: int = 16  # the text question's answers: the first N of data.vqa.WORDS (chance 1/N)
+    # short clips (mp4 encoded with PyAV, stored in the shards, decoded by the pipeline as any video): a shape moving
+    # left / right / up / down ("motion") or flashing 1-3 times ("blinks"); 0 keeps the image-only set as it was
+    video_fraction: float = 0.0  # fraction of samples that are a clip and its question instead of images
+    video_questions: tuple[str, ...] = VIDEO_QUESTION_TYPES  # question types asked of clips
+    video_frames: int = 8  # frames of a clip (even: whole frame pairs)
+    video_fps: float = 2.0  # a clip's frame rate (data.video.fps 2 samples every frame)
+    video_size: tuple[int, int] = (64, 128)  # [min, max] of a clip's side in pixels (square frames, even sizes)
 
     def __post_init__(self) -> None:
-        bad = sorted(set(self.questions) - set(QUESTION_TYPES))
+        bad = sorted(set(self.questions) - set(IMAGE_QUESTION_TYPES))
         if bad:
-            raise ValueError(f"source.questions: unknown question types {bad}; known: {QUESTION_TYPES}")
+            raise ValueError(f"source.questions: unknown question types {bad}; known: {IMAGE_QUESTION_TYPES}")
+        bad = sorted(set(self.video_questions) - set(VIDEO_QUESTION_TYPES))
+        if bad or not self.video_questions:
+            raise ValueError(f"source.video_questions: {list(self.video_questions)}: give some of "
+                             f"{VIDEO_QUESTION_TYPES}")
+        if not 0 <= self.video_fraction <= 1:
+            raise ValueError(f"source.video_fraction ({self.video_fraction}) must be within [0, 1]")
+        if self.video_frames < 6 or self.video_frames % 2 or self.video_fps <= 0:
+            raise ValueError(f"source.video_frames ({self.video_frames}) must be even and >= 6 (a blink question "
+                             f"needs 3 frame pairs) and source.video_fps ({self.video_fps}) > 0")
+        if not 32 <= self.video_size[0] <= self.video_size[1]:
+            raise ValueError(f"source.video_size {list(self.video_size)} must be a [min, max] with min >= 32")
         if not 2 <= self.text_words <= 16 or not 0 < self.text_size[0] <= self.text_size[1] <= 1:
             raise ValueError(f"source.text_words ({self.text_words}) must be 2..16 and source.text_size "
                              f"{list(self.text_size)} a [min, max] within (0, 1]")

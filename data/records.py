@@ -1,10 +1,11 @@
 """The sample record: conversation + image payloads + metadata, and its ArrayRecord encoding.
 
-A record (in memory) is ``{"messages": [...], "images": [bytes | {"path": str}], "meta": {...}}``:
-HF-style messages whose ``{"type": "image"}`` items refer to ``images`` in order. On disk each
-ArrayRecord entry is ``b"MVLR" | u8 version | u32 header length | JSON header | image bytes...``;
-the header holds messages, meta and each image's byte length. Images are stored as their original
-encoded bytes (JPEG/PNG/...), never re-encoded.
+A record (in memory) is ``{"messages": [...], "images": [bytes | {"path": str}], "videos": [bytes | {"path": ...}],
+"meta": {...}}``: HF-style messages whose ``{"type": "image"}`` / ``{"type": "video"}`` items refer to ``images`` /
+``videos`` in order. On disk each ArrayRecord entry is ``b"MVLR" | u8 version | u32 header length | JSON header |
+image bytes... | video bytes...``; the header holds messages, meta and each image's (``video_sizes``: each video's)
+byte length. Images and videos are stored as their original encoded files (JPEG/PNG/..., mp4/...), never
+re-encoded; a record without videos has no ``video_sizes`` and decodes without a ``videos`` key.
 
 ``from_llava`` accepts LLaVA ``conversations`` (``from``: human/gpt, ``<image>`` / ``<video>`` placeholders,
 ``image`` / ``video``: str or list), ShareGPT/LLaMA-Factory ``messages`` + ``images`` / ``videos``, and the ``messages``
@@ -13,8 +14,8 @@ form of HF processors' chat templates and TRL, whose content items name their im
 ``image_url`` / ``video_url`` too). A video is a file, a folder of frame images or a list of frame image paths
 (``data.video``). Audio (an ``<audio>`` placeholder, an ``audio`` item or an ``audio`` / ``audios`` key) raises
 :class:`UnsupportedMedia`, so that such a sample is counted as skipped rather than trained on its text alone.
-ArrayRecord entries hold images only: :func:`encode_record` is never given a video (``data.convert`` counts such
-entries as ``unsupported_media``).
+:func:`encode_record` takes encoded video files (the built-in clips of ``data.vqa``); ``data.convert`` does not embed a
+LLaVA entry's video files yet and counts such entries as ``unsupported_media``.
 """
 
 from __future__ import annotations
@@ -51,15 +52,19 @@ class UnsupportedMedia(RecordError):
     ``unsupported_media``."""
 
 
-def encode_record(messages: list[dict[str, Any]], images: list[bytes], meta: Mapping[str, Any] | None = None) -> bytes:
-    """Serialise a record (messages, encoded image bytes, meta) to one ArrayRecord entry."""
-    header = {"messages": messages, "image_sizes": [len(b) for b in images], "meta": dict(meta or {})}
+def encode_record(messages: list[dict[str, Any]], images: list[bytes], meta: Mapping[str, Any] | None = None,
+                  videos: list[bytes] = ()) -> bytes:
+    """Serialise a record (messages, encoded image bytes, meta, encoded video files) to one ArrayRecord entry."""
+    header: dict[str, Any] = {"messages": messages, "image_sizes": [len(b) for b in images], "meta": dict(meta or {})}
+    if videos:
+        header["video_sizes"] = [len(b) for b in videos]
     head = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
-    return b"".join([_HEAD.pack(MAGIC, VERSION, len(head)), head, *images])
+    return b"".join([_HEAD.pack(MAGIC, VERSION, len(head)), head, *images, *videos])
 
 
 def decode_record(data: bytes) -> dict[str, Any]:
-    """Parse an ArrayRecord entry back into ``{"messages", "images": [bytes], "meta"}``."""
+    """Parse an ArrayRecord entry back into ``{"messages", "images": [bytes], "meta"}`` (and ``"videos": [bytes]``
+    when it holds videos)."""
     if len(data) < _HEAD.size:
         raise RecordError(f"record of {len(data)} bytes is shorter than its header")
     magic, version, head_len = _HEAD.unpack_from(data)
@@ -69,17 +74,21 @@ def decode_record(data: bytes) -> dict[str, Any]:
     try:
         header = json.loads(data[start:start + head_len])
         sizes = [int(s) for s in header["image_sizes"]]
+        video_sizes = [int(s) for s in header.get("video_sizes", [])]
         messages = header["messages"]
     except (ValueError, KeyError, TypeError) as e:
         raise RecordError(f"bad record header: {e}") from None
     offset = start + head_len
-    if offset + sum(sizes) != len(data):
-        raise RecordError(f"record payload is {len(data) - offset} bytes, header says {sum(sizes)}")
-    images = []
-    for s in sizes:
-        images.append(bytes(data[offset:offset + s]))
+    if offset + sum(sizes) + sum(video_sizes) != len(data):
+        raise RecordError(f"record payload is {len(data) - offset} bytes, header says {sum(sizes) + sum(video_sizes)}")
+    payload = []
+    for s in sizes + video_sizes:
+        payload.append(bytes(data[offset:offset + s]))
         offset += s
-    return {"messages": messages, "images": images, "meta": header.get("meta", {})}
+    record = {"messages": messages, "images": payload[:len(sizes)], "meta": header.get("meta", {})}
+    if video_sizes:
+        record["videos"] = payload[len(sizes):]
+    return record
 
 
 def _split_placeholders(text: str) -> list[dict[str, Any]]:
