@@ -17,6 +17,8 @@ ROW_PLANS = (
     ((16, ("video", (2, 4, 4))), (10, None)),  # 6 padding tokens
     ((32, (1, 8, 4)),),
 )
+# the same without the video (row 2: an image sample): for checks that are not about the batch's media
+IMAGE_ROW_PLANS = (*ROW_PLANS[:2], ((12, (1, 4, 4)), (14, None)), *ROW_PLANS[3:])
 
 
 def _vision_tokens(config, ids: np.ndarray, grid, video: bool) -> None:
@@ -34,9 +36,11 @@ def _vision_tokens(config, ids: np.ndarray, grid, video: bool) -> None:
         at += per + 3
 
 
-def packed_batch(config, rows: int = 8, seq: int = 32, patches: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
-    """The model batch of ARCHITECTURE.md for ``config`` (rows cycle through ROW_PLANS), with
-    targets and a loss mask on the text tokens of the latter two thirds of each sample."""
+def packed_batch(config, rows: int = 8, seq: int = 32, patches: int = 32, seed: int = 0, video: bool = True
+                 ) -> dict[str, np.ndarray]:
+    """The model batch of ARCHITECTURE.md for ``config`` (rows cycle through ROW_PLANS, or IMAGE_ROW_PLANS
+    without ``video``), with targets and a loss mask on the text tokens of the latter two thirds of each sample."""
+    plans = ROW_PLANS if video else IMAGE_ROW_PLANS
     rng = np.random.default_rng(seed)
     pdim = config.vision_config.patch_dim
     b = {"input_ids": np.zeros((rows, seq), np.int32), "positions": np.zeros((3, rows, seq), np.int32),
@@ -46,7 +50,7 @@ def packed_batch(config, rows: int = 8, seq: int = 32, patches: int = 32, seed: 
          "patch_segment_ids": np.zeros((rows, patches), np.int32)}
     vision = (config.image_token_id, config.video_token_id)
     for r in range(rows):
-        plan = ROW_PLANS[r % len(ROW_PLANS)]
+        plan = plans[r % len(plans)]
         t = p = frames = 0
         for k, (n, grid) in enumerate(plan):
             ids = rng.integers(10, min(400, config.text_config.vocab_size), size=n).astype(np.int32)
