@@ -73,23 +73,49 @@ def patch_layout(image_grid_thw: np.ndarray, spatial_merge_size: int = 2) -> tup
             np.concatenate(frames).astype(np.int32))
 
 
+def _assign(counts: np.ndarray, tokens: np.ndarray, what: str) -> list[tuple[int, int]]:
+    """Items (images or videos) in order -> per row the range of items whose tokens it holds (``tokens[r]``
+    placeholder tokens; ``counts[k]`` tokens of item k), as HF's masked_scatter fills rows in order."""
+    rows, item = [], 0
+    for r, want in enumerate(tokens.tolist()):
+        first = item
+        while want > 0:
+            if item >= len(counts):
+                raise ValueError(f"row {r} has more {what} tokens than the {what}s of the grid provide")
+            want -= int(counts[item])
+            item += 1
+        if want < 0:
+            raise ValueError(f"row {r}: its {what} tokens do not add up to whole {what}s")
+        rows.append((first, item))
+    if item != len(counts):
+        raise ValueError(f"{len(counts)} {what}s given, the tokens use {item}")
+    return rows
+
+
 def hf_inputs_to_batch(config: Any, input_ids: np.ndarray, pixel_values: np.ndarray | None = None,
                        image_grid_thw: np.ndarray | None = None, attention_mask: np.ndarray | None = None,
-                       patch_multiple: int = 4, num_patches: int | None = None) -> dict[str, np.ndarray]:
+                       patch_multiple: int = 4, num_patches: int | None = None, *,
+                       pixel_values_videos: np.ndarray | None = None,
+                       video_grid_thw: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """HF inputs -> model batch: input_ids ``[B, S]``, pixel_values ``[N, patch_dim]`` (all images of
-    the batch, in order), image_grid_thw ``[n, 3]``, attention_mask ``[B, S]`` (1 = token, 0 = pad).
+    the batch, in order), image_grid_thw ``[n, 3]``, attention_mask ``[B, S]`` (1 = token, 0 = pad),
+    pixel_values_videos / video_grid_thw likewise for videos.
 
-    Images go to rows in order by counting each row's image tokens (as HF's masked_scatter does).
-    Positions follow HF: plain ``arange(S)`` for a batch without images, else ``get_rope_index`` over
-    each row's unmasked tokens (0 at padding). The patch axis P is the longest row's patches padded
-    to a multiple of ``patch_multiple``, or ``num_patches`` (a fixed bucket) when given.
+    Images and videos go to rows in order by counting each row's image / video tokens (as HF's masked_scatter
+    does); within a row the patches of its images and videos follow each other in the order of their first
+    tokens, so the k-th merged visual token lands on the row's k-th image or video token. Positions follow HF:
+    plain ``arange(S)`` for a batch without images or videos, else ``get_rope_index`` over each row's unmasked
+    tokens (0 at padding). The patch axis P is the longest row's patches padded to a multiple of
+    ``patch_multiple``, or ``num_patches`` (a fixed bucket) when given.
     """
     input_ids = np.asarray(input_ids).astype(np.int32)
     b, s = input_ids.shape
     mask = np.ones((b, s), np.int32) if attention_mask is None else np.asarray(attention_mask).astype(np.int32)
     batch = {"input_ids": input_ids, "segment_ids": mask}
     merge = config.vision_config.spatial_merge_size
-    if pixel_values is None or image_grid_thw is None or len(image_grid_thw) == 0:
+    has_images = pixel_values is not None and image_grid_thw is not None and len(image_grid_thw) > 0
+    has_videos = pixel_values_videos is not None and video_grid_thw is not None and len(video_grid_thw) > 0
+    if not has_images and not has_videos:
         batch["positions"] = np.broadcast_to(np.arange(s, dtype=np.int32), (3, b, s)).copy()
         if num_patches:  # a fixed patch bucket: all-padding patches (same compiled step as image batches)
             patch_dim = config.vision_config.patch_dim
@@ -99,54 +125,62 @@ def hf_inputs_to_batch(config: Any, input_ids: np.ndarray, pixel_values: np.ndar
                          patch_segment_ids=np.zeros((b, num_patches), np.int32))
         return batch
 
-    grids = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
-    pixel_values = np.asarray(pixel_values, np.float32)
-    n_patches = grids.prod(-1)
-    if pixel_values.shape[0] != n_patches.sum():
-        raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, image_grid_thw needs {n_patches.sum()}")
-    n_tokens = n_patches // (merge * merge)
-    patch_start = np.concatenate([[0], np.cumsum(n_patches)])
-    rc_all, hw_all, frame_all = patch_layout(grids, merge)
+    def media(pixels, grid_thw, token_id, what):
+        grids = np.zeros((0, 3), np.int64) if grid_thw is None else np.asarray(grid_thw, np.int64).reshape(-1, 3)
+        pixels = np.zeros((0, config.vision_config.patch_dim), np.float32) if pixels is None else np.asarray(
+            pixels, np.float32)
+        n_patches = grids.prod(-1)
+        if pixels.shape[0] != n_patches.sum():
+            raise ValueError(f"{what} pixel values have {pixels.shape[0]} patches, the grids need {n_patches.sum()}")
+        start = np.concatenate([[0], np.cumsum(n_patches)]).astype(np.int64)
+        rows = _assign(n_patches // (merge * merge), ((input_ids == token_id) & (mask > 0)).sum(1)
+                       if token_id is not None else np.zeros(b, np.int64), what)
+        return grids, pixels, start, rows
+
+    video_id = getattr(config, "video_token_id", None)
+    img = media(pixel_values if has_images else None, image_grid_thw if has_images else None, config.image_token_id,
+                "image")
+    vid = media(pixel_values_videos if has_videos else None, video_grid_thw if has_videos else None, video_id, "video")
 
     positions = np.zeros((3, b, s), np.int32)
-    rows, image = [], 0
+    per_row: list[list[tuple[np.ndarray, np.ndarray]]] = []  # per row: (pixels, grid) of each item in token order
     for r in range(b):
-        want = int((input_ids[r] == config.image_token_id).sum())
-        first = image
-        while want > 0:
-            if image >= len(grids):
-                raise ValueError(f"row {r} has more image tokens than the images in image_grid_thw provide")
-            want -= int(n_tokens[image])
-            image += 1
-        if want < 0:
-            raise ValueError(f"row {r}: its image tokens do not add up to whole images")
-        rows.append((first, image))
         valid = mask[r] > 0
-        pos, _ = mrope_position_ids(input_ids[r][valid], grids[first:image], image_token_id=config.image_token_id,
-                                    spatial_merge_size=merge)
+        (fi, ei), (fv, ev) = img[3][r], vid[3][r]
+        pos, _ = mrope_position_ids(input_ids[r][valid], img[0][fi:ei], image_token_id=config.image_token_id,
+                                    spatial_merge_size=merge, video_grid_thw=vid[0][fv:ev], video_token_id=video_id)
         positions[:, r, valid] = pos
-    if image != len(grids):
-        raise ValueError(f"{len(grids)} images given, the tokens use {image}")
+        # each item's first token: the k-th image's run starts after the earlier images' tokens (videos likewise)
+        items = []
+        for (grids, pixels, start, _), (f, e), token_id in ((img, (fi, ei), config.image_token_id),
+                                                            (vid, (fv, ev), video_id)):
+            where = np.flatnonzero((input_ids[r] == token_id) & valid)
+            before = 0
+            for k in range(f, e):
+                items.append((int(where[before]), pixels[start[k]:start[k + 1]], grids[k]))
+                before += int(grids[k].prod()) // (merge * merge)
+        items.sort(key=lambda it: it[0])
+        per_row.append([(p, g) for _, p, g in items])
     batch["positions"] = positions
 
-    per_row = [int(patch_start[e] - patch_start[f]) for f, e in rows]
-    p = max(patch_multiple, -(-max(per_row) // patch_multiple) * patch_multiple)
+    counts = [sum(len(p) for p, _ in row) for row in per_row]
+    p = max(patch_multiple, -(-max(counts) // patch_multiple) * patch_multiple)
     if num_patches is not None:
-        if num_patches < max(per_row) or num_patches % (merge * merge):
-            raise ValueError(f"num_patches {num_patches} must be >= {max(per_row)} and a multiple of {merge * merge}")
+        if num_patches < max(counts) or num_patches % (merge * merge):
+            raise ValueError(f"num_patches {num_patches} must be >= {max(counts)} and a multiple of {merge * merge}")
         p = num_patches
-    pv = np.zeros((b, p, pixel_values.shape[1]), np.float32)
+    dim = (img[1] if len(img[1]) else vid[1]).shape[1]
+    pv = np.zeros((b, p, dim), np.float32)
     rc = np.zeros((b, p, 2), np.int32)
     hw = np.zeros((b, p, 2), np.int32)
     seg = np.zeros((b, p), np.int32)
-    for r, (f, e) in enumerate(rows):
-        lo, hi = patch_start[f], patch_start[e]
-        n = hi - lo
-        pv[r, :n] = pixel_values[lo:hi]
-        rc[r, :n] = rc_all[lo:hi]
-        hw[r, :n] = hw_all[lo:hi]
-        if n:
-            seg[r, :n] = frame_all[lo:hi] - frame_all[lo] + 1
+    for r, row in enumerate(per_row):
+        if not row:
+            continue
+        pixels = np.concatenate([x for x, _ in row])
+        rc_r, hw_r, frame_r = patch_layout(np.stack([g for _, g in row]), merge)
+        n = len(pixels)
+        pv[r, :n], rc[r, :n], hw[r, :n], seg[r, :n] = pixels, rc_r, hw_r, frame_r + 1
     batch.update(pixel_values=pv, patch_rc=rc, patch_hw=hw, patch_segment_ids=seg)
     return batch
 

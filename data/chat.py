@@ -1,18 +1,21 @@
 """Qwen3-VL chat template: conversation -> token ids, trained-token mask, answer spans.
 
 Messages are HF style: ``{"role": "system"|"user"|"assistant", "content": str | [items]}`` with
-items ``{"type": "text", "text": ...}`` or ``{"type": "image"}``. The rendering is Qwen3-VL
-Instruct's template without tools (``QWEN3_VL_CHAT_TEMPLATE`` below is its Jinja form)::
+items ``{"type": "text", "text": ...}``, ``{"type": "image"}`` or ``{"type": "video"}``. The rendering is
+Qwen3-VL Instruct's template without tools (``QWEN3_VL_CHAT_TEMPLATE`` below is its Jinja form)::
 
     <|im_start|>system\\n{system}<|im_end|>\\n            (only when a system message is given)
     <|im_start|>user\\n{text}<|vision_start|><|image_pad|><|vision_end|>{text}<|im_end|>\\n
     <|im_start|>assistant\\n{answer}<|im_end|>\\n
 
 Each image's single ``<|image_pad|>`` is expanded to ``t*h*w / merge**2`` pads, as HF's processor
-does. Labels: the assistant content tokens and their ``<|im_end|>`` are trained; everything else
-(system, user, the ``<|im_start|>assistant\\n`` header, the newline after ``<|im_end|>``, vision
-tokens) is not. Answer tokens (assistant content without ``<|im_end|>``) are numbered per assistant
-turn (1..) for held-out accuracy.
+does. A video renders as ``<|vision_start|><|video_pad|><|vision_end|>``, which the processor
+(``Qwen3VLProcessor.replace_video_token``, Qwen3-VL and Qwen3.5 alike) replaces by one group per temporal
+patch: ``<{t:.1f} seconds><|vision_start|>`` + ``h*w / merge**2`` ``<|video_pad|>`` + ``<|vision_end|>``; the
+timestamp text is tokenised with the text around it, as HF tokenises the expanded prompt. Labels: the
+assistant content tokens and their ``<|im_end|>`` are trained; everything else (system, user, the
+``<|im_start|>assistant\\n`` header, the newline after ``<|im_end|>``, vision tokens, timestamps) is not. Answer
+tokens (assistant content without ``<|im_end|>``) are numbered per assistant turn (1..) for held-out accuracy.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from typing import Any
 import numpy as np
 
 from moevlm_jax.data.tokenizer import Tokenizer
+
+
+def timestamp_text(seconds: float) -> str:
+    """The text before a video's temporal patch, as HF's ``Qwen3VLProcessor.replace_video_token`` writes it."""
+    return f"<{seconds:.1f} seconds>"
 
 # Qwen3-VL Instruct's chat template, the tool-free path (kept in Jinja so tests can render it with
 # transformers' apply_chat_template and compare against ``render_text``).
@@ -45,6 +53,8 @@ QWEN3_VL_CHAT_TEMPLATE = (
     "{%- else %}{%- for content in message.content %}"
     "{%- if content.type == 'image' or 'image' in content or 'image_url' in content %}"
     "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif content.type == 'video' or 'video' in content %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif 'text' in content %}{{- content.text }}{%- endif %}"
     "{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
@@ -66,9 +76,10 @@ class ConversationError(ValueError):
 
 @dataclasses.dataclass
 class _Part:
-    text: str  # text, a special token string, or "" for an image
+    text: str  # text, a special token string, or "" for an image / a video
     special: bool = False
     image: int = -1  # image index for an image part
+    video: int = -1  # video index for a video part
     trained: bool = False
     answer: int = 0  # assistant turn number (1..) for answer text, 0 elsewhere
 
@@ -81,10 +92,20 @@ class Encoded:
     trained: np.ndarray  # bool [L]: token is a label target (assistant content + its <|im_end|>)
     answer: np.ndarray  # int16 [L]: assistant turn number on answer tokens, 0 elsewhere
     num_images: int
+    num_videos: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoTokens:
+    """What a video becomes in the prompt: ``tokens`` ``<|video_pad|>`` per temporal patch, one group per entry of
+    ``timestamps`` (seconds, written before the group)."""
+
+    tokens: int
+    timestamps: tuple[float, ...]
 
 
 def content_items(content: Any) -> list[dict[str, Any]]:
-    """Normalise message content to a list of ``{"type": "text"|"image", ...}`` items."""
+    """Normalise message content to a list of ``{"type": "text"|"image"|"video", ...}`` items."""
     if content is None:
         return []
     if isinstance(content, str):
@@ -93,8 +114,10 @@ def content_items(content: Any) -> list[dict[str, Any]]:
     for item in content:
         if isinstance(item, str):
             items.append({"type": "text", "text": item})
-        elif item.get("type") in ("video", "audio") or "video" in item or "audio" in item:
+        elif item.get("type") == "audio" or "audio" in item:
             raise ConversationError("unsupported_media", f"content item {item.get('type')!r}: not supported yet")
+        elif item.get("type") == "video" or "video" in item:
+            items.append({"type": "video"})
         elif item.get("type") == "image" or "image" in item or "image_url" in item:
             items.append({"type": "image"})
         elif "text" in item:
@@ -104,11 +127,12 @@ def content_items(content: Any) -> list[dict[str, Any]]:
     return items
 
 
-def validate_messages(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Check roles and structure; return the number of image items. Raises ``ConversationError``."""
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Check roles and structure; return the kind of each media item in order (``"image"`` / ``"video"``).
+    Raises ``ConversationError``."""
     if not messages:
         raise ConversationError("no_assistant", "empty conversation")
-    num_images = 0
+    media: list[str] = []
     has_assistant = False
     for k, m in enumerate(messages):
         role = m.get("role")
@@ -116,15 +140,14 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> int:
             raise ConversationError("bad_record", f"unknown role {role!r}")
         if role == "system" and k != 0:
             raise ConversationError("bad_record", "a system message must come first")
-        items = content_items(m.get("content"))
-        n = sum(it["type"] == "image" for it in items)
-        if role == "system" and n:
-            raise ConversationError("bad_record", "a system message cannot hold images")
-        num_images += n
+        kinds = [it["type"] for it in content_items(m.get("content")) if it["type"] != "text"]
+        if role == "system" and kinds:
+            raise ConversationError("bad_record", "a system message cannot hold images or videos")
+        media += kinds
         has_assistant |= role == "assistant"
     if not has_assistant:
         raise ConversationError("no_assistant", "conversation has no assistant turn")
-    return num_images
+    return media
 
 
 def _parts(messages: Sequence[Mapping[str, Any]], system_prompt: str | None) -> list[_Part]:
@@ -132,7 +155,7 @@ def _parts(messages: Sequence[Mapping[str, Any]], system_prompt: str | None) -> 
     msgs = list(messages)
     if system_prompt is not None and msgs[0].get("role") != "system":
         msgs = [{"role": "system", "content": system_prompt}, *msgs]
-    image = 0
+    image = video = 0
     answer = 0
     for m in msgs:
         role = m["role"]
@@ -144,6 +167,9 @@ def _parts(messages: Sequence[Mapping[str, Any]], system_prompt: str | None) -> 
             if it["type"] == "image":
                 parts.append(_Part("", image=image))
                 image += 1
+            elif it["type"] == "video":
+                parts.append(_Part("", video=video))
+                video += 1
             else:
                 parts.append(_Part(it["text"], trained=assistant, answer=answer if assistant else 0))
         parts += [_Part("<|im_end|>", special=True, trained=assistant), _Part("\n")]
@@ -151,10 +177,16 @@ def _parts(messages: Sequence[Mapping[str, Any]], system_prompt: str | None) -> 
 
 
 def render_text(messages: Sequence[Mapping[str, Any]], system_prompt: str | None = None) -> str:
-    """The template's text (one ``<|image_pad|>`` per image), as ``apply_chat_template(tokenize=False)``."""
+    """The template's text (one ``<|image_pad|>`` per image, one ``<|video_pad|>`` per video), as
+    ``apply_chat_template(tokenize=False)``."""
     out = []
     for p in _parts(messages, system_prompt):
-        out.append("<|vision_start|><|image_pad|><|vision_end|>" if p.image >= 0 else p.text)
+        if p.image >= 0:
+            out.append("<|vision_start|><|image_pad|><|vision_end|>")
+        elif p.video >= 0:
+            out.append("<|vision_start|><|video_pad|><|vision_end|>")
+        else:
+            out.append(p.text)
     return "".join(out)
 
 
@@ -172,15 +204,22 @@ def encode_conversation(
     tokenizer: Tokenizer,
     image_tokens: Sequence[int] = (),
     system_prompt: str | None = None,
+    videos: Sequence[VideoTokens] = (),
 ) -> Encoded:
-    """Token ids [L] (image pads expanded to ``image_tokens[k]`` each), trained mask [L], answer ids [L]."""
-    num_images = validate_messages(messages)
+    """Token ids [L] (image pads expanded to ``image_tokens[k]`` each, video ``k`` to its timestamped groups of
+    ``videos[k].tokens`` pads), trained mask [L], answer ids [L]."""
+    media = validate_messages(messages)
+    num_images, num_videos = media.count("image"), media.count("video")
     if num_images != len(image_tokens):
         raise ConversationError(
             "image_count_mismatch", f"conversation has {num_images} image placeholders but {len(image_tokens)} images"
         )
+    if num_videos != len(videos):
+        raise ConversationError(
+            "video_count_mismatch", f"conversation has {num_videos} video placeholders but {len(videos)} videos")
     splitter = _special_splitter(tokenizer)
-    vs, ve, pad = (tokenizer.special_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    vs, ve, pad, video_pad = (tokenizer.special_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                                  "<|video_pad|>"))
     ids: list[int] = []
     trained: list[bool] = []
     answer: list[int] = []
@@ -224,15 +263,23 @@ def encode_conversation(
         trained.append(is_trained)
         answer.append(0)
 
+    def add_pads(token_id: int, n: int) -> None:
+        add_special(vs)
+        ids.extend([token_id] * n)
+        trained.extend([False] * n)
+        answer.extend([0] * n)
+        add_special(ve)
+
     for p in _parts(messages, system_prompt):
         if p.image >= 0:
             flush()
-            add_special(vs)
-            n = int(image_tokens[p.image])
-            ids.extend([pad] * n)
-            trained.extend([False] * n)
-            answer.extend([0] * n)
-            add_special(ve)
+            add_pads(pad, int(image_tokens[p.image]))
+        elif p.video >= 0:
+            v = videos[p.video]
+            for seconds in v.timestamps:  # the timestamp joins the text before it, as in HF's expanded prompt
+                piece.append(_Part(timestamp_text(seconds)))
+                flush()
+                add_pads(video_pad, int(v.tokens))
         elif p.special:
             flush()
             add_special(tokenizer.special_id(p.text), p.trained)
@@ -252,4 +299,5 @@ def encode_conversation(
         trained=np.asarray(trained, bool),
         answer=np.asarray(answer, np.int16),
         num_images=num_images,
+        num_videos=num_videos,
     )

@@ -20,8 +20,11 @@ from typing import Any, Literal
 from moevlm_jax.schema import ConfigError, coerce_fields, load_typed
 
 DEFAULT_CONFIG = "vqa"
-# question types of the built-in VQA set, in the order eval batches index them (answer_type)
-QUESTION_TYPES = ("colour", "shape", "count", "position", "text")
+# question types of the built-in VQA set, in the order eval batches index them (answer_type): those of its images,
+# then those of its clips (``source.video_fraction``), which only the frames' order answers
+IMAGE_QUESTION_TYPES = ("colour", "shape", "count", "position", "text")
+VIDEO_QUESTION_TYPES = ("motion", "blinks")
+QUESTION_TYPES = IMAGE_QUESTION_TYPES + VIDEO_QUESTION_TYPES
 
 
 class DataError(RuntimeError):
@@ -55,6 +58,24 @@ class ImageConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VideoConfig:
+    """Qwen-VL video processing (HF ``Qwen3VLVideoProcessor``'s defaults): frames sampled at ``fps``, resized
+    together within a pixel budget over all frames, paired into temporal patches (``image.temporal_patch_size``)."""
+
+    fps: float = 2.0  # frames sampled per second of video (HF's fps)
+    min_frames: int = 4  # fewest frames sampled (fewer when the clip has fewer)
+    # most frames sampled: a longer clip is sampled down to this many, evenly over its whole length (HF's
+    # max_frames: the clip is never cut short); bounds a clip's patches with max_pixels
+    max_frames: int = 768
+    # the frames share one size, chosen so that frames x height x width lies within [min_pixels, max_pixels]
+    min_pixels: int = 131072  # smallest resized area of all sampled frames together (HF's size.shortest_edge)
+    max_pixels: int = 786432  # largest resized area of all sampled frames together (HF's size.longest_edge)
+    # frame rate assumed where the source gives none (a folder of frames; HF's fallback)
+    default_fps: float = 24.0
+    max_decode_frames: int = 100_000  # refuse to read a clip of more frames than this (counted as corrupt_video)
+
+
+@dataclasses.dataclass(frozen=True)
 class VqaConfig:
     """The built-in procedural VQA scenes (``data.vqa``; generated once into the cache directory)."""
 
@@ -65,7 +86,7 @@ class VqaConfig:
     aspect: tuple[float, float] = (0.5, 2.0)  # [min, max] width / height
     images_per_sample: tuple[int, int] = (1, 1)  # [min, max] images a sample holds
     describe_turns: tuple[int, int] = (0, 0)  # [min, max] extra "describe" turns (long untrained-for-accuracy answers)
-    questions: tuple[str, ...] = QUESTION_TYPES  # question types asked
+    questions: tuple[str, ...] = IMAGE_QUESTION_TYPES  # question types asked of images
     jpeg_quality: tuple[int, int] = (70, 95)  # [min, max] JPEG quality of the stored images
     seed: int = 1234  # generator seed (samples are deterministic per seed, split and index)
     shard_size: int = 4096  # samples per ArrayRecord shard
@@ -74,11 +95,29 @@ class VqaConfig:
     # wider than the image is drawn at the largest size that fits)
     text_size: tuple[float, float] = (0.2, 0.3)
     text_words: int = 16  # the text question's answers: the first N of data.vqa.WORDS (chance 1/N)
+    # short clips (mp4 encoded with PyAV, stored in the shards, decoded by the pipeline as any video): a shape moving
+    # left / right / up / down ("motion") or flashing 1-3 times ("blinks"); 0 keeps the image-only set as it was
+    video_fraction: float = 0.0  # fraction of samples that are a clip and its question instead of images
+    video_questions: tuple[str, ...] = VIDEO_QUESTION_TYPES  # question types asked of clips
+    video_frames: int = 8  # frames of a clip (even: whole frame pairs)
+    video_fps: float = 2.0  # a clip's frame rate (data.video.fps 2 samples every frame)
+    video_size: tuple[int, int] = (64, 128)  # [min, max] of a clip's side in pixels (square frames, even sizes)
 
     def __post_init__(self) -> None:
-        bad = sorted(set(self.questions) - set(QUESTION_TYPES))
+        bad = sorted(set(self.questions) - set(IMAGE_QUESTION_TYPES))
         if bad:
-            raise ValueError(f"source.questions: unknown question types {bad}; known: {QUESTION_TYPES}")
+            raise ValueError(f"source.questions: unknown question types {bad}; known: {IMAGE_QUESTION_TYPES}")
+        bad = sorted(set(self.video_questions) - set(VIDEO_QUESTION_TYPES))
+        if bad or not self.video_questions:
+            raise ValueError(f"source.video_questions: {list(self.video_questions)}: give some of "
+                             f"{VIDEO_QUESTION_TYPES}")
+        if not 0 <= self.video_fraction <= 1:
+            raise ValueError(f"source.video_fraction ({self.video_fraction}) must be within [0, 1]")
+        if self.video_frames < 6 or self.video_frames % 2 or self.video_fps <= 0:
+            raise ValueError(f"source.video_frames ({self.video_frames}) must be even and >= 6 (a blink question "
+                             f"needs 3 frame pairs) and source.video_fps ({self.video_fps}) > 0")
+        if not 32 <= self.video_size[0] <= self.video_size[1]:
+            raise ValueError(f"source.video_size {list(self.video_size)} must be a [min, max] with min >= 32")
         if not 2 <= self.text_words <= 16 or not 0 < self.text_size[0] <= self.text_size[1] <= 1:
             raise ValueError(f"source.text_words ({self.text_words}) must be 2..16 and source.text_size "
                              f"{list(self.text_size)} a [min, max] within (0, 1]")
@@ -178,6 +217,7 @@ class DataConfig:
     balance_vision_rows: bool = False  # balance images over the vision rows of each row group
     balance_group: int = 0  # rows per balancing group (in a run: derived, train.micro_batch_size; 0: all rows)
     image: ImageConfig = ImageConfig()  # Qwen-VL image processing
+    video: VideoConfig = VideoConfig()  # Qwen-VL video processing (decoding with PyAV, frame sampling, resize)
     tokenizer: str = "qwen3"  # "qwen3" (offline BPE ranks) or a path to a tokenizer.json
     system_prompt: str | None = None  # a system turn before every conversation (null: none)
     workers: int = 0  # grain worker processes (0: in the calling process)
@@ -263,6 +303,14 @@ def validate(cfg: DataConfig) -> None:
                          f"but the largest patch bucket is {cfg.max_patches}")
     if len(img.image_mean) != 3 or len(img.image_std) != 3 or min(img.image_std) <= 0:
         raise ValueError("data.image.image_mean / image_std need 3 values, std > 0")
+    vid = cfg.video
+    if not (vid.fps > 0 and vid.default_fps > 0 and 1 <= vid.min_frames <= vid.max_frames <= vid.max_decode_frames):
+        raise ValueError(f"data.video: need fps ({vid.fps}) and default_fps ({vid.default_fps}) > 0 and 1 <= "
+                         f"min_frames ({vid.min_frames}) <= max_frames ({vid.max_frames}) <= max_decode_frames "
+                         f"({vid.max_decode_frames})")
+    if not 0 < vid.min_pixels <= vid.max_pixels:
+        raise ValueError(f"data.video.min_pixels: need 0 < min_pixels ({vid.min_pixels}) <= max_pixels "
+                         f"({vid.max_pixels})")
     if cfg.workers < 0 or cfg.read_threads < 0 or cfg.read_buffer < 1 or cfg.worker_buffer < 1:
         raise ValueError(f"data.workers ({cfg.workers}) / read_threads ({cfg.read_threads}) must be >= 0 and "
                          "read_buffer / worker_buffer >= 1")

@@ -9,6 +9,8 @@ placeholders vs images, image files present and decodable, aspect ratio); entrie
 skipped and counted by reason. A progress bar runs while converting; the summary (written, skipped
 by reason with an example each, shards) is printed and saved as ``<out>/summary.json``. Sequence
 length is not checked here (it depends on the training config): the loader counts ``too_long``.
+Entries with video are counted as ``unsupported_media``: the records hold encoded images only (the loader trains
+on a JSON file's videos directly).
 """
 
 from __future__ import annotations
@@ -52,9 +54,17 @@ def prepare_entry(entry: Any, image_root: Path, image_cfg: ImageConfig, decode_c
             raise RecordError("unparsable JSON line")
         if isinstance(entry, dict) and "messages" in entry and "images" in entry and "meta" in entry:
             messages, paths, meta = entry["messages"], [i["path"] for i in entry["images"]], entry["meta"]
+            videos = []
         else:
-            messages, paths, meta = from_llava(entry)
-        n = validate_messages(messages)
+            messages, paths, videos, meta = from_llava(entry)
+        kinds = validate_messages(messages)
+        if kinds.count("video") != len(videos):
+            raise ConversationError("video_count_mismatch",
+                                    f"{kinds.count('video')} video placeholders but {len(videos)} videos")
+        if videos:  # the record format holds encoded images only
+            raise UnsupportedMedia("an entry with video cannot be written to ArrayRecord shards yet: train from "
+                                   "the JSON file itself (--data FILE.json decodes its videos)")
+        n = kinds.count("image")
         if n != len(paths):
             raise ConversationError("image_count_mismatch", f"{n} image placeholders but {len(paths)} images")
         images = []

@@ -139,13 +139,19 @@ def normalize_lut(cfg: ImageConfig) -> np.ndarray:
 
 def expand_patches(compact: np.ndarray, cfg: ImageConfig, lut: np.ndarray | None = None,
                    out: np.ndarray | None = None) -> np.ndarray:
-    """uint8 [N, 3*p*p] -> float32 [N, 3*T*p*p] normalised, frames duplicated (HF's pixel_values rows)."""
+    """uint8 [N, 3*p*p] -> float32 [N, 3*T*p*p] normalised, frames duplicated (HF's pixel_values rows); video rows
+    (uint8 [N, 3*T*p*p], ``data.video``) hold their own T frames and are normalised alone."""
     lut = normalize_lut(cfg) if lut is None else lut
     n = compact.shape[0]
     pp = cfg.patch_size**2
     t = cfg.temporal_patch_size
     if out is None:
         out = np.empty((n, 3 * t * pp), np.float32)
+    if compact.shape[1] == 3 * t * pp and t > 1:  # video: (channel, frame, y, x) already
+        view, src = out.reshape(n, 3, t * pp), compact.reshape(n, 3, t * pp)
+        for c in range(3):
+            view[:, c, :] = lut[c].take(src[:, c, :])
+        return out
     view = out.reshape(n, 3, t, pp)
     src = compact.reshape(n, 3, pp)
     for c in range(3):

@@ -41,7 +41,8 @@ from moevlm_jax.data.sources import build_source
 log = logging.getLogger(__name__)
 STATE_VERSION = 2  # 2: logical data shards (streams)
 HOST_KEYS = ("stats", "sample_index", *EVAL_KEYS)
-_TOTAL_KEYS = ("samples", "images", "tokens", "useful_tokens", "trained_tokens", "patch_slots", "useful_patches")
+_TOTAL_KEYS = ("samples", "images", "videos", "videos_sampled_down", "tokens", "useful_tokens", "trained_tokens",
+               "patch_slots", "useful_patches")
 
 
 class _Read:
@@ -106,7 +107,7 @@ class _Stream:
                 continue
             self.batches += 1
             for k in _TOTAL_KEYS:
-                self.totals[k] += int(stats[k])
+                self.totals[k] += int(stats.get(k, 0))
             return batch
 
     def get_state(self) -> dict[str, Any]:
@@ -116,7 +117,7 @@ class _Stream:
     def set_state(self, state: Mapping[str, Any]) -> None:
         self.iterator().set_state(state["grain"])
         self.batches = int(state["batches"])
-        self.totals = {k: int(state["totals"][k]) for k in _TOTAL_KEYS}
+        self.totals = {k: int(state["totals"].get(k, 0)) for k in _TOTAL_KEYS}  # "videos": absent in older states
         self.skipped = collections.Counter(state["skipped"])
 
     def close(self) -> None:
@@ -143,8 +144,12 @@ def merge_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
                                                                                              0)] * (a.ndim - axis - 2),
                              constant_values=fill) for a in arrays]
         out[key] = np.concatenate(arrays, axis=axis)
-    summed = ("rows", "samples", "images", "tokens", "useful_tokens", "trained_tokens", "useful_patches")
-    stats = {k: sum(b["stats"][k] for b in parts) for k in summed}
+    summed = ("rows", "samples", "images", "videos", "videos_sampled_down", "tokens", "useful_tokens",
+              "trained_tokens", "useful_patches")
+    stats = {k: sum(b["stats"].get(k, 0) for b in parts) for k in summed}
+    notes = [b["stats"]["sampled_down_note"] for b in parts if "sampled_down_note" in b["stats"]]
+    if notes:
+        stats["sampled_down_note"] = notes[0]
     stats["patch_bucket"] = max(b["stats"].get("patch_bucket", 0) for b in parts)
     stats["patch_slots"] = stats["rows"] * stats["patch_bucket"]
     stats["token_fill"] = stats["useful_tokens"] / stats["tokens"] if stats["tokens"] else 0.0
@@ -172,6 +177,7 @@ class Loader:
         self.is_mock = cfg.is_mock
         self._streams = streams
         self._skipped: collections.Counter = collections.Counter()
+        self._noted_sampled_down = False
 
     @property
     def shards(self) -> list[int]:
@@ -188,6 +194,10 @@ class Loader:
         stats["source"] = self.label
         stats["mock"] = self.is_mock
         stats["batch"] = self._streams[0].batches
+        if "sampled_down_note" in stats and not self._noted_sampled_down:  # once a run: the count is in the totals
+            self._noted_sampled_down = True
+            log.info("data (%s): %s; such videos are counted as videos_sampled_down", self.split,
+                     stats["sampled_down_note"])
         return batch
 
     def _total_skipped(self) -> collections.Counter:
@@ -352,7 +362,8 @@ def build_loader(
             grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.read_buffer))
         dataset: grain.IterDataset = PackedBatchDataset(samples, stream_cfg, pad_id=processor.tokenizer.pad_id,
                                                         eval_mode=eval_mode,
-                                                        image_id=processor.tokenizer.special_id("<|image_pad|>"))
+                                                        visual_ids=[processor.tokenizer.special_id(t) for t in
+                                                                    ("<|image_pad|>", "<|video_pad|>")])
         if cfg.workers > 0:
             _absl_flags_parsed()
             dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.workers,

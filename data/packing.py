@@ -99,22 +99,23 @@ def balance_images(counts: Sequence[Sequence[int]], group: int) -> list[list[tup
 
 
 def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *, pad_id: int,
-                   eval_mode: bool = False, lut: np.ndarray | None = None, image_id: int | None = None
+                   eval_mode: bool = False, lut: np.ndarray | None = None, visual_ids: Sequence[int] = ()
                    ) -> dict[str, Any]:
     """Samples per row -> the batch dict of ARCHITECTURE.md (input_ids [B, S], pixel_values [B, P, 1536], ...).
 
     With ``cfg.balance_vision_rows`` the images are balanced over the vision rows of each ``cfg.balance_group``
     rows (:func:`balance_images`) and ``patch_dest [B, P]`` says, per patch, where its merged token goes in the
-    decoder: ``(decoder row - vision row) * S + position`` (``image_id``, the image placeholder token, finds the
-    positions)."""
+    decoder: ``(decoder row - vision row) * S + position`` (``visual_ids``, the image and video placeholder tokens,
+    find the positions). A video moves between vision rows as one item (all its frames), as an image does."""
     img = cfg.image
     lut = normalize_lut(img) if lut is None else lut
     b, s = len(rows), cfg.seq_len
     unit = img.merge_size**2
     counts = [[n for x in row for n in image_patch_counts(x)] for row in rows]
     balance = cfg.balance_vision_rows and any(counts)
-    if balance and image_id is None:
-        raise ValueError("assemble_batch: balance_vision_rows needs the image placeholder's token id (image_id)")
+    if balance and not visual_ids:
+        raise ValueError("assemble_batch: balance_vision_rows needs the image / video placeholders' token ids "
+                         "(visual_ids)")
     layout = balance_images(counts, cfg.balance_group) if balance else [[(r, j) for j in range(len(c))]
                                                                         for r, c in enumerate(counts)]
     row_patches = [sum(counts[r][j] for r, j in held) for held in layout]
@@ -137,7 +138,8 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
         if balance:
             out["patch_dest"] = np.zeros((b, p), np.int32)
     sample_index = np.full((b, max((len(r) for r in rows), default=0)), -1, np.int64)
-    images = 0
+    images = videos = down = 0
+    note = None
     # per decoder row, per image (in order): (its patches, its grid, where its tokens sit in the row)
     row_images: list[list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]] = []
     for r, row in enumerate(rows):
@@ -160,12 +162,15 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
             sizes = image_patch_counts(x)
             if sizes:
                 grids = np.asarray(x["grids"], np.int64).reshape(-1, 3)
-                tokens = t + np.flatnonzero(np.asarray(x["ids"]) == image_id) if balance else None
+                tokens = t + np.flatnonzero(np.isin(np.asarray(x["ids"]), visual_ids)) if balance else None
                 q = tok = 0
                 for grid, n in zip(grids, sizes):
                     mine.append((x["patches"][q:q + n], grid, None if tokens is None else tokens[tok:tok + n // unit]))
                     q, tok = q + n, tok + n // unit
-                images += len(sizes)
+                images += len(sizes) - int(x.get("videos", 0))
+                videos += int(x.get("videos", 0))
+                down += int(x.get("sampled_down", 0))
+                note = note or x.get("sampled_down_note")
             sample_index[r, k] = x["index"]
             t += length
         row_images.append(mine)
@@ -194,6 +199,8 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
         "rows": b,
         "samples": int(sum(len(r) for r in rows)),
         "images": images,
+        "videos": videos,
+        "videos_sampled_down": down,
         "tokens": b * s,
         "useful_tokens": useful,
         "trained_tokens": int(out["loss_mask"].sum()),
@@ -203,6 +210,8 @@ def assemble_batch(rows: Sequence[Sequence[dict[str, Any]]], cfg: DataConfig, *,
         "patch_fill": useful_patches / (b * p) if p else 0.0,
         "patch_bucket": p,
     }
+    if note:
+        out["stats"]["sampled_down_note"] = note  # the first video sampled down to max_frames
     return out
 
 
@@ -210,12 +219,12 @@ class PackedBatchDataset(grain.IterDataset):
     """grain ``IterDataset``: processed samples/skips -> packed batches (+ per-batch skip counts)."""
 
     def __init__(self, parent: grain.IterDataset, cfg: DataConfig, *, pad_id: int, eval_mode: bool = False,
-                 image_id: int | None = None):
+                 visual_ids: Sequence[int] = ()):
         super().__init__(parent)
-        self._cfg, self._pad_id, self._eval, self._image_id = cfg, pad_id, eval_mode, image_id
+        self._cfg, self._pad_id, self._eval, self._visual_ids = cfg, pad_id, eval_mode, tuple(visual_ids)
 
     def __iter__(self) -> grain.DatasetIterator:
-        return _PackedBatchIterator(self._parent.__iter__(), self._cfg, self._pad_id, self._eval, self._image_id)
+        return _PackedBatchIterator(self._parent.__iter__(), self._cfg, self._pad_id, self._eval, self._visual_ids)
 
     def __str__(self) -> str:
         return f"PackedBatchDataset(rows={self._cfg.batch_size}, seq_len={self._cfg.seq_len})"
@@ -223,9 +232,9 @@ class PackedBatchDataset(grain.IterDataset):
 
 class _PackedBatchIterator(grain.DatasetIterator):
     def __init__(self, parent: grain.DatasetIterator, cfg: DataConfig, pad_id: int, eval_mode: bool,
-                 image_id: int | None = None):
+                 visual_ids: Sequence[int] = ()):
         super().__init__(parent)
-        self._cfg, self._pad_id, self._eval, self._image_id = cfg, pad_id, eval_mode, image_id
+        self._cfg, self._pad_id, self._eval, self._visual_ids = cfg, pad_id, eval_mode, visual_ids
         self._lut = normalize_lut(cfg.image)
         self._reads = 0  # samples read from the parent since the anchor
         self._anchor = parent.get_state()
@@ -288,7 +297,7 @@ class _PackedBatchIterator(grain.DatasetIterator):
                 return {"stats": {"empty": True, "skipped": skipped}}
             raise StopIteration
         batch = assemble_batch(rows.samples, cfg, pad_id=self._pad_id, eval_mode=self._eval, lut=self._lut,
-                               image_id=self._image_id)
+                               visual_ids=self._visual_ids)
         batch["stats"]["skipped"] = skipped
         return batch
 

@@ -1,22 +1,27 @@
 """The sample record: conversation + image payloads + metadata, and its ArrayRecord encoding.
 
-A record (in memory) is ``{"messages": [...], "images": [bytes | {"path": str}], "meta": {...}}``:
-HF-style messages whose ``{"type": "image"}`` items refer to ``images`` in order. On disk each
-ArrayRecord entry is ``b"MVLR" | u8 version | u32 header length | JSON header | image bytes...``;
-the header holds messages, meta and each image's byte length. Images are stored as their original
-encoded bytes (JPEG/PNG/...), never re-encoded.
+A record (in memory) is ``{"messages": [...], "images": [bytes | {"path": str}], "videos": [bytes | {"path": ...}],
+"meta": {...}}``: HF-style messages whose ``{"type": "image"}`` / ``{"type": "video"}`` items refer to ``images`` /
+``videos`` in order. On disk each ArrayRecord entry is ``b"MVLR" | u8 version | u32 header length | JSON header |
+image bytes... | video bytes...``; the header holds messages, meta and each image's (``video_sizes``: each video's)
+byte length. Images and videos are stored as their original encoded files (JPEG/PNG/..., mp4/...), never
+re-encoded; a record without videos has no ``video_sizes`` and decodes without a ``videos`` key.
 
-``from_llava`` accepts LLaVA ``conversations`` (``from``: human/gpt, ``<image>`` placeholders,
-``image``: str or list), ShareGPT/LLaMA-Factory ``messages`` + ``images``, and the ``messages`` form of HF
-processors' chat templates and TRL, whose content items name their image (``{"type": "image", "image": "a.jpg"}``;
-``path``, ``url`` or ``image_url`` too). Media the pipeline cannot use yet (video, audio: a ``<video>`` placeholder, a
-``video`` item or a ``video`` / ``videos`` / ``audio`` / ``audios`` key) raise :class:`UnsupportedMedia`, so that such a
-sample is counted as skipped rather than trained on its text alone.
+``from_llava`` accepts LLaVA ``conversations`` (``from``: human/gpt, ``<image>`` / ``<video>`` placeholders,
+``image`` / ``video``: str or list), ShareGPT/LLaMA-Factory ``messages`` + ``images`` / ``videos``, and the ``messages``
+form of HF processors' chat templates and TRL, whose content items name their image or video
+(``{"type": "image", "image": "a.jpg"}``, ``{"type": "video", "video": "clip.mp4"}``; ``path``, ``url``,
+``image_url`` / ``video_url`` too). A video is a file, a folder of frame images or a list of frame image paths
+(``data.video``). Audio (an ``<audio>`` placeholder, an ``audio`` item or an ``audio`` / ``audios`` key) raises
+:class:`UnsupportedMedia`, so that such a sample is counted as skipped rather than trained on its text alone.
+:func:`encode_record` takes encoded video files (the built-in clips of ``data.vqa``); ``data.convert`` does not embed a
+LLaVA entry's video files yet and counts such entries as ``unsupported_media``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -25,12 +30,15 @@ MAGIC = b"MVLR"
 VERSION = 1
 _HEAD = struct.Struct("<4sBI")
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+_PLACEHOLDERS = re.compile("(<image>|<video>)")
 # placeholders and keys of media the pipeline cannot use yet: a sample holding one is skipped, never trained as text
-UNSUPPORTED_PLACEHOLDERS = ("<video>", "<audio>")
-UNSUPPORTED_KEYS = ("video", "videos", "audio", "audios")
-UNSUPPORTED_ITEMS = ("video", "video_url", "audio", "audio_url", "input_audio")
-# where a content item of type image names its file, in the order looked up
+UNSUPPORTED_PLACEHOLDERS = ("<audio>",)
+UNSUPPORTED_KEYS = ("audio", "audios")
+UNSUPPORTED_ITEMS = ("audio", "audio_url", "input_audio")
+# where a content item of type image / video names its file, in the order looked up
 _IMAGE_REFS = ("image", "path", "url", "image_url")
+_VIDEO_REFS = ("video", "path", "url", "video_url")
 _ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                  "bot": "assistant", "model": "assistant", "system": "system"}
 
@@ -40,18 +48,23 @@ class RecordError(ValueError):
 
 
 class UnsupportedMedia(RecordError):
-    """A record holding media the pipeline cannot use yet (video, audio): counted as ``unsupported_media``."""
+    """A record holding media the pipeline cannot use (audio; video in ArrayRecord shards): counted as
+    ``unsupported_media``."""
 
 
-def encode_record(messages: list[dict[str, Any]], images: list[bytes], meta: Mapping[str, Any] | None = None) -> bytes:
-    """Serialise a record (messages, encoded image bytes, meta) to one ArrayRecord entry."""
-    header = {"messages": messages, "image_sizes": [len(b) for b in images], "meta": dict(meta or {})}
+def encode_record(messages: list[dict[str, Any]], images: list[bytes], meta: Mapping[str, Any] | None = None,
+                  videos: list[bytes] = ()) -> bytes:
+    """Serialise a record (messages, encoded image bytes, meta, encoded video files) to one ArrayRecord entry."""
+    header: dict[str, Any] = {"messages": messages, "image_sizes": [len(b) for b in images], "meta": dict(meta or {})}
+    if videos:
+        header["video_sizes"] = [len(b) for b in videos]
     head = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
-    return b"".join([_HEAD.pack(MAGIC, VERSION, len(head)), head, *images])
+    return b"".join([_HEAD.pack(MAGIC, VERSION, len(head)), head, *images, *videos])
 
 
 def decode_record(data: bytes) -> dict[str, Any]:
-    """Parse an ArrayRecord entry back into ``{"messages", "images": [bytes], "meta"}``."""
+    """Parse an ArrayRecord entry back into ``{"messages", "images": [bytes], "meta"}`` (and ``"videos": [bytes]``
+    when it holds videos)."""
     if len(data) < _HEAD.size:
         raise RecordError(f"record of {len(data)} bytes is shorter than its header")
     magic, version, head_len = _HEAD.unpack_from(data)
@@ -61,17 +74,21 @@ def decode_record(data: bytes) -> dict[str, Any]:
     try:
         header = json.loads(data[start:start + head_len])
         sizes = [int(s) for s in header["image_sizes"]]
+        video_sizes = [int(s) for s in header.get("video_sizes", [])]
         messages = header["messages"]
     except (ValueError, KeyError, TypeError) as e:
         raise RecordError(f"bad record header: {e}") from None
     offset = start + head_len
-    if offset + sum(sizes) != len(data):
-        raise RecordError(f"record payload is {len(data) - offset} bytes, header says {sum(sizes)}")
-    images = []
-    for s in sizes:
-        images.append(bytes(data[offset:offset + s]))
+    if offset + sum(sizes) + sum(video_sizes) != len(data):
+        raise RecordError(f"record payload is {len(data) - offset} bytes, header says {sum(sizes) + sum(video_sizes)}")
+    payload = []
+    for s in sizes + video_sizes:
+        payload.append(bytes(data[offset:offset + s]))
         offset += s
-    return {"messages": messages, "images": images, "meta": header.get("meta", {})}
+    record = {"messages": messages, "images": payload[:len(sizes)], "meta": header.get("meta", {})}
+    if video_sizes:
+        record["videos"] = payload[len(sizes):]
+    return record
 
 
 def _split_placeholders(text: str) -> list[dict[str, Any]]:
@@ -79,63 +96,102 @@ def _split_placeholders(text: str) -> list[dict[str, Any]]:
         if mark in text:
             raise UnsupportedMedia(f"{mark} placeholder: {mark[1:-1]} input is not supported yet")
     items: list[dict[str, Any]] = []
-    for k, chunk in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if k:
-            items.append({"type": "image"})
-        if chunk:
+    for k, chunk in enumerate(_PLACEHOLDERS.split(text)):
+        if k % 2:
+            items.append({"type": "image" if chunk == IMAGE_PLACEHOLDER else "video"})
+        elif chunk:
             items.append({"type": "text", "text": chunk})
     return items
 
 
-def _image_ref(item: Mapping[str, Any]) -> str | None:
-    """The file a content item of type image names (``image`` / ``path`` / ``url`` / ``image_url.url``), else None."""
-    for key in _IMAGE_REFS:
+VideoRef = str | list[str]  # a video file or folder of frames, or the frame images of one video
+
+
+def _media_ref(item: Mapping[str, Any], keys: tuple[str, ...]) -> VideoRef | None:
+    """The file a content item names (the first of ``keys``; ``{"url": ...}`` objects too; a video may be a list of
+    frame paths), else None."""
+    for key in keys:
         ref = item.get(key)
         if isinstance(ref, Mapping):  # OpenAI-style {"image_url": {"url": ...}}
             ref = ref.get("url")
         if isinstance(ref, str) and ref:
             return ref.removeprefix("file://")
+        if isinstance(ref, list) and ref and all(isinstance(r, str) for r in ref) and "video" in keys:
+            return [r.removeprefix("file://") for r in ref]
     return None
 
 
-def _message(role: Any, content: Any) -> tuple[dict[str, Any], list[str | None]]:
-    """One turn -> (HF-style message, the file each of its image items names or None, in order)."""
+def _is_video_item(item: Mapping[str, Any]) -> bool:
+    return item.get("type") in ("video", "video_url") or "video" in item or "video_url" in item
+
+
+def _message(role: Any, content: Any) -> tuple[dict[str, Any], list[str | None], list[VideoRef | None]]:
+    """One turn -> (HF-style message, the file each of its image items names or None, the same of its video items)."""
     role_name = _ROLE_ALIASES.get(str(role).lower())
     if role_name is None:
         raise RecordError(f"unknown role {role!r}")
+
+    def counts(items: list[dict[str, Any]]) -> tuple[list[None], list[None]]:
+        return [None] * sum(it["type"] == "image" for it in items), [None] * sum(it["type"] == "video" for it in items)
+
     if isinstance(content, str):
         items = _split_placeholders(content)
-        return {"role": role_name, "content": items}, [None] * sum(it["type"] == "image" for it in items)
+        return {"role": role_name, "content": items}, *counts(items)
     if isinstance(content, list):
         items: list[dict[str, Any]] = []
-        refs: list[str | None] = []
+        images: list[str | None] = []
+        videos: list[VideoRef | None] = []
         for item in content:
             if isinstance(item, Mapping) and (item.get("type") in UNSUPPORTED_ITEMS
                                               or any(k in item for k in UNSUPPORTED_ITEMS)):
-                raise UnsupportedMedia(f"content item of type {item.get('type')!r}: video and audio are not "
-                                       "supported yet")
-            if isinstance(item, Mapping) and (item.get("type") in ("image", "image_url") or "image" in item):
+                raise UnsupportedMedia(f"content item of type {item.get('type')!r}: audio is not supported yet")
+            if isinstance(item, Mapping) and _is_video_item(item):
+                items.append({"type": "video"})
+                videos.append(_media_ref(item, _VIDEO_REFS))
+            elif isinstance(item, Mapping) and (item.get("type") in ("image", "image_url") or "image" in item):
                 items.append({"type": "image"})
-                refs.append(_image_ref(item))
+                images.append(_media_ref(item, _IMAGE_REFS))
             elif isinstance(item, str) or (isinstance(item, Mapping) and "text" in item):
                 new = _split_placeholders(item if isinstance(item, str) else str(item["text"]))
                 items += new
-                refs += [None] * sum(it["type"] == "image" for it in new)
+                more_images, more_videos = counts(new)
+                images += more_images
+                videos += more_videos
             else:
                 raise RecordError(f"unknown content item {item!r}")
-        return {"role": role_name, "content": items}, refs
+        return {"role": role_name, "content": items}, images, videos
     if content is None:
-        return {"role": role_name, "content": []}, []
+        return {"role": role_name, "content": []}, [], []
     raise RecordError(f"message content of type {type(content).__name__}")
 
 
-def from_llava(entry: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
-    """A LLaVA / ShareGPT / HF ``messages`` JSON entry -> (messages, image paths in placeholder order, meta)."""
+def _listed(entry: Mapping[str, Any], keys: tuple[str, str], video: bool) -> list:
+    """The top-level media list (``images`` / ``image``, ``videos`` / ``video``): a str is one item; a video may be a
+    list of frame paths."""
+    value = entry.get(keys[0], entry.get(keys[1], []))
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [[str(f) for f in v] if video and isinstance(v, list) else str(v) for v in value]
+
+
+def _match(kind: str, inline: list, listed: list) -> list:
+    named = [r for r in inline if r is not None]
+    if named and (len(named) != len(inline) or (listed and listed != named)):
+        raise RecordError(f"{kind}s named both in content items ({len(named)} of {len(inline)}) and in the "
+                          f"'{kind}s' list ({len(listed)}): name each {kind} once")
+    return listed or named
+
+
+def from_llava(entry: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str], list[VideoRef], dict[str, Any]]:
+    """A LLaVA / ShareGPT / HF ``messages`` JSON entry -> (messages, image paths in placeholder order, video paths
+    (or frame path lists) in placeholder order, meta)."""
     if not isinstance(entry, Mapping):
         raise RecordError(f"entry is a {type(entry).__name__}, not an object")
     media = [k for k in UNSUPPORTED_KEYS if entry.get(k)]
     if media:
-        raise UnsupportedMedia(f"entry has {media[0]!r}: video and audio are not supported yet")
+        raise UnsupportedMedia(f"entry has {media[0]!r}: audio is not supported yet")
     if "conversations" in entry:
         turns = [_message(t.get("from", t.get("role")), t.get("value", t.get("content")))
                  for t in entry["conversations"]]
@@ -143,17 +199,8 @@ def from_llava(entry: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str
         turns = [_message(t.get("role"), t.get("content")) for t in entry["messages"]]
     else:
         raise RecordError("entry has neither 'conversations' nor 'messages'")
-    messages = [m for m, _ in turns]
-    inline = [r for _, refs in turns for r in refs]
-    images = entry.get("images", entry.get("image", []))
-    if images is None:
-        images = []
-    if isinstance(images, str):
-        images = [images]
-    listed = [str(p) for p in images]
-    named = [r for r in inline if r is not None]
-    if named and (len(named) != len(inline) or (listed and listed != named)):
-        raise RecordError(f"images named both in content items ({len(named)} of {len(inline)}) and in the 'images' "
-                          f"list ({len(listed)}): name each image once")
+    messages = [m for m, _, _ in turns]
+    images = _match("image", [r for _, refs, _ in turns for r in refs], _listed(entry, ("images", "image"), False))
+    videos = _match("video", [r for _, _, refs in turns for r in refs], _listed(entry, ("videos", "video"), True))
     meta = {k: entry[k] for k in ("id",) if k in entry}
-    return messages, listed or named, meta
+    return messages, images, videos, meta

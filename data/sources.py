@@ -275,8 +275,9 @@ def _build_source(cfg: DataConfig, split: str) -> tuple[Any, str]:
     kind = cfg.kind
     if kind == "vqa":
 
+        clips = f" and {src['video_fraction']:g} mp4 clips, real video decode" if src.get("video_fraction") else ""
         return ArrayRecordSource(ensure_vqa(src, cfg.resolved_cache_dir(), split)), \
-            "vqa (procedural scenes, real JPEG decode)"
+            f"vqa (procedural scenes, real JPEG decode{clips})"
     if kind == "photos":
 
         return PhotoSource(src, split), "photos (shipped photographs, real JPEG decode)"

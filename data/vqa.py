@@ -10,6 +10,17 @@ question has a short answer read off the drawing and a known chance level:
     position  "Is the shape on the left or the right?"  left/right          1/2
     text      "What word is written in the image?"  one of 16 words         1/16  (``text_words``: fewer)
 
+With ``video_fraction`` > 0, that fraction of samples is instead a short clip (``video_frames`` square frames of
+``video_size`` px at ``video_fps``, a textured background, encoded as an MPEG-4 mp4 with PyAV and stored in the
+shard beside the images, decoded by the pipeline as any video) with a question only the frames' order answers:
+
+    motion    "Which way does the shape move?"      left/right/up/down      chance 1/4
+    blinks    "How many times does the shape flash?"  1..3                  1/3
+
+A moving shape crosses about half the frame from a random start; a flashing shape is shown in 1-3 single frames
+(never two adjacent ones), so that no one frame holds the answer. The image samples are the same with or without
+clips (each sample draws from its own stream), and the cache key of a set without clips is unchanged.
+
 Samples may hold several images (questions then name the image) and extra "describe" turns whose
 long answers (not scored) describe every object; the GPU proxy preset uses that to reach 4 images
 and ~4k tokens per sample (``text_budget`` caps the characters of describe turns so that samples
@@ -22,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import io
+import itertools
 import json
 import logging
 import math
@@ -31,6 +43,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Mapping
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +68,7 @@ MAX_COUNT = 6
 ANSWERS = {
     "colour": tuple(COLOURS), "shape": SHAPES, "count": tuple(str(i) for i in range(1, MAX_COUNT + 1)),
     "position": ("left", "right"), "text": WORDS,
+    "motion": ("left", "right", "up", "down"), "blinks": ("1", "2", "3"),
 }
 CHANCE = {q: 1.0 / len(ANSWERS[q]) for q in QUESTION_TYPES}  # of the default parameters (16 words)
 QUESTIONS = {
@@ -64,7 +78,12 @@ QUESTIONS = {
     "count": ("How many shapes are there?", "Count the shapes in the picture.", "How many shapes can you see?"),
     "position": ("Is the shape on the left or the right?", "Which side is the shape on, left or right?"),
     "text": ("What word is written in the image?", "Read the word in the picture.", "Which word is shown?"),
+    "motion": ("Which way does the {shape} move?", "In which direction does the {colour} {shape} move: left, "
+               "right, up or down?", "Where is the shape going: left, right, up or down?"),
+    "blinks": ("How many times does the {shape} flash?", "How many times does the {colour} {shape} appear?",
+               "Count the flashes of the shape."),
 }
+VIDEO_KEYS = ("video_fraction", "video_questions", "video_frames", "video_fps", "video_size")
 SPLITS = {"train": 0, "heldout": 1}
 
 
@@ -229,8 +248,85 @@ def make_scene(rng: np.random.Generator, qtype: str, params: Mapping[str, Any]) 
     return buf.getvalue(), answer, description, (w, h)
 
 
+def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
+    """uint8 frames [n, h, w, 3] (even h, w) -> an MPEG-4 Part 2 mp4 file's bytes, encoded with PyAV."""
+    import av  # PyAV; imported here so that image-only sets never load FFmpeg
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=Fraction(fps).limit_denominator(1000))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"qscale": "3"}  # high quality: shapes keep their colours and edges
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")))
+        container.mux(stream.encode())
+    return buf.getvalue()
+
+
+def make_clip(rng: np.random.Generator, qtype: str, params: Mapping[str, Any]) -> tuple[bytes, str, dict[str, str]]:
+    """Draw one clip for a video question type -> (mp4 bytes, answer, {"shape", "colour"})."""
+    lo, hi = params["video_size"]
+    side = 2 * round(float(rng.uniform(lo, hi)) / 2)  # even: yuv420p
+    n = int(params["video_frames"])
+    background = _background(rng, side, side)
+    r = float(rng.uniform(0.12, 0.18) * side)
+    shape, colour = SHAPES[rng.integers(len(SHAPES))], list(COLOURS)[rng.integers(len(COLOURS))]
+    if qtype == "motion":
+        answer = ANSWERS["motion"][rng.integers(4)]
+        span = float(rng.uniform(0.4, 0.55)) * (side - 2 * r)  # the distance travelled, of the free range
+        start = float(rng.uniform(r, side - r - span))  # along the motion's axis, in moving-forward coordinates
+        across = float(rng.uniform(r, side - r))
+        along = start + span * np.linspace(0, 1, n)
+        if answer in ("left", "up"):
+            along = side - along
+        centres = [(a, across) if answer in ("left", "right") else (across, a) for a in along]
+        shown = [True] * n
+    else:
+        count = int(rng.integers(1, 4))
+        answer = str(count)
+        cx, cy = (float(v) for v in rng.uniform(r, side - r, 2))
+        centres = [(cx, cy)] * n
+        while True:  # single frames in distinct frame pairs, never two adjacent frames (one flash each)
+            pairs = rng.choice(n // 2, size=count, replace=False)
+            frames = sorted(int(2 * p + rng.integers(2)) for p in pairs)
+            if all(b - a > 1 for a, b in itertools.pairwise(frames)):
+                break
+        shown = [i in frames for i in range(n)]
+    out = np.empty((n, side, side, 3), np.uint8)
+    for i, ((cx, cy), on) in enumerate(zip(centres, shown)):
+        img = background.copy()
+        if on:
+            _draw_shape(ImageDraw.Draw(img), shape, colour, cx, cy, r)
+        out[i] = np.asarray(img)
+    return encode_mp4(out, float(params["video_fps"])), answer, {"shape": shape, "colour": colour}
+
+
+def make_clip_record(params: Mapping[str, Any], split: str, index: int) -> bytes:
+    """One clip sample: a video and its question (its own random stream: the image samples stay as they are)."""
+    rng = np.random.default_rng([int(params["seed"]), SPLITS[split], int(index), 1])
+    questions = list(params["video_questions"])
+    qtype = questions[rng.integers(len(questions))]
+    mp4, answer, what = make_clip(rng, qtype, params)
+    question = QUESTIONS[qtype][rng.integers(len(QUESTIONS[qtype]))].format(**what)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]},
+                {"role": "assistant", "content": answer}]
+    meta = {"source": "vqa", "split": split, "qtypes": [qtype], "answers": [answer]}
+    return encode_record(messages, [], meta, videos=[mp4])
+
+
+def is_clip(params: Mapping[str, Any], split: str, index: int) -> bool:
+    """Whether sample ``index`` of a split is a clip (``video_fraction`` of them, drawn per sample)."""
+    fraction = float(params.get("video_fraction", 0.0))
+    if fraction <= 0:
+        return False
+    return bool(np.random.default_rng([int(params["seed"]), SPLITS[split], int(index), 2]).random() < fraction)
+
+
 def make_record(params: Mapping[str, Any], split: str, index: int) -> bytes:
     """One encoded record of the VQA set, a pure function of (params, split, index)."""
+    if is_clip(params, split, index):
+        return make_clip_record(params, split, index)
     rng = np.random.default_rng([int(params["seed"]), SPLITS[split], int(index)])
     lo, hi = params["images_per_sample"]
     n_images = int(rng.integers(lo, hi + 1))
@@ -277,7 +373,9 @@ def _chunk(args: tuple[dict[str, Any], str, int, int]) -> list[bytes]:
 
 
 def dataset_dir(params: Mapping[str, Any], cache_dir: Path) -> Path:
-    """Cache directory of a parameter set."""
+    """Cache directory of a parameter set (a set without clips keys as before clips existed)."""
+    if not params.get("video_fraction"):
+        params = {k: v for k, v in params.items() if k not in VIDEO_KEYS}
     key = json.dumps({"v": GENERATOR_VERSION, **params}, sort_keys=True)
     return Path(cache_dir) / "vqa" / hashlib.sha1(key.encode()).hexdigest()[:12]
 

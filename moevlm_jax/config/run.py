@@ -270,7 +270,8 @@ def model_data_checks(model: ModelConfig, data: DataConfig) -> list[str]:
         errors.append(f"model {model.name or ''} has vocab_size {vocab} but the data tokenizer '{data.tokenizer}' "
                       f"uses ids up to {tok.vocab_size - 1}; pick a model with that vocabulary (e.g. --model tiny, "
                       f"small or proxy for the Qwen3 tokenizer) or set model.text_config.vocab_size")
-    for token, field in (("<|image_pad|>", "image_token_id"), ("<|vision_start|>", "vision_start_token_id"),
+    for token, field in (("<|image_pad|>", "image_token_id"), ("<|video_pad|>", "video_token_id"),
+                         ("<|vision_start|>", "vision_start_token_id"),
                          ("<|vision_end|>", "vision_end_token_id")):
         want = tok.special_tokens.get(token)
         if want is not None and getattr(model, field) != want:

@@ -1,5 +1,5 @@
 """Generation for Qwen3-VL-MoE: a KV-cache decoder (prefill + one compiled decode loop), greedy or
-temperature + top-p sampling, the training data's chat template / tokenizer / image processing, and
+temperature + top-p sampling, the training data's chat template / tokenizer / image and video processing, and
 model loading from an HF directory or a training run (``python -m moevlm_jax.generate``).
 
 - :mod:`~moevlm_jax.inference.engine`: ``generate_ids`` (token ids), ``generate`` (chat prompts ->
@@ -15,10 +15,12 @@ from moevlm_jax.inference.engine import (
     TRACES,
     Generation,
     Prompt,
+    Video,
     answer_questions,
     chat_prompt,
     generate,
     generate_ids,
+    load_video,
     prompt_batch,
     question_text,
     record_questions,
@@ -29,7 +31,26 @@ from moevlm_jax.inference.loading import Loaded, generation_compute, load_hf, lo
 from moevlm_jax.inference.sampling import sample_token, top_p_mask
 
 __all__ = [
-    "TRACES", "Generation", "Loaded", "Prompt", "answer_questions", "cache_segment_ids", "chat_prompt",
-    "generate", "generate_ids", "generation_compute", "init_cache", "load_hf", "load_run", "model_for_generation",
-    "prompt_batch", "question_text", "record_questions", "sample_token", "stop_ids_of", "top_p_mask",
+    "TRACES",
+    "Generation",
+    "Loaded",
+    "Prompt",
+    "Video",
+    "answer_questions",
+    "cache_segment_ids",
+    "chat_prompt",
+    "generate",
+    "generate_ids",
+    "generation_compute",
+    "init_cache",
+    "load_hf",
+    "load_run",
+    "load_video",
+    "model_for_generation",
+    "prompt_batch",
+    "question_text",
+    "record_questions",
+    "sample_token",
+    "stop_ids_of",
+    "top_p_mask",
 ]

@@ -1,4 +1,4 @@
-"""Generation with a KV cache: prompts (token ids + images) -> generated token ids; chat prompts -> text.
+"""Generation with a KV cache: prompts (token ids + images / videos) -> generated token ids; chat prompts -> text.
 
 Low level, on token ids (what the HF-parity tests drive)::
 
@@ -9,6 +9,8 @@ Low level, on token ids (what the HF-parity tests drive)::
 High level, on chat prompts (the data pipeline's template, tokenizer and image processing)::
 
     texts = generate(model, tokenizer, ["What colour is the shape?"], [["img.jpg"]])
+    texts = generate(model, tokenizer, ["Which way did the square move?"], [[Video("clip.mp4")]],
+                     video_config=VideoConfig())       # a video: frames sampled, timestamps, as data.video
     rows = answer_questions(model, tokenizer, [(images, question, answer), ...])
 
 How it runs (static shapes, see ``kv_cache``): the prompts of a batch are left-padded to ``S`` (a
@@ -39,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,12 +53,13 @@ from flax import nnx
 from PIL import Image
 
 from moevlm_jax.data.batch import hf_inputs_to_batch
-from moevlm_jax.data.chat import encode_conversation
-from moevlm_jax.data.config import ImageConfig
-from moevlm_jax.data.image import decode_image, image_to_pixel_values
+from moevlm_jax.data.chat import VideoTokens, content_items, encode_conversation
+from moevlm_jax.data.config import ImageConfig, VideoConfig
+from moevlm_jax.data.image import decode_image, expand_patches, image_to_pixel_values
 from moevlm_jax.data.mrope import mrope_position_ids
-from moevlm_jax.data.records import IMAGE_PLACEHOLDER
+from moevlm_jax.data.records import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from moevlm_jax.data.tokenizer import Tokenizer
+from moevlm_jax.data.video import decode_video, process_video
 from moevlm_jax.inference.kv_cache import cache_segment_ids, init_cache, round_up
 from moevlm_jax.inference.sampling import sample_token
 
@@ -67,12 +71,24 @@ MAX_STOP_IDS = 8  # the stop-id array's fixed length (padded with -1): no recomp
 
 @dataclasses.dataclass
 class Prompt:
-    """One prompt in HF conventions: token ids ``[L]`` (each image a run of image tokens), the
-    images' flattened patches ``[N, patch_dim]`` and their grids ``[n, 3]`` (None: no image)."""
+    """One prompt in HF conventions: token ids ``[L]`` (each image a run of image tokens, each frame pair of a
+    video a run of video tokens), the images' flattened patches ``[N, patch_dim]`` and their grids ``[n, 3]``
+    (None: no image), the videos' likewise (``pixel_values_videos``, ``video_grid_thw``, as HF's processor)."""
 
     input_ids: np.ndarray
     pixel_values: np.ndarray | None = None
     image_grid_thw: np.ndarray | None = None
+    pixel_values_videos: np.ndarray | None = None
+    video_grid_thw: np.ndarray | None = None
+
+    def grids(self, kind: str) -> np.ndarray | None:
+        """The image (``kind`` "image") or video grids ``[n, 3]``, None when there are none."""
+        g = self.image_grid_thw if kind == "image" else self.video_grid_thw
+        return None if g is None or not len(g) else np.asarray(g, np.int64).reshape(-1, 3)
+
+    def num_patches(self) -> int:
+        """Patches of its images and videos together (its row of the patch axis)."""
+        return sum(int(g.prod(-1).sum()) for g in (self.grids("image"), self.grids("video")) if g is not None)
 
 
 @dataclasses.dataclass
@@ -103,23 +119,30 @@ def prompt_batch(config: Any, prompts: Sequence[Prompt], *, pad_id: int, prompt_
     for r, p in enumerate(prompts):
         ids[r, s - lengths[r]:] = np.asarray(p.input_ids, np.int32)
         mask[r, s - lengths[r]:] = 1
-    with_images = [p for p in prompts if p.image_grid_thw is not None and len(p.image_grid_thw)]
     merge = config.vision_config.spatial_merge_size
-    if with_images:
-        pixels = np.concatenate([np.asarray(p.pixel_values, np.float32) for p in with_images])
-        grids = np.concatenate([np.asarray(p.image_grid_thw, np.int64).reshape(-1, 3) for p in with_images])
-        most = max(int(np.asarray(p.image_grid_thw).reshape(-1, 3).prod(-1).sum()) for p in with_images)
+
+    def media(kind: str, pixels: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+        holding = [p for p in prompts if p.grids(kind) is not None]
+        if not holding:
+            return None, None
+        return (np.concatenate([np.asarray(getattr(p, pixels), np.float32) for p in holding]),
+                np.concatenate([p.grids(kind) for p in holding]))
+
+    (pixels, grids), (video_pixels, video_grids) = media("image", "pixel_values"), media("video", "pixel_values_videos")
+    if grids is not None or video_grids is not None:
+        most = max(p.num_patches() for p in prompts)
         n_patches = num_patches or round_up(most, round_up(patch_bucket, merge * merge))
-        batch = hf_inputs_to_batch(config, ids, pixels, grids, mask, num_patches=n_patches)
+        batch = hf_inputs_to_batch(config, ids, pixels, grids, mask, num_patches=n_patches,
+                                   pixel_values_videos=video_pixels, video_grid_thw=video_grids)
     else:
         batch = hf_inputs_to_batch(config, ids, attention_mask=mask, num_patches=num_patches)
     # positions over each row's own tokens (HF's get_rope_index with the attention mask; also for text)
     positions = np.zeros((3, b, s), np.int32)
     next_pos = np.zeros((b,), np.int32)
     for r, p in enumerate(prompts):
-        grid = p.image_grid_thw if p.image_grid_thw is not None and len(p.image_grid_thw) else None
-        pos, _ = mrope_position_ids(np.asarray(p.input_ids), grid, image_token_id=config.image_token_id,
-                                    spatial_merge_size=merge)
+        pos, _ = mrope_position_ids(np.asarray(p.input_ids), p.grids("image"), image_token_id=config.image_token_id,
+                                    spatial_merge_size=merge, video_grid_thw=p.grids("video"),
+                                    video_token_id=getattr(config, "video_token_id", None))
         positions[:, r, s - lengths[r]:] = pos
         next_pos[r] = int(pos.max()) + 1
     batch["positions"] = positions
@@ -216,6 +239,32 @@ def generate_ids(model: Any, prompts: Sequence[Prompt], *, max_new_tokens: int =
 ImageRef = str | Path | bytes | Image.Image
 
 
+@dataclasses.dataclass(frozen=True)
+class Video:
+    """A video of a prompt, beside its images in the same media list: a file FFmpeg reads, its encoded bytes, a
+    folder of frame images or a list of frame image paths; decoded and sampled as the data pipeline does
+    (``data.video``)."""
+
+    source: str | Path | bytes | tuple[str, ...]
+
+
+MediaRef = ImageRef | Video
+_PLACEHOLDER = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+
+
+def load_video(video: Video, cfg: VideoConfig, image_cfg: ImageConfig
+               ) -> tuple[np.ndarray, np.ndarray, VideoTokens]:
+    """A video -> (pixel_values_videos ``[N, patch_dim]`` float32, grid ``[3]``, its prompt tokens: pads per frame
+    pair and timestamps), processed as the data pipeline does (``data.video``). Raises ``VideoSkip``."""
+    source = video.source
+    ref = list(source) if isinstance(source, (list, tuple)) else source
+    if isinstance(ref, (str, Path)):
+        ref = Path(ref).expanduser()
+    patches, grid, seconds = process_video(decode_video(ref, cfg, image_cfg), cfg, image_cfg)
+    return (expand_patches(patches, image_cfg), grid,
+            VideoTokens(int(grid[1] * grid[2]) // image_cfg.merge_size**2, tuple(seconds)))
+
+
 def load_image(ref: ImageRef, cfg: ImageConfig) -> tuple[np.ndarray, np.ndarray]:
     """A path, encoded bytes or a PIL image -> (pixel_values ``[N, patch_dim]`` float32, grid ``[3]``),
     processed as the data pipeline does (``data.image``: EXIF, RGB, smart resize, normalise)."""
@@ -225,46 +274,63 @@ def load_image(ref: ImageRef, cfg: ImageConfig) -> tuple[np.ndarray, np.ndarray]
     return image_to_pixel_values(decode_image(data, cfg), cfg)
 
 
-def user_content(question: str, num_images: int) -> list[dict[str, Any]]:
-    """The user turn's content items: the images at the question's ``<image>`` placeholders (as LLaVA
-    records, ``data.records``) when it has as many, else all images first, then the text (as the
-    built-in VQA samples)."""
-    if num_images and question.count(IMAGE_PLACEHOLDER) == num_images:
+def user_content(question: str, num_images: int | Sequence[str]) -> list[dict[str, Any]]:
+    """The user turn's content items for media of the kinds ``num_images`` lists in order (``"image"`` /
+    ``"video"``; a number: that many images): each at the question's ``<image>`` / ``<video>`` placeholders
+    (as LLaVA records, ``data.records``) when they are the same kinds in the same order, else all media first,
+    then the text (as the built-in VQA samples)."""
+    kinds = ["image"] * num_images if isinstance(num_images, int) else list(num_images)
+    chunks = _PLACEHOLDER.split(question)
+    placed = [c[1:-1] for c in chunks[1::2]]
+    if kinds and placed == kinds:
         items: list[dict[str, Any]] = []
-        for k, chunk in enumerate(question.split(IMAGE_PLACEHOLDER)):
-            if k:
-                items.append({"type": "image"})
-            if chunk:
+        for k, chunk in enumerate(chunks):
+            if k % 2:
+                items.append({"type": chunk[1:-1]})
+            elif chunk:
                 items.append({"type": "text", "text": chunk})
         return items
-    return [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": question}]
+    return [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}]
 
 
 def prompt_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], image_tokens: Sequence[int],
-               system_prompt: str | None = None) -> np.ndarray:
+               system_prompt: str | None = None, videos: Sequence[VideoTokens] = ()) -> np.ndarray:
     """Token ids of a conversation ending with a user turn plus the generation prompt
     (``<|im_start|>assistant\\n``): ``data.chat.encode_conversation`` as for training samples (image
-    pads expanded), cut before the empty assistant turn's ``<|im_end|>``."""
+    pads expanded, videos as timestamped frame-pair groups), cut before the empty assistant turn's ``<|im_end|>``."""
     if not messages or messages[-1].get("role") != "user":
         raise ValueError("a prompt conversation must end with a user turn")
-    enc = encode_conversation([*messages, {"role": "assistant", "content": ""}], tokenizer, image_tokens, system_prompt)
+    enc = encode_conversation([*messages, {"role": "assistant", "content": ""}], tokenizer, image_tokens, system_prompt,
+                              videos)
     im_end = tokenizer.special_id("<|im_end|>")
     ends = np.flatnonzero(enc.ids == im_end)
     return enc.ids[: ends[-1]].astype(np.int32)
 
 
-def chat_prompt(tokenizer: Tokenizer, question: str | Sequence[Mapping[str, Any]], images: Sequence[ImageRef],
-                image_config: ImageConfig | None = None, system_prompt: str | None = None) -> Prompt:
-    """A question (text, or HF-style messages ending with a user turn) and its images -> Prompt."""
+def chat_prompt(tokenizer: Tokenizer, question: str | Sequence[Mapping[str, Any]], images: Sequence[MediaRef],
+                image_config: ImageConfig | None = None, system_prompt: str | None = None,
+                video_config: VideoConfig | None = None) -> Prompt:
+    """A question (text, or HF-style messages ending with a user turn) and its media in prompt order (images, and
+    videos as :class:`Video`) -> Prompt."""
     cfg = image_config or ImageConfig()
-    loaded = [load_image(ref, cfg) for ref in images]
+    vcfg = video_config or VideoConfig()
+    kinds = ["video" if isinstance(ref, Video) else "image" for ref in images]
+    placed = [c[1:-1] for c in _PLACEHOLDER.findall(question)] if isinstance(question, str) else []
+    if kinds and sorted(placed) == sorted(kinds):  # the media at the placeholders: the k-th image at the k-th <image>
+        by_kind = {k: iter([r for r, kk in zip(images, kinds) if kk == k]) for k in ("image", "video")}
+        images, kinds = [next(by_kind[k]) for k in placed], placed
+    loaded = [load_image(ref, cfg) for ref in images if not isinstance(ref, Video)]
+    clips = [load_video(ref, vcfg, cfg) for ref in images if isinstance(ref, Video)]
     grids = np.stack([g for _, g in loaded]).astype(np.int64) if loaded else None
     tokens = [int(g.prod()) // cfg.merge_size**2 for _, g in loaded]
-    messages = ([{"role": "user", "content": user_content(question, len(images))}] if isinstance(question, str)
+    messages = ([{"role": "user", "content": user_content(question, kinds)}] if isinstance(question, str)
                 else list(question))
-    ids = prompt_ids(tokenizer, messages, tokens, system_prompt)
+    ids = prompt_ids(tokenizer, messages, tokens, system_prompt, [v for _, _, v in clips])
     pixels = np.concatenate([p for p, _ in loaded]) if loaded else None
-    return Prompt(ids, pixels, grids)
+    if not clips:
+        return Prompt(ids, pixels, grids)
+    return Prompt(ids, pixels, grids, np.concatenate([p for p, _, _ in clips]),
+                  np.stack([g for _, g, _ in clips]).astype(np.int64))
 
 
 def stop_ids_of(tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -281,20 +347,21 @@ def decode_text(tokenizer: Tokenizer, ids: np.ndarray, stop_ids: Sequence[int]) 
 
 
 def generate(model: Any, tokenizer: Tokenizer, prompts: Sequence[str | Sequence[Mapping[str, Any]]],
-             images: Sequence[Sequence[ImageRef]] | None = None, *, image_config: ImageConfig | None = None,
+             images: Sequence[Sequence[MediaRef]] | None = None, *, image_config: ImageConfig | None = None,
              system_prompt: str | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, batch_size: int = 8, return_ids: bool = False,
-             **options: Any) -> list[str] | list[tuple[str, np.ndarray]]:
-    """Chat prompts (text or messages) with their images -> generated texts (with ``return_ids``:
-    (text, ids) pairs), ``batch_size`` prompts per generation batch. ``options``: ``generate_ids``'s
-    buckets. The chat template, tokenizer and image processing are the training data's."""
+             video_config: VideoConfig | None = None, **options: Any) -> list[str] | list[tuple[str, np.ndarray]]:
+    """Chat prompts (text or messages) with their media (images; videos as :class:`Video`) -> generated texts (with
+    ``return_ids``: (text, ids) pairs), ``batch_size`` prompts per generation batch. ``options``:
+    ``generate_ids``'s buckets. The chat template, tokenizer and image / video processing are the training
+    data's."""
     images = images if images is not None else [[] for _ in prompts]
     if len(images) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
     stops = stop_ids_of(tokenizer)
     out: list[Any] = []
     for lo in range(0, len(prompts), max(batch_size, 1)):
-        chunk = [chat_prompt(tokenizer, q, imgs, image_config, system_prompt)
+        chunk = [chat_prompt(tokenizer, q, imgs, image_config, system_prompt, video_config)
                  for q, imgs in zip(prompts[lo: lo + batch_size], images[lo: lo + batch_size])]
         gen = generate_ids(model, chunk, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed + lo, stop_ids=stops, pad_id=tokenizer.pad_id, **options)
@@ -304,21 +371,30 @@ def generate(model: Any, tokenizer: Tokenizer, prompts: Sequence[str | Sequence[
     return out
 
 
-def record_questions(record: Mapping[str, Any]) -> list[tuple[list[ImageRef], list[dict[str, Any]], str]]:
-    """A data record (``data.records``: ``{"messages", "images": [bytes | {"path"}]}``, e.g. a held-out
-    sample) -> one ``(images, messages, answer)`` per assistant turn: the conversation up to that
-    turn's user message (earlier answers as recorded), the images it refers to, the turn's text."""
-    images = [ref["path"] if isinstance(ref, Mapping) else ref for ref in record.get("images", [])]
-    out, seen = [], 0
+def record_questions(record: Mapping[str, Any]) -> list[tuple[list[MediaRef], list[dict[str, Any]], str]]:
+    """A data record (``data.records``: ``{"messages", "images": [bytes | {"path"}], "videos": [bytes | {"path"}]}``,
+    e.g. a held-out sample) -> one ``(media, messages, answer)`` per assistant turn: the conversation up to that
+    turn's user message (earlier answers as recorded), the images and videos (:class:`Video`) it refers to in
+    prompt order, the turn's text."""
+    def ref(r: Any) -> Any:
+        r = r["path"] if isinstance(r, Mapping) else r
+        return tuple(r) if isinstance(r, list) else r
+
+    refs = {"image": iter([ref(r) for r in record.get("images", [])]),
+            "video": iter([Video(ref(r)) for r in record.get("videos", [])])}
+    out: list[tuple[list[MediaRef], list[dict[str, Any]], str]] = []
+    media: list[MediaRef] = []
     messages = list(record["messages"])
     for k, m in enumerate(messages):
         content = m.get("content")
         items = content if isinstance(content, list) else []
-        seen += sum(isinstance(it, Mapping) and (it.get("type") == "image" or "image" in it) for it in items)
+        for it in content_items(content):
+            if it["type"] != "text":
+                media.append(next(refs[it["type"]]))
         if m.get("role") == "assistant" and k and messages[k - 1].get("role") == "user":
             answer = content if isinstance(content, str) else "".join(
                 str(it.get("text", "")) for it in items if isinstance(it, Mapping))
-            out.append((images[:seen], [dict(x) for x in messages[:k]], answer))
+            out.append((list(media), [dict(x) for x in messages[:k]], answer))
     return out
 
 
@@ -332,11 +408,13 @@ def question_text(question: str | Sequence[Mapping[str, Any]]) -> str:
     return "".join(str(it.get("text", "")) if isinstance(it, Mapping) else str(it) for it in content or [])
 
 
-def answer_questions(model: Any, tokenizer: Tokenizer, questions: Sequence[tuple[Sequence[ImageRef], Any, Any]], *,
+def answer_questions(model: Any, tokenizer: Tokenizer, questions: Sequence[tuple[Sequence[MediaRef], Any, Any]], *,
                      image_config: ImageConfig | None = None, system_prompt: str | None = None,
-                     max_new_tokens: int = 32, batch_size: int = 8, **options: Any) -> list[dict[str, Any]]:
-    """Held-out questions ``(images, question, answer)`` (question: text or messages ending with a user
-    turn; images: paths, bytes or PIL images) -> per question ``{"question", "answer", "generated",
+                     max_new_tokens: int = 32, batch_size: int = 8, video_config: VideoConfig | None = None,
+                     **options: Any) -> list[dict[str, Any]]:
+    """Held-out questions ``(media, question, answer)`` (question: text or messages ending with a user
+    turn; media: images as paths, bytes or PIL images, videos as :class:`Video`) -> per question
+    ``{"question", "answer", "generated",
     "match"}`` (greedy; ``match``: the generated text equals the answer, stripped and case-folded;
     None when there is no answer). For a run's end-of-run summary, e.g. on held-out records::
 
@@ -346,7 +424,7 @@ def answer_questions(model: Any, tokenizer: Tokenizer, questions: Sequence[tuple
                                 system_prompt=cfg.data.system_prompt)"""
     texts = generate(model, tokenizer, [q for _, q, _ in questions], [list(i) for i, _, _ in questions],
                      image_config=image_config, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
-                     batch_size=batch_size, **options)
+                     batch_size=batch_size, video_config=video_config, **options)
     rows = []
     for (_, q, a), text in zip(questions, texts):
         match = None if a is None else text.strip().casefold() == str(a).strip().casefold()

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moevlm_jax.config import ConfigError, load_section
-from moevlm_jax.data.config import DataConfig, ImageConfig
+from moevlm_jax.data.config import DataConfig, ImageConfig, VideoConfig
 from moevlm_jax.data.tokenizer import Tokenizer, load_tokenizer
 from moevlm_jax.hf import load_pretrained
 from moevlm_jax.model.compute import ComputeConfig
@@ -45,6 +45,7 @@ class Loaded:
     system_prompt: str | None = None
     source: str = ""
     step: int | None = None
+    video_config: VideoConfig = dataclasses.field(default_factory=VideoConfig)
 
 
 def generation_compute(compute: ComputeConfig, dtype: str | None = None) -> ComputeConfig:
@@ -95,6 +96,19 @@ def image_config_from_hf(path: Path) -> ImageConfig:
     return dataclasses.replace(ImageConfig(), **{k: v for k, v in changes.items() if v is not None})
 
 
+def video_config_from_hf(path: Path) -> VideoConfig:
+    """Video sampling from an HF directory's ``video_preprocessor_config.json`` (Qwen3-VL keys: ``fps``,
+    ``min_frames``, ``max_frames``, ``size`` {shortest_edge, longest_edge}); the defaults (Qwen3-VL's) without one."""
+    file = path / "video_preprocessor_config.json"
+    if not file.exists():
+        return VideoConfig()
+    raw = json.loads(file.read_text())
+    size = raw.get("size") or {}
+    changes = {"fps": raw.get("fps"), "min_frames": raw.get("min_frames"), "max_frames": raw.get("max_frames"),
+               "min_pixels": size.get("shortest_edge"), "max_pixels": size.get("longest_edge")}
+    return dataclasses.replace(VideoConfig(), **{k: v for k, v in changes.items() if v is not None})
+
+
 def hf_tokenizer_spec(path: Path) -> str:
     """The HF directory's ``tokenizer.json`` when it has one, else the offline Qwen3 tokenizer."""
     return str(path / "tokenizer.json") if (path / "tokenizer.json").exists() else "qwen3"
@@ -110,7 +124,8 @@ def load_hf(path: str | Path, *, dtype: str | None = None, compute: ComputeConfi
     compute = generation_compute(compute or ComputeConfig(), dtype).replace(param_dtype=dtype)
     model, config = load_pretrained(path, jnp.dtype(dtype), compute=compute)
     tok = load_tokenizer(tokenizer or hf_tokenizer_spec(path))
-    return Loaded(model, config, tok, image_config_from_hf(path), None, str(path))
+    return Loaded(model, config, tok, image_config_from_hf(path), None, str(path),
+                  video_config=video_config_from_hf(path))
 
 
 def run_sections(run_dir: str | Path) -> tuple[ModelConfig, ComputeConfig, DataConfig | None]:
@@ -190,4 +205,4 @@ def load_run(run_dir: str | Path, step: int | None = None, *, dtype: str | None 
     image_cfg = data.image if data is not None else ImageConfig()
     log.info("loaded %s step %d (%s)", run_dir, step, model_cfg.name or "model")
     return Loaded(model, model_cfg, tok, image_cfg, data.system_prompt if data is not None else None,
-                  str(run_dir), step)
+                  str(run_dir), step, data.video if data is not None else VideoConfig())

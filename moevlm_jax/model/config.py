@@ -263,7 +263,7 @@ class ModelConfig:
     text_config: TextConfig = TextConfig()  # the MoE decoder
     vision_config: VisionConfig = VisionConfig()  # the vision tower
     image_token_id: int = 151655  # the token that stands for one merged image patch
-    video_token_id: int = 151656  # the video counterpart (unused: images only)
+    video_token_id: int = 151656  # the token that stands for one merged video patch
     vision_start_token_id: int = 151652  # <|vision_start|>
     vision_end_token_id: int = 151653  # <|vision_end|>
     tie_word_embeddings: bool = False  # the LM head is the embedding transposed

@@ -27,11 +27,13 @@ def jit_forward(model: Any, batch: Mapping[str, Any]) -> tuple[jax.Array, dict]:
 
 
 def hf_call(model: Any, input_ids: Any, pixel_values: Any = None, image_grid_thw: Any = None,
-            attention_mask: Any = None) -> jax.Array:
+            attention_mask: Any = None, pixel_values_videos: Any = None, video_grid_thw: Any = None) -> jax.Array:
     """HF-style call: input_ids ``[B, S]``, pixel_values ``[N, patch_dim]``, image_grid_thw ``[n, 3]``,
-    attention_mask ``[B, S]`` (numpy, torch or jax) -> logits ``[B, S, vocab]`` float32."""
+    attention_mask ``[B, S]``, pixel_values_videos / video_grid_thw (numpy, torch or jax) -> logits
+    ``[B, S, vocab]`` float32."""
     batch = hf_inputs_to_batch(model.config, _np(input_ids), _np(pixel_values), _np(image_grid_thw),
-                               _np(attention_mask))
+                               _np(attention_mask), pixel_values_videos=_np(pixel_values_videos),
+                               video_grid_thw=_np(video_grid_thw))
     return jit_forward(model, batch)[0]
 
 

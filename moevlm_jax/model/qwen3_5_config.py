@@ -274,7 +274,7 @@ class Qwen35ModelConfig:
     text_config: Qwen35TextConfig = Qwen35TextConfig()  # the hybrid MoE decoder
     vision_config: Qwen35VisionConfig = Qwen35VisionConfig()  # the vision tower
     image_token_id: int = 248056  # the token that stands for one merged image patch
-    video_token_id: int = 248057  # the video counterpart (unused: images only)
+    video_token_id: int = 248057  # the token that stands for one merged video patch
     vision_start_token_id: int = 248053  # <|vision_start|>
     vision_end_token_id: int = 248054  # <|vision_end|>
     tie_word_embeddings: bool = False  # the LM head is the embedding transposed

@@ -24,7 +24,7 @@ from moevlm_jax.model.eager import hf_call, jit_forward  # noqa: F401 - jit_forw
 from moevlm_jax.model.layers import Linear, dtype_of
 from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
 from moevlm_jax.model.qwen3_5_decoder import Qwen35TextModel
-from moevlm_jax.model.qwen3_vl_moe import place_visual_tokens, spread_placeholders
+from moevlm_jax.model.qwen3_vl_moe import place_visual_tokens, spread_placeholders, visual_token_mask
 from moevlm_jax.model.vision import VisionModel
 from moevlm_jax.parallelism.logical import constrain
 
@@ -61,7 +61,7 @@ class Qwen35Moe(nnx.Module):
         positions = jnp.asarray(batch["positions"])
         pixels = batch.get("pixel_values")
         images = pixels is not None and pixels.shape[1] > 0
-        is_image = input_ids == self.config.image_token_id
+        is_image = visual_token_mask(input_ids, self.config)
         vocab = self.config.text_config.vocab_size
         x = self.language_model.embed(spread_placeholders(input_ids, is_image, vocab) if images else input_ids)
         if images:
@@ -82,7 +82,9 @@ class Qwen35Moe(nnx.Module):
         return constrain(logits, ("act_batch", "act_seq", "act_vocab")), aux
 
     def __call__(self, input_ids: Any, pixel_values: Any = None, image_grid_thw: Any = None,
-                 attention_mask: Any = None) -> jax.Array:
+                 attention_mask: Any = None, pixel_values_videos: Any = None, video_grid_thw: Any = None) -> jax.Array:
         """HF-style eager call: input_ids ``[B, S]``, pixel_values ``[N, patch_dim]``, image_grid_thw
-        ``[n, 3]``, attention_mask ``[B, S]`` -> logits ``[B, S, vocab]`` float32."""
-        return hf_call(self, input_ids, pixel_values, image_grid_thw, attention_mask)
+        ``[n, 3]``, attention_mask ``[B, S]``, pixel_values_videos / video_grid_thw -> logits ``[B, S, vocab]``
+        float32."""
+        return hf_call(self, input_ids, pixel_values, image_grid_thw, attention_mask, pixel_values_videos,
+                       video_grid_thw)

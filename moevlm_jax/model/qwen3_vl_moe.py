@@ -24,6 +24,13 @@ from moevlm_jax.model.vision import VisionModel
 from moevlm_jax.parallelism.logical import constrain
 
 
+def visual_token_mask(input_ids: jax.Array, config: Any) -> jax.Array:
+    """Where the vision tower's merged tokens go: the image and the video placeholders (``<|image_pad|>``,
+    ``<|video_pad|>``). A row's images and videos share one patch sequence in prompt order (``data.batch``), so
+    the k-th merged token fills the k-th of these positions, as HF's two masked scatters do; DeepStack too."""
+    return (input_ids == config.image_token_id) | (input_ids == config.video_token_id)
+
+
 def spread_placeholders(input_ids: jax.Array, is_image: jax.Array, vocab_size: int) -> jax.Array:
     """The ids the embedding lookup reads: each image placeholder position reads its own table row
     (its flat position modulo ``vocab_size``) instead of the image token's.
@@ -121,7 +128,7 @@ class Qwen3VLMoe(nnx.Module):
         deepstack = None
         pixels = batch.get("pixel_values")
         images = pixels is not None and pixels.shape[1] > 0
-        is_image = input_ids == self.config.image_token_id
+        is_image = visual_token_mask(input_ids, self.config)
         vocab = self.config.text_config.vocab_size
         x = self.language_model.embed(spread_placeholders(input_ids, is_image, vocab) if images else input_ids)
         if images:
@@ -162,7 +169,9 @@ class Qwen3VLMoe(nnx.Module):
                                           cache, kv_segment_ids, start, deepstack, prefill=prefill)
 
     def __call__(self, input_ids: Any, pixel_values: Any = None, image_grid_thw: Any = None,
-                 attention_mask: Any = None) -> jax.Array:
+                 attention_mask: Any = None, pixel_values_videos: Any = None, video_grid_thw: Any = None) -> jax.Array:
         """HF-style eager call: input_ids ``[B, S]``, pixel_values ``[N, patch_dim]``, image_grid_thw
-        ``[n, 3]``, attention_mask ``[B, S]`` -> logits ``[B, S, vocab]`` float32."""
-        return hf_call(self, input_ids, pixel_values, image_grid_thw, attention_mask)
+        ``[n, 3]``, attention_mask ``[B, S]``, pixel_values_videos / video_grid_thw -> logits ``[B, S, vocab]``
+        float32."""
+        return hf_call(self, input_ids, pixel_values, image_grid_thw, attention_mask, pixel_values_videos,
+                       video_grid_thw)

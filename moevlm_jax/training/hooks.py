@@ -249,7 +249,8 @@ def answers(cfg: RunConfig, state: Any, count: int) -> list[dict[str, Any]] | No
     runs it: the parameters are global arrays) -> rows ``{"question", "answer", "generated", "match"}``;
     None (with the reason logged) for a model family generation does not cover."""
     from moevlm_jax import inference
-    from moevlm_jax.data.records import decode_record
+    from moevlm_jax.data.records import RecordError
+    from moevlm_jax.data.sample import read_record
     from moevlm_jax.data.sources import build_source
     from moevlm_jax.data.tokenizer import load_tokenizer
     from moevlm_jax.model import registry
@@ -263,9 +264,14 @@ def answers(cfg: RunConfig, state: Any, count: int) -> list[dict[str, Any]] | No
     for i in range(len(source)):
         if len(questions) >= count:
             break
-        questions += inference.record_questions(decode_record(source[i]))[: count - len(questions)]
+        try:  # a shard record, or a LLaVA / messages JSON entry
+            record = read_record(source[i])
+        except RecordError:
+            continue  # counted by the pipeline; nothing to ask
+        questions += inference.record_questions(record)[: count - len(questions)]
     model = inference.model_for_generation(cfg.model, cfg.compute, state["params"])
     rows = inference.answer_questions(model, load_tokenizer(cfg.data.tokenizer), questions, image_config=cfg.data.image,
-                                      system_prompt=cfg.data.system_prompt, max_new_tokens=16)
+                                      video_config=cfg.data.video, system_prompt=cfg.data.system_prompt,
+                                      max_new_tokens=16)
     log.info("answers: %d held-out questions generated (%.1fs)", len(rows), time.perf_counter() - t)
     return rows

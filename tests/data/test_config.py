@@ -46,3 +46,20 @@ def test_overrides():
 def test_bad_settings_fail_with_a_clear_message(override, message):
     with pytest.raises(DataError, match=message):
         load_data_config("vqa", [override])
+
+
+def test_video_defaults_are_hf_video_processor_defaults_and_checked():
+    """``data.video``'s defaults are Qwen3VLVideoProcessor's (the processor of both families); a mistyped key is named
+    with its near miss; contradicting bounds say what to change."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from moevlm_jax.data.config import VideoConfig
+
+    hf, ours = Qwen3VLVideoProcessor(), VideoConfig()
+    assert (ours.fps, ours.min_frames, ours.max_frames) == (hf.fps, hf.min_frames, hf.max_frames)
+    assert (ours.min_pixels, ours.max_pixels) == (hf.size.shortest_edge, hf.size.longest_edge)
+    assert load_data_config("vqa", ["video.max_frames=64"]).video.max_frames == 64
+    with pytest.raises(DataError, match="did you mean 'max_frames'"):
+        load_data_config("vqa", ["video.max_frame=64"])
+    with pytest.raises(DataError, match="min_frames"):
+        load_data_config("vqa", ["video.max_frames=2"])

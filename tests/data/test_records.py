@@ -1,5 +1,6 @@
 """The conversation formats users bring (LLaVA, ShareGPT / LLaMA-Factory, HF processors' ``messages``): every
-media key is either trained on its images or counted as skipped, never trained as text alone."""
+media key is either trained on its images / video frames or counted as skipped (audio), never trained as text
+alone."""
 
 import json
 
@@ -12,13 +13,15 @@ from moevlm_jax.data.loader import build_loader
 from moevlm_jax.data.records import RecordError, UnsupportedMedia, from_llava
 from moevlm_jax.data.sample import SKIP_REASONS, SampleProcessor
 from tests.data.images import jpeg_bytes
+from tests.data.video_files import moving_square, write_mp4
 
 QUESTION, ANSWER = "What is shown?", "A picture."
 
 
 def _config(path):
     return {"name": "formats", "source": {"kind": "llava", "path": str(path)}, "seq_len": 256, "batch_size": 1,
-            "patch_buckets": [64, 128, 256], "image": {"min_pixels": 1024, "max_pixels": 16384}, "workers": 0,
+            "patch_buckets": [64, 128, 256], "image": {"min_pixels": 1024, "max_pixels": 16384},
+            "video": {"min_pixels": 4096, "max_pixels": 32768}, "workers": 0,
             "read_threads": 0, "shuffle": False, "num_epochs": 1, "heldout_fraction": 0}
 
 
@@ -48,14 +51,26 @@ def _entries():
                                                     {"type": "text", "text": QUESTION}]},
                        {"role": "assistant", "content": ANSWER}]}, 1),
         ({"conversations": [{"from": "human", "value": "<video>\n" + QUESTION}, {"from": "gpt", "value": ANSWER}],
-          "video": "clip.mp4"}, "unsupported_media"),                            # LLaVA-Video "video"
+          "video": "clip.mp4"}, 1),                                              # LLaVA-Video "video"
         ({"messages": [{"role": "user", "content": "<video>" + QUESTION}, {"role": "assistant", "content": ANSWER}],
-          "videos": ["clip.mp4"]}, "unsupported_media"),                          # LLaMA-Factory "videos"
+          "videos": ["clip.mp4"]}, 1),                                           # LLaMA-Factory "videos"
         ({"conversations": [{"from": "human", "value": "<video>\n" + QUESTION}, {"from": "gpt", "value": ANSWER}]},
-         "unsupported_media"),                                                    # a placeholder alone
+         "video_count_mismatch"),                                                 # a placeholder alone
         ({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"},
                                                     {"type": "text", "text": QUESTION}]},
-                       {"role": "assistant", "content": ANSWER}]}, "unsupported_media"),  # HF video item
+                       {"role": "assistant", "content": ANSWER}]}, 1),            # HF video item
+        ({"messages": [{"role": "user", "content": [{"type": "video", "path": "clip.mp4"}, {"type": "image",
+                                                    "image": "a.jpg"}, {"type": "text", "text": QUESTION}]},
+                       {"role": "assistant", "content": ANSWER}]}, 2),            # video + image, by "path"
+        ({"messages": [{"role": "user", "content": [{"type": "video", "url": "file://clip.mp4"}]},
+                       {"role": "assistant", "content": ANSWER}]}, 1),            # by "url"
+        ({"conversations": [{"from": "human", "value": "<audio>\n" + QUESTION}, {"from": "gpt", "value": ANSWER}],
+          "audio": "clip.wav"}, "unsupported_media"),                            # audio: counted
+        ({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "clip.wav"},
+                                                    {"type": "text", "text": QUESTION}]},
+                       {"role": "assistant", "content": ANSWER}]}, "unsupported_media"),
+        ({"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}],
+          "audios": ["clip.wav"]}, "unsupported_media"),
     ]
 
 
@@ -63,7 +78,8 @@ def _entries():
 def formats_file(tmp_path):
     (tmp_path / "a.jpg").write_bytes(jpeg_bytes(64, 48, seed=1))
     (tmp_path / "b.jpg").write_bytes(jpeg_bytes(80, 64, seed=2))
-    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    write_mp4(tmp_path / "clip.mp4", moving_square(8), fps=4)
+    (tmp_path / "clip.wav").write_bytes(b"RIFF")
     entries = _entries()
     path = tmp_path / "formats.jsonl"
     path.write_text("\n".join(json.dumps(e) for e, _ in entries))
@@ -76,16 +92,18 @@ def test_every_media_key_is_trained_or_counted(formats_file):
     root = str(path.parent)
     samples = [proc(k, {"llava": e, "image_root": root}) for k, (e, _) in enumerate(_entries())]
     for k, (sample, want) in enumerate(zip(samples, wants, strict=True)):
-        if want == "unsupported_media":
-            assert sample.get("skip") == "unsupported_media", (k, sample)
-        else:  # trained on each image it names
+        if isinstance(want, str):
+            assert sample.get("skip") == want, (k, sample)
+        else:  # trained on each image and video it names
             assert "skip" not in sample, (k, sample)
             assert sample["grids"].shape == (want, 3), k
+            assert sample["videos"] == ("video" in json.dumps(_entries()[k][0])), k
     with build_loader(_config(path)) as loader:
         seen = sorted({int(i) for batch in loader for i in batch["sample_index"].ravel() if i >= 0})
         summary = loader.summary()
     assert seen == [k for k, w in enumerate(wants) if isinstance(w, int)]
-    assert summary["skipped"] == {"unsupported_media": sum(w == "unsupported_media" for w in wants)}
+    assert summary["skipped"] == {"unsupported_media": 3, "video_count_mismatch": 1}
+    assert summary["videos"] == 5
     assert summary["useful_patches"] == sum(len(s["patches"]) for s in samples if "skip" not in s)
     assert summary["samples"] + sum(summary["skipped"].values()) == len(wants)  # nothing dropped silently
     assert "unsupported_media" in SKIP_REASONS
@@ -121,15 +139,33 @@ def test_images_named_twice_or_partly_inline_are_bad_records():
     assert from_llava({**_hf_messages(["a.jpg"]), "images": ["a.jpg"]})[1] == ["a.jpg"]  # the same file twice: fine
 
 
-def test_convert_counts_video_entries(tmp_path):
-    """The ArrayRecord converter skips the same entries, by the same reason."""
+def test_convert_counts_video_and_audio_entries(tmp_path):
+    """The ArrayRecord converter (records hold encoded images only) counts entries with video or audio."""
     from moevlm_jax.data.config import ImageConfig
 
     (tmp_path / "a.jpg").write_bytes(jpeg_bytes(64, 48, seed=1))
     (tmp_path / "clip.mp4").write_bytes(b"\x00")
     for entry, want in _entries():
-        if want == "unsupported_media":
+        if want == "unsupported_media" or "video" in json.dumps(entry):
             record, reason, detail = prepare_entry(entry, tmp_path, ImageConfig())
-            assert (record, reason) == (None, "unsupported_media"), detail
+            assert (record, reason) == (None, "unsupported_media" if want != "video_count_mismatch"
+                                        else "video_count_mismatch"), detail
     with pytest.raises(UnsupportedMedia):
         from_llava({"conversations": [{"from": "human", "value": "<audio> hi"}, {"from": "gpt", "value": "x"}]})
+
+
+def test_read_record_roots_llava_media(tmp_path):
+    """What the answers hook and the sample processor read: a JSON entry's image and video paths made absolute
+    (a frame list each), a shard entry decoded; an unparsable line is a RecordError, not a crash."""
+    from moevlm_jax.data.records import encode_record
+    from moevlm_jax.data.sample import read_record
+
+    entry = {"messages": [{"role": "user", "content": [{"type": "video", "video": ["f1.png", "/abs/f2.png"]},
+                                                       {"type": "image", "image": "a.jpg"}]},
+                          {"role": "assistant", "content": ANSWER}], "videos": None}
+    record = read_record({"llava": entry, "image_root": str(tmp_path)})
+    assert record["images"] == [{"path": str(tmp_path / "a.jpg")}]
+    assert record["videos"] == [{"path": [str(tmp_path / "f1.png"), "/abs/f2.png"]}]
+    assert read_record(encode_record(record["messages"], [b"x"]))["images"] == [b"x"]
+    with pytest.raises(RecordError):
+        read_record({"llava": None})

@@ -1,4 +1,5 @@
-"""Built-in VQA set: answers read back from the JPEGs by an independent analysis; determinism; accuracy."""
+"""Built-in VQA set: answers read back from the JPEGs (and the clips' frames, decoded from their mp4 by the pipeline's
+decoder) by an independent analysis; determinism; accuracy."""
 
 import collections
 import io
@@ -11,10 +12,13 @@ from PIL import Image
 from scipy import ndimage
 from scipy.spatial import ConvexHull
 
+from moevlm_jax.data.config import ImageConfig, VideoConfig, load_data_config
 from moevlm_jax.data.loader import build_loader
 from moevlm_jax.data.metrics import answer_accuracy, merge_accuracy
 from moevlm_jax.data.photos import PhotoSource, photo_count
 from moevlm_jax.data.records import decode_record
+from moevlm_jax.data.sample import QUESTION_TYPES, SampleProcessor
+from moevlm_jax.data.video import decode_video
 from moevlm_jax.data.vqa import (
     ANSWERS,
     CHANCE,
@@ -180,3 +184,61 @@ def test_text_words_and_text_size_set_the_text_question(tmp_path):
     # glyphs larger than a narrow image allows are drawn at the largest size that fits: never cut off
     for _, (x0, x1, _, _, w, _) in text_scenes(text_size=[0.8, 1.0])[1]:
         assert x0 > 0 or x1 < w - 1
+
+
+def _shape_mask(frame: np.ndarray) -> np.ndarray:
+    """Saturated or dark pixels of a frame: the shape (the background is pale and grey)."""
+    a = frame.astype(int)
+    return ndimage.binary_opening((a.max(-1) - a.min(-1) > 60) | (a.max(-1) < 110))
+
+
+def read_clip_answer(frames: np.ndarray, qtype: str) -> str:
+    """Answer a clip's question from its decoded frames alone: where the shape's centre goes, or in how many frames
+    it shows."""
+    masks = [_shape_mask(f) for f in frames]
+    if qtype == "blinks":
+        return str(sum(int(m.sum() >= 20) for m in masks))
+    (y0, x0), (y1, x1) = (np.argwhere(m).mean(0) for m in (masks[0], masks[-1]))
+    if abs(x1 - x0) > abs(y1 - y0):
+        return "right" if x1 > x0 else "left"
+    return "down" if y1 > y0 else "up"
+
+
+def test_clips_answer_from_their_decoded_frames_and_leave_the_image_set_unchanged(tmp_path):
+    """``video_fraction``: that share of samples is an mp4 clip whose answer only the frames' order gives (read back
+    from the frames PyAV decodes, every frame sampled at data.video.fps 2); the clip samples go through the sample
+    pipeline as videos with their question type; the image samples and the cache key of a set without clips are
+    those of before clips existed."""
+    params = vqa_params({"video_fraction": 0.5})
+    plain = vqa_params({})
+    assert dataset_dir(plain, tmp_path).name == "c9f3aae36b23"  # the default set's key before clips existed
+    assert dataset_dir(params, tmp_path) != dataset_dir(plain, tmp_path)
+    checked = collections.Counter()
+    clips = []
+    for i in range(60):
+        raw = make_record(params, "train", i)
+        rec = decode_record(raw)
+        qtype, answer = rec["meta"]["qtypes"][0], rec["meta"]["answers"][0]
+        if not rec.get("videos"):
+            assert raw == make_record(plain, "train", i)  # image samples: as without clips
+            continue
+        clip = decode_video(rec["videos"][0], VideoConfig(), ImageConfig())
+        assert len(clip.frames) == 8 and clip.fps == 2 and clip.indices.tolist() == list(range(8))
+        assert 64 <= clip.frames.shape[1] == clip.frames.shape[2] <= 128
+        assert read_clip_answer(clip.frames, qtype) == answer, (i, qtype, answer)
+        checked[qtype, answer] += 1
+        clips.append((i, raw))
+    assert {q for q, _ in checked} == {"motion", "blinks"} and 20 <= sum(checked.values()) <= 40
+    assert len({a for q, a in checked if q == "motion"}) == 4 and len({a for q, a in checked if q == "blinks"}) == 3
+
+    cfg = load_data_config({"name": "vqa", "source": {"kind": "vqa", "video_fraction": 0.5}, "seq_len": 256,
+                            "patch_buckets": [512], "image": {"min_pixels": 4096, "max_pixels": 16384},
+                            "video": {"min_pixels": 32768, "max_pixels": 73728}})
+    process = SampleProcessor(cfg, eval_mode=True)
+    for i, raw in clips[:4]:
+        sample = process(i, raw)
+        rec = decode_record(raw)
+        assert sample["videos"] == 1 and sample["grids"][0, 0] == 4  # 8 frames: 4 frame pairs
+        assert sample["grids"][0, 1] in (4, 6) and sample["grids"][0, 1] == sample["grids"][0, 2]  # 64 or 96 px
+        assert set(sample["answer_type"][sample["answer"] > 0].tolist()) == {QUESTION_TYPES.index(
+            rec["meta"]["qtypes"][0])}

@@ -2,13 +2,16 @@
 random models (tests/model/hf_reference.py), float32 on CPU:
 
 - greedy ids equal HF ``generate(do_sample=False)``: text only, one image, two images of different
-  sizes, a batch of two prompts (left padding; an image prompt next to a text prompt, on a config
-  with dense and MoE stacks and tied embeddings), and stopping at a stop id as HF's eos;
+  sizes, an image and a video (two frame pairs, each after its timestamp), a batch of two prompts (left
+  padding; an image prompt next to a text prompt, on a config with dense and MoE stacks and tied
+  embeddings), and stopping at a stop id as HF's eos;
 - the KV-cache decode equals no-cache greedy decoding (the full forward recomputed each step):
   same ids, logits within 1e-5 relative; and HF's per-step logits within 1e-4 relative;
 - compiles: one prefill and one decode program serve prompts of other lengths in the same bucket;
 - sampling (temperature + top-p) is reproducible under a seed, and top_p -> 0 is greedy;
-- the CLI on a saved HF dir (real Qwen3 vocabulary, a JPEG) prints text and its ids equal HF's;
+- the CLI on a saved HF dir (real Qwen3 vocabulary, a JPEG) prints text and its ids equal HF's; with
+  ``--video`` (an mp4 PyAV wrote, sampled by the dir's video_preprocessor_config.json) likewise; the end-of-run
+  answers hook on a LLaVA JSON of video entries generates HF's ids from the training sample's own prompt;
   on a training run dir (FSDP over 8 devices) it restores only the params onto one device.
 """
 
@@ -28,7 +31,7 @@ from moevlm_jax.hf import load_pretrained
 from moevlm_jax.inference import Prompt, generate_ids
 from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.qwen3_vl_moe import jit_forward
-from tests.model.hf_reference import IMAGE, V_END, V_START, build_hf
+from tests.model.hf_reference import IMAGE, V_END, V_START, VIDEO, build_hf
 
 COMPUTE = ComputeConfig(dtype="float32", param_dtype="float32", scan_layers=False)  # unrolled: faster CPU compiles
 N = 8  # new tokens
@@ -52,16 +55,35 @@ def make_prompt(seed: int, n_text: int, grids: list[tuple[int, int, int]], patch
                   np.asarray(grids, np.int64))
 
 
+def make_video_prompt(seed: int, n_text: int, image: tuple[int, int, int], video: tuple[int, int, int],
+                      patch_dim: int = 1536) -> Prompt:
+    """An image, two text tokens, then a video: per frame pair a text token (its timestamp) and the pair's
+    <vision_start> video tokens <vision_end>, then the rest of the text."""
+    prompt = make_prompt(seed, n_text, [image])
+    rng = np.random.default_rng(seed + 100)
+    t, h, w = video
+    ids = list(prompt.input_ids)
+    at = 1 + h * w // 4 + 2 + 2
+    for _ in range(t):
+        run = [int(rng.integers(0, 400)), V_START] + [VIDEO] * (h * w // 4) + [V_END]
+        ids[at:at] = run
+        at += len(run)
+    return Prompt(np.asarray(ids, np.int32), prompt.pixel_values, prompt.image_grid_thw,
+                  rng.standard_normal((t * h * w, patch_dim)).astype(np.float32), np.asarray([video], np.int64))
+
+
 PROMPTS = {
     "text": [make_prompt(0, 11, [])],
     "one_image": [make_prompt(1, 9, [(1, 4, 6)])],
     "two_images": [make_prompt(2, 10, [(1, 4, 4), (1, 6, 4)])],
     "batch2": [make_prompt(3, 8, [(1, 6, 4)]), make_prompt(4, 17, [])],
+    "image_video": [make_video_prompt(5, 9, (1, 4, 4), (2, 4, 4))],  # 16 + 32 patches: the same P = 64
 }
-CASES = [("tiny", "text"), ("tiny", "one_image"), ("tiny", "two_images"), ("dense_mix", "batch2")]
+CASES = [("tiny", "text"), ("tiny", "one_image"), ("tiny", "two_images"), ("tiny", "image_video"),
+         ("dense_mix", "batch2")]
 
 
-def hf_generate(model, prompts: list[Prompt], n: int = N, image_token: int = IMAGE, **kw):
+def hf_generate(model, prompts: list[Prompt], n: int = N, image_token: int = IMAGE, video_token: int = VIDEO, **kw):
     """HF generate on left-padded prompts -> (new ids [B, steps], output) (pad id 0, no eos unless given)."""
     s = max(len(p.input_ids) for p in prompts)
     ids = np.zeros((len(prompts), s), np.int64)
@@ -71,10 +93,15 @@ def hf_generate(model, prompts: list[Prompt], n: int = N, image_token: int = IMA
         mask[r, s - len(p.input_ids):] = 1
     args = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
     imgs = [p for p in prompts if p.pixel_values is not None]
+    vids = [p for p in prompts if p.pixel_values_videos is not None]
     if imgs:
         args.update(pixel_values=torch.tensor(np.concatenate([p.pixel_values for p in imgs])),
-                    image_grid_thw=torch.tensor(np.concatenate([p.image_grid_thw for p in imgs])),
-                    mm_token_type_ids=torch.tensor((ids == image_token).astype(np.int64)))
+                    image_grid_thw=torch.tensor(np.concatenate([p.image_grid_thw for p in imgs])))
+    if vids:
+        args.update(pixel_values_videos=torch.tensor(np.concatenate([p.pixel_values_videos for p in vids])),
+                    video_grid_thw=torch.tensor(np.concatenate([p.video_grid_thw for p in vids])))
+    if imgs or vids:  # text 0, image 1, video 2
+        args["mm_token_type_ids"] = torch.tensor((ids == image_token) + 2 * (ids == video_token)).long()
     kw = {"pad_token_id": 0, "eos_token_id": None, **kw}
     with torch.no_grad():
         out = model.generate(**args, do_sample=False, max_new_tokens=n, return_dict_in_generate=True, **kw)
@@ -221,6 +248,9 @@ def qwen_vocab_hf(tmp_path_factory):
     hf = build_hf(load_model_config("tiny").to_hf_dict(), seed=5)
     path = tmp_path_factory.mktemp("hf_tiny_qwen_vocab")
     hf.save_pretrained(path)
+    # HF's Qwen3-VL video processor keys, a small pixel budget: 4 frames of 48 x 64 -> 64 x 64, grid (2, 4, 4)
+    (path / "video_preprocessor_config.json").write_text(json.dumps(
+        {"fps": 2, "min_frames": 4, "max_frames": 16, "size": {"shortest_edge": 4096, "longest_edge": 16384}}))
     return hf, path
 
 
@@ -260,6 +290,93 @@ def test_cli_hf_dir_matches_hf(qwen_vocab_hf, tmp_path):
         ids = want[0].tolist()
         stops = [i for i, t in enumerate(ids) if t in inference.stop_ids_of(tok)]
         assert row["token_ids"] == (ids[: stops[0] + 1] if stops else ids)
+
+
+def _hf_ids(hf, prompt: Prompt, tok, n: int) -> list[int]:
+    """HF greedy ids of a chat prompt, cut after the first stop id (as the CLI's ``token_ids``)."""
+    stops = inference.stop_ids_of(tok)
+    want, _ = hf_generate(hf, [prompt], n=n, image_token=tok.special_id("<|image_pad|>"),
+                          video_token=tok.special_id("<|video_pad|>"), eos_token_id=list(stops),
+                          pad_token_id=tok.pad_id)
+    ids = want[0].tolist()
+    ends = [i for i, t in enumerate(ids) if t in stops]
+    return ids[: ends[0] + 1] if ends else ids
+
+
+def test_cli_video_matches_hf(qwen_vocab_hf, tmp_path):
+    """``--video`` (an mp4 PyAV wrote): frames sampled and sized by the HF dir's video_preprocessor_config.json, the
+    prompt's timestamped frame-pair groups, and the ids HF generates from that prompt."""
+    from moevlm_jax.data.tokenizer import load_tokenizer
+    from moevlm_jax.inference.loading import video_config_from_hf
+    from tests.data.video_files import moving_square, write_mp4
+
+    hf, path = qwen_vocab_hf
+    write_mp4(tmp_path / "clip.mp4", moving_square(4, 48, 64), fps=2)  # 2 s: 4 frames sampled at fps 2
+    question = "Which way did the square move?"
+    (tmp_path / "q.jsonl").write_text(json.dumps({"videos": ["clip.mp4"], "prompt": question, "answer": "right"}))
+    out = tmp_path / "answers.jsonl"
+    _run_cli(["--hf", str(path), "--questions", str(tmp_path / "q.jsonl"), "--out", str(out), "--max-new-tokens",
+              "6", "--quiet"])
+    row = json.loads(out.read_text())
+    assert row["videos"] == [str(tmp_path / "clip.mp4")] and row["match"] is False
+    text = _run_cli(["--hf", str(path), "--video", str(tmp_path / "clip.mp4"), "--prompt", question,
+                     "--max-new-tokens", "6", "--quiet"])
+    assert text[:-1] == row["generated"]  # print adds one newline
+
+    tok = load_tokenizer("qwen3")
+    video_cfg = video_config_from_hf(path)
+    assert (video_cfg.fps, video_cfg.min_pixels, video_cfg.max_pixels) == (2, 4096, 16384)
+    prompt = inference.chat_prompt(tok, question, [inference.Video(str(tmp_path / "clip.mp4"))],
+                                   video_config=video_cfg)
+    assert prompt.video_grid_thw.tolist() == [[2, 4, 4]] and prompt.pixel_values_videos.shape == (32, 1536)
+    assert int((prompt.input_ids == tok.special_id("<|video_pad|>")).sum()) == 8
+    # frame pairs (0, 1) and (2, 3) at 2 fps: 0.25 s and 1.25 s, written as HF's processor does
+    assert "<0.2 seconds><|vision_start|>" in tok.decode(prompt.input_ids.tolist())
+    assert "<1.2 seconds><|vision_start|>" in tok.decode(prompt.input_ids.tolist())
+    assert row["token_ids"] == _hf_ids(hf, prompt, tok, 6)
+
+
+def test_answers_hook_on_video_records(qwen_vocab_hf, tmp_path):
+    """The end-of-run answers on a LLaVA JSON of video entries: each held-out question generates HF's ids from the
+    training sample's own prompt (the pipeline's tokens up to the answer, its decoded frames)."""
+    import jax
+    from flax import nnx
+
+    from moevlm_jax.config import load_config
+    from moevlm_jax.data.image import expand_patches
+    from moevlm_jax.data.sample import SampleProcessor, read_record
+    from moevlm_jax.data.sources import build_source
+    from moevlm_jax.data.tokenizer import load_tokenizer
+    from moevlm_jax.training.hooks import answers
+    from tests.data.video_files import moving_square, write_mp4
+
+    hf, path = qwen_vocab_hf
+    entries = []
+    for k in range(4):
+        write_mp4(tmp_path / f"clip{k}.mp4", moving_square(4 + 2 * k, 48, 64, seed=k), fps=2)
+        entries.append({"video": f"clip{k}.mp4", "conversations": [
+            {"from": "human", "value": "<video>\nWhich way did the square move?"}, {"from": "gpt", "value": "right"}]})
+    (tmp_path / "clips.json").write_text(json.dumps(entries))
+    cfg = load_config("cpu-default", model=str(path), data=str(tmp_path / "clips.json"), num_devices=1,
+                      num_processes=1, overrides=["data.heldout_fraction=0.5", "data.video.min_pixels=4096",
+                                                  "data.video.max_pixels=16384", "data.workers=0"])
+    model = load_pretrained(path, compute=COMPUTE)[0]
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+    rows = answers(cfg, {"params": params}, 2)
+    assert [r["answer"] for r in rows] == ["right", "right"]
+
+    tok = load_tokenizer(cfg.data.tokenizer)
+    source, _ = build_source(cfg.data, cfg.data.eval_split)
+    process = SampleProcessor(cfg.data, eval_mode=True)
+    for i, row in enumerate(rows):
+        assert read_record(source[i])["videos"]
+        sample = process(i, source[i])
+        assert sample["videos"] == 1
+        end = int(np.flatnonzero(sample["answer"] > 0)[0]) + 1  # the answer's first token is predicted here
+        prompt = Prompt(sample["ids"][:end], pixel_values_videos=expand_patches(sample["patches"], cfg.data.image),
+                        video_grid_thw=sample["grids"].astype(np.int64))
+        ids = _hf_ids(hf, prompt, tok, 16)
+        assert row["generated"] == inference.engine.decode_text(tok, np.asarray(ids), inference.stop_ids_of(tok))
 
 
 def test_cli_run_dir_restores_params_only(tmp_path):

@@ -88,6 +88,19 @@ class HFBatch:
     labels: np.ndarray
     pixel_values: np.ndarray | None = None
     image_grid_thw: np.ndarray | None = None
+    pixel_values_videos: np.ndarray | None = None
+    video_grid_thw: np.ndarray | None = None
+
+    def hf_kwargs(self) -> dict:
+        """The vision inputs of HF's forward: pixels and grids, and ``mm_token_type_ids`` (1 image, 2 video)."""
+        kw = {"mm_token_type_ids": torch.tensor(np.where(self.input_ids == IMAGE, 1, 0)
+                                                + np.where(self.input_ids == VIDEO, 2, 0))}
+        if self.pixel_values is not None:
+            kw.update(pixel_values=torch.tensor(self.pixel_values), image_grid_thw=torch.tensor(self.image_grid_thw))
+        if self.pixel_values_videos is not None:
+            kw.update(pixel_values_videos=torch.tensor(self.pixel_values_videos),
+                      video_grid_thw=torch.tensor(self.video_grid_thw))
+        return kw
 
 
 def make_batches(patch_dim: int = 1536, seed: int = 0) -> dict[str, HFBatch]:
@@ -125,14 +138,49 @@ def make_batches(patch_dim: int = 1536, seed: int = 0) -> dict[str, HFBatch]:
     return out
 
 
+def make_video_batch(patch_dim: int = 1536, seed: int = 1) -> HFBatch:
+    """A [3, 64] batch with videos as HF's processor lays them out: each temporal patch its own
+    ``<t seconds><|vision_start|><|video_pad|>...<|vision_end|>`` span (timestamps as random text tokens).
+    Row 0: a 4x4 image, then a video of grid (2, 4, 6); row 1 (left padding 2): a video of grid (3, 2, 4) and
+    text; row 2: text only (left padding 5). Labels as :func:`make_batches`."""
+    rng = np.random.default_rng(seed)
+    b, s = 3, 64
+    ids = rng.integers(0, 400, size=(b, s))
+    mask = np.ones((b, s), np.int64)
+    pads = [0, 2, 5]
+    images, videos = [], []
+    for r, items in enumerate([[("image", (1, 4, 4)), ("video", (2, 4, 6))], [("video", (3, 2, 4))], []]):
+        mask[r, : pads[r]] = 0
+        ids[r, : pads[r]] = 0
+        pos = pads[r] + 2
+        for kind, (t, h, w) in items:
+            if kind == "image":
+                pos = _frame(ids, r, pos, h * w // 4) + 1
+                images.append((t, h, w))
+                continue
+            for _ in range(t):  # timestamp text (3 tokens), then the temporal patch's span
+                pos += 3
+                pos = _frame(ids, r, pos, h * w // 4)
+                ids[r, pos - 1 - h * w // 4: pos - 1] = VIDEO
+            pos += 1
+            videos.append((t, h, w))
+    labels = np.where((mask == 1) & (ids != IMAGE) & (ids != VIDEO), ids, -100)
+    labels[np.arange(b), pads] = -100
+    labels[rng.random((b, s)) < 0.1] = -100
+    batch = HFBatch(ids, mask, labels)
+    batch.image_grid_thw = np.asarray(images, np.int64)
+    batch.pixel_values = rng.standard_normal((int(batch.image_grid_thw.prod(-1).sum()), patch_dim)).astype(np.float32)
+    batch.video_grid_thw = np.asarray(videos, np.int64)
+    batch.pixel_values_videos = rng.standard_normal((int(batch.video_grid_thw.prod(-1).sum()), patch_dim)
+                                                    ).astype(np.float32)
+    return batch
+
+
 def hf_forward(model: Qwen3VLMoeForConditionalGeneration, batch: HFBatch, labels: bool = True):
     """HF outputs (logits, loss incl. router aux, aux loss) for an HFBatch, router logits on."""
     kw = dict(input_ids=torch.tensor(batch.input_ids), attention_mask=torch.tensor(batch.attention_mask),
-              output_router_logits=True,
-              mm_token_type_ids=torch.tensor((batch.input_ids == IMAGE).astype(np.int64)))
+              output_router_logits=True, **batch.hf_kwargs())
     if labels:
         kw["labels"] = torch.tensor(batch.labels)
-    if batch.pixel_values is not None:
-        kw.update(pixel_values=torch.tensor(batch.pixel_values), image_grid_thw=torch.tensor(batch.image_grid_thw))
     with torch.no_grad():
         return model(**kw)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 from moevlm_jax.model.registry import load_model_config
-from tests.model.hf_reference import IMAGE, TOKENS, HFBatch
+from tests.model.hf_reference import TOKENS, HFBatch
 
 logging.getLogger("transformers").setLevel(logging.ERROR)  # the "falling back to PyTorch" kernel notices
 
@@ -100,12 +99,9 @@ def build_hf(config: dict, seed: int) -> Qwen3_5MoeForConditionalGeneration:
 def hf_forward(model: Qwen3_5MoeForConditionalGeneration, batch: HFBatch, labels: bool = True):
     """HF outputs (logits, loss incl. router aux, aux loss) for an HFBatch, router logits on."""
     kw = dict(input_ids=torch.tensor(batch.input_ids), attention_mask=torch.tensor(batch.attention_mask),
-              output_router_logits=True,
-              mm_token_type_ids=torch.tensor((batch.input_ids == IMAGE).astype(np.int64)))
+              output_router_logits=True, **batch.hf_kwargs())
     if labels:
         kw["labels"] = torch.tensor(batch.labels)
-    if batch.pixel_values is not None:
-        kw.update(pixel_values=torch.tensor(batch.pixel_values), image_grid_thw=torch.tensor(batch.image_grid_thw))
     with torch.no_grad():
         return model(**kw)
 

@@ -46,7 +46,7 @@ from moevlm_jax.model.qwen3_5_config import Qwen35ModelConfig
 from moevlm_jax.model.registry import load_model_config
 from tests.families import PerFamily
 from tests.model import hf_reference, qwen3_5_reference
-from tests.model.hf_reference import IMAGE, V_END, V_START, HFBatch, HFFixture, make_batches
+from tests.model.hf_reference import IMAGE, V_END, V_START, VIDEO, HFBatch, HFFixture, make_batches, make_video_batch
 from tests.model.qwen3_5_reference import hf_forward as hf_forward_35
 
 CONFIGS = {"qwen3_vl": ["tiny", "dense_mix", "sparse_step"], "qwen3_5": ["tiny", "lin_full", "full_lin"]}
@@ -140,6 +140,37 @@ def test_eager_call_matches_hf(hf, ours, batches, family, batch_name):
     valid = hb.attention_mask == 1
     assert logits.shape == ref.shape
     assert _rel(logits[valid], ref[valid]) <= TOL
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_video_and_image_logits_match_hf(hf, ours, family):
+    """A batch with videos beside an image and a text row (``make_video_batch``: each temporal patch its own span
+    between timestamp texts, as HF's processor writes them), through HF's ``pixel_values_videos`` /
+    ``video_grid_thw``: the vision tower runs the frame pairs (attention within each), the merged tokens and
+    (Qwen3-VL) DeepStack features land on the ``<|video_pad|>`` positions, MRoPE per temporal patch; logits and LM
+    loss equal HF's. Also through the HF-style eager call."""
+    model, config = ours[family]["tiny"]
+    hb = make_video_batch(config.vision_config.patch_dim)
+    ref = HF_FORWARD[family](hf[family]["tiny"].model, hb)
+    batch = hf_inputs_to_batch(config, hb.input_ids, hb.pixel_values, hb.image_grid_thw, hb.attention_mask,
+                               num_patches=NUM_PATCHES + 24, pixel_values_videos=hb.pixel_values_videos,
+                               video_grid_thw=hb.video_grid_thw)
+    # row 0: the image's 16 patches, then the video's 2 x 24 in token order; one vision segment per frame pair
+    assert (batch["patch_segment_ids"][0] > 0).sum() == 16 + 48 and batch["patch_segment_ids"][0].max() == 3
+    assert (batch["input_ids"] == VIDEO).sum() == 12 + 6
+    logits = np.asarray(jit_forward(model, batch)[0])
+    valid = hb.attention_mask == 1
+    ref_logits = ref.logits.numpy()
+    assert _rel(logits[valid], ref_logits[valid]) <= TOL
+    targets, loss_mask = hf_labels_to_targets(hb.labels)
+    np.testing.assert_allclose(masked_ce(logits, targets, loss_mask), ref.loss.item() - config.text_config
+                               .router_aux_loss_coef * ref.aux_loss.item(), rtol=TOL)
+    video_rows = np.isin(np.arange(3), [0, 1])
+    without = np.asarray(jit_forward(model, {**batch, "pixel_values": batch["pixel_values"] * 0})[0])
+    assert _rel(without[video_rows][valid[video_rows]], ref_logits[video_rows][valid[video_rows]]) > 1e-2  # used
+    eager = np.asarray(model(hb.input_ids, hb.pixel_values, hb.image_grid_thw, hb.attention_mask,
+                             hb.pixel_values_videos, hb.video_grid_thw))
+    assert _rel(eager[valid], ref_logits[valid]) <= TOL
 
 
 # ----------------------------------------------------------------------------- Qwen3.5 only

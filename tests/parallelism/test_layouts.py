@@ -1,8 +1,9 @@
 """Every layout preset on 8 CPU devices trains each model family exactly like one device, through the
 trainer's own step (its objective: gathered trained positions, CE over the global batch's trained
 tokens, router losses per data-parallel rank; its AdamW update): the same per-step losses, gradient
-norms and parameters (float32) over several steps on a packed batch with images, samples and images
-crossing the sequence-shard boundaries; and the compiled programs do what the layouts say. One test
+norms and parameters (float32) over several steps on a packed batch with images and a video row (two frame
+pairs, each its own vision segment and timestamped span of video tokens), samples, images and frame groups crossing
+the sequence-shard boundaries; and the compiled programs do what the layouts say. One test
 per (family, preset), the families' setups and one-device references computed once each per module.
 
 - Qwen3-VL-MoE (tiny-v512), presets fsdp, tp, ep, tp_ep, ep_etp, cp, folded; the HLO checks: weights

@@ -146,14 +146,21 @@ PP4_UNEVEN = {"name": "pp4_uneven", "mesh": {"stage": 4, "data": 2},
 
 
 def _host_batch(config, seed: int) -> dict[str, np.ndarray]:
-    """ROWS rows of SEQ tokens: most rows hold one image (4x4 or 4x6 patches), some are text only,
-    one is left-padded; labels on text tokens (a fixed 24-patch bucket: one compiled step)."""
+    """ROWS rows of SEQ tokens: most rows hold one image (4x4 or 4x6 patches), two a video of 4 frames (2x4 patches
+    a frame pair, each pair after a timestamp token), some are text only, one is left-padded; labels on text tokens
+    (a fixed 24-patch bucket: one compiled step)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 400, size=(ROWS, SEQ))
     mask = np.ones((ROWS, SEQ), np.int64)
     mask[1, :5] = 0
-    grids = []
+    grids, videos = [], []
     for r in range(ROWS):
+        if r % 9 == 5:  # a video: per frame pair <timestamp><|vision_start|> 2 x <|video_pad|> <|vision_end|>
+            for at in (8, 13):
+                ids[r, at + 1], ids[r, at + 2:at + 4], ids[r, at + 4] = config.vision_start_token_id, \
+                    config.video_token_id, config.vision_end_token_id
+            videos.append((2, 2, 4))
+            continue
         if r % 3 == 2:
             continue
         h, w = (4, 4) if r % 3 == 0 else (4, 6)
@@ -161,12 +168,14 @@ def _host_batch(config, seed: int) -> dict[str, np.ndarray]:
         ids[r, 8], ids[r, 9:9 + n], ids[r, 9 + n] = config.vision_start_token_id, config.image_token_id, \
             config.vision_end_token_id
         grids.append((1, h, w))
-    grid = np.asarray(grids)
-    pixels = rng.standard_normal((int(grid.prod(-1).sum()), config.vision_config.patch_dim)).astype(np.float32)
-    batch = hf_inputs_to_batch(config, ids, pixels, grid, mask, num_patches=24)
+    grid, video = np.asarray(grids), np.asarray(videos)
+    pixels, frames = (rng.standard_normal((int(g.prod(-1).sum()), config.vision_config.patch_dim)).astype(np.float32)
+                      for g in (grid, video))
+    batch = hf_inputs_to_batch(config, ids, pixels, grid, mask, num_patches=24, pixel_values_videos=frames,
+                               video_grid_thw=video)
     nxt = np.roll(ids, -1, axis=1)
-    trained = ((mask > 0) & (ids != config.image_token_id) & (nxt != config.image_token_id)
-               & (rng.random(ids.shape) > 0.1))
+    vision = (config.image_token_id, config.video_token_id)
+    trained = (mask > 0) & ~np.isin(ids, vision) & ~np.isin(nxt, vision) & (rng.random(ids.shape) > 0.1)
     trained[:, -1] = False
     batch["targets"], batch["loss_mask"] = nxt.astype(np.int32), trained.astype(np.float32)
     return batch
