@@ -95,6 +95,11 @@ def _split_placeholders(text: str) -> list[dict[str, Any]]:
     for mark in UNSUPPORTED_PLACEHOLDERS:
         if mark in text:
             raise UnsupportedMedia(f"{mark} placeholder: {mark[1:-1]} input is not supported yet")
+    return split_placeholders(text)
+
+
+def split_placeholders(text: str) -> list[dict[str, Any]]:
+    """Text with ``<image>`` / ``<video>`` placeholders -> HF-style content items (text, image, video) in order."""
     items: list[dict[str, Any]] = []
     for k, chunk in enumerate(_PLACEHOLDERS.split(text)):
         if k % 2:

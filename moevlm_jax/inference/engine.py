@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,7 +56,7 @@ from moevlm_jax.data.chat import VideoTokens, content_items, encode_conversation
 from moevlm_jax.data.config import ImageConfig, VideoConfig
 from moevlm_jax.data.image import decode_image, expand_patches, image_to_pixel_values
 from moevlm_jax.data.mrope import mrope_position_ids
-from moevlm_jax.data.records import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from moevlm_jax.data.records import split_placeholders
 from moevlm_jax.data.tokenizer import Tokenizer
 from moevlm_jax.data.video import decode_video, process_video
 from moevlm_jax.inference.kv_cache import cache_segment_ids, init_cache, round_up
@@ -249,7 +248,6 @@ class Video:
 
 
 MediaRef = ImageRef | Video
-_PLACEHOLDER = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
 def load_video(video: Video, cfg: VideoConfig, image_cfg: ImageConfig
@@ -280,17 +278,15 @@ def user_content(question: str, num_images: int | Sequence[str]) -> list[dict[st
     (as LLaVA records, ``data.records``) when they are the same kinds in the same order, else all media first,
     then the text (as the built-in VQA samples)."""
     kinds = ["image"] * num_images if isinstance(num_images, int) else list(num_images)
-    chunks = _PLACEHOLDER.split(question)
-    placed = [c[1:-1] for c in chunks[1::2]]
-    if kinds and placed == kinds:
-        items: list[dict[str, Any]] = []
-        for k, chunk in enumerate(chunks):
-            if k % 2:
-                items.append({"type": chunk[1:-1]})
-            elif chunk:
-                items.append({"type": "text", "text": chunk})
+    items = split_placeholders(question)
+    if kinds and _media_kinds(items) == kinds:
         return items
     return [{"type": kind} for kind in kinds] + [{"type": "text", "text": question}]
+
+
+def _media_kinds(items: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The kinds ("image" / "video") of content items that are media, in order."""
+    return [it["type"] for it in items if it["type"] != "text"]
 
 
 def prompt_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], image_tokens: Sequence[int],
@@ -315,7 +311,7 @@ def chat_prompt(tokenizer: Tokenizer, question: str | Sequence[Mapping[str, Any]
     cfg = image_config or ImageConfig()
     vcfg = video_config or VideoConfig()
     kinds = ["video" if isinstance(ref, Video) else "image" for ref in images]
-    placed = [c[1:-1] for c in _PLACEHOLDER.findall(question)] if isinstance(question, str) else []
+    placed = _media_kinds(split_placeholders(question)) if isinstance(question, str) else []
     if kinds and sorted(placed) == sorted(kinds):  # the media at the placeholders: the k-th image at the k-th <image>
         by_kind = {k: iter([r for r, kk in zip(images, kinds) if kk == k]) for k in ("image", "video")}
         images, kinds = [next(by_kind[k]) for k in placed], placed
