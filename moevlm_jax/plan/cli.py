@@ -35,7 +35,7 @@ from moevlm_jax.perf.memory import default_patches
 from moevlm_jax.plan import fit as planfit
 from moevlm_jax.plan import report as plan_report
 from moevlm_jax.plan import search as planner
-from moevlm_jax.plan.time import H200, sources
+from moevlm_jax.plan.time import H200, HARDWARE, hardware_of, sources
 from moevlm_jax.schema import overrides_tree
 from moevlm_jax.tools.memory import set_host_devices
 
@@ -45,8 +45,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="configs/models name or path")
     p.add_argument("--devices", type=int, default=None, help="devices to plan for (default: the devices present)")
     p.add_argument("--hosts", type=int, default=1, help="hosts the devices are spread over (equal shares)")
+    p.add_argument("--gpu", choices=sorted(HARDWARE), default=None,
+                   help="the GPU whose rates and memory to plan for (default: the GPU present, else h200)")
     p.add_argument("--device-memory", type=float, default=None,
-                   help="GiB of memory a device has (default: the device's own on a GPU, else 141: an H200)")
+                   help="GiB of memory a device has (default: the device's own on a GPU, else the --gpu's)")
     p.add_argument("--inter-host-gbps", type=float, default=None,
                    help="Gb/s of network per host (default 8 x 400 InfiniBand per 8-GPU host)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens a row (default: the data's, else 4096)")
@@ -103,12 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     image_patches = 784
     if data is not None and data.image.max_pixels:
         image_patches = max(4, int(data.image.max_pixels) // data.image.patch_size**2)
+    d = jax.devices()[0]
+    hw = HARDWARE[args.gpu] if args.gpu else (hardware_of(d.device_kind) if d.platform == "gpu" else H200)
     memory = args.device_memory
     if memory is None:
-        d = jax.devices()[0]
-        limit = planfit.device_memory_bytes([d]) if d.platform == "gpu" else None
-        memory = limit / 2**30 / H200.usable_fraction if limit else H200.memory_gib
-    hw = H200 if args.inter_host_gbps is None else dataclasses.replace(H200, inter_host_gbps=args.inter_host_gbps)
+        limit = planfit.device_memory_bytes([d]) if d.platform == "gpu" and not args.gpu else None
+        memory = limit / 2**30 / hw.usable_fraction if limit else hw.memory_gib
+    if args.inter_host_gbps is not None:
+        hw = dataclasses.replace(hw, inter_host_gbps=args.inter_host_gbps)
 
     compute = ComputeConfig.from_dict(overrides_tree(args.overrides, prefix="compute")) if args.overrides else None
     fraction = 0.437 if args.trained_fraction is None else (None if args.trained_fraction >= 1

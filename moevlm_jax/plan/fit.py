@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from moevlm_jax.plan.search import (
     settings,
     valid,
 )
-from moevlm_jax.plan.time import H200
+from moevlm_jax.plan.time import H200, Hardware, hardware_of
 from moevlm_jax.training.compile_policy import CompilePolicy
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.objective import largest_capacity
@@ -116,6 +117,9 @@ class Plan:
         return text
 
 
+MAX_CHECKS = 2  # compiled checks of alternatives a fit makes: the chosen setting and at most one fallback
+
+
 def device_memory_bytes(devices: Sequence[Any]) -> float | None:
     """The allocator's limit of the first device (``memory_stats()['bytes_limit']``), None where unknown."""
     try:
@@ -128,8 +132,9 @@ def device_memory_bytes(devices: Sequence[Any]) -> float | None:
 
 
 def workload_of(cfg: Any, devices: int, *, hosts: int = 1, device_memory_gib: float | None = None,
-                platform: str = "gpu", trained_fraction: float | None = TRAINED_FRACTION) -> Workload:
-    """The workload of a RunConfig on ``devices`` devices."""
+                platform: str = "gpu", trained_fraction: float | None = TRAINED_FRACTION,
+                hw: Hardware = H200) -> Workload:
+    """The workload of a RunConfig on ``devices`` devices of kind ``hw``."""
     buckets = tuple(getattr(cfg.data, "patch_buckets", ()) or ())
 
     patches = max(buckets) if buckets else default_patches(cfg.train.seq_len)
@@ -139,7 +144,7 @@ def workload_of(cfg: Any, devices: int, *, hosts: int = 1, device_memory_gib: fl
         image_patches = max(4, int(image.max_pixels) // (image.patch_size**2))
     return Workload(model=cfg.model, devices=devices, hosts=hosts, seq=cfg.train.seq_len,
                     global_batch=cfg.global_batch_size, patches=patches, image_patches=image_patches,
-                    device_memory_gib=device_memory_gib or H200.memory_gib, platform=platform,
+                    device_memory_gib=device_memory_gib or hw.memory_gib, platform=platform, hw=hw,
                     trained_fraction=trained_fraction, dtype=cfg.compute.dtype, loss_chunk=cfg.compute.loss_chunk_size,
                     scan_layers=cfg.compute.scan_layers)
 
@@ -172,7 +177,8 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     devices = list(devices if devices is not None else jax.devices())
     platform = "gpu" if devices[0].platform == "gpu" else "cpu"
     limit_dev = device_memory_bytes(devices)
-    w = workload_of(cfg, len(devices), hosts=hosts, device_memory_gib=device_memory_gib, platform=platform)
+    hw = hardware_of(devices[0].device_kind) if platform == "gpu" else H200
+    w = workload_of(cfg, len(devices), hosts=hosts, device_memory_gib=device_memory_gib, platform=platform, hw=hw)
     if limit_dev is not None:  # the allocator's own limit is what a step may use
         w = dataclasses.replace(w, device_memory_gib=limit_dev / GIB / w.hw.usable_fraction)
     allow = set(allow)
@@ -205,14 +211,24 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     base = current.candidate
     options = _alternatives(base, w, allow)
     ranked = rank(estimate(c, w, compute) for c in options)
-    fitting = [e for e in ranked if e.fits]
+    # with a band (auto-fit): the fastest first among those whose estimate fits or leaves it in doubt (the memory
+    # model errs on the high side: a setting estimated a little over the limit may compile within it), at most
+    # MAX_CHECKS compiled checks, after which only sure fits (estimate below the band) are taken; compile=True
+    # checks every fitting candidate it meets
+    banded = band is not None and math.isfinite(band[1])
+    pool = [e for e in ranked if e.fits or (banded and in_doubt(e))]
+    pool.sort(key=lambda e: (-e.tokens_per_s, e.candidate.accum_dtype != "float32", e.memory.total))
+    checks = 0
     used = compiled_total if compiled_total is not None else current.memory.total
     why = (f"does not fit: {used / GIB:.1f} GiB {'compiled' if compiled_total is not None else 'estimated'} "
            f"> {w.limit_bytes / GIB:.1f} GiB usable; largest parts (estimate): "
            + ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(current.memory.parts.items(),
                                                                key=lambda kv: -kv[1])[:3]))
-    for e in fitting[: max(top, 1) * 4]:
+    for e in pool if banded else pool[: max(top, 1) * 4]:
         if in_doubt(e):
+            if banded and checks == MAX_CHECKS:
+                continue
+            checks += 1
             try:
                 e.compiled = compiled_memory(e.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
                                              compiler_options=compiler_options, **shapes)

@@ -15,6 +15,13 @@ Rates (``H200``; ``measured`` says where a number comes from, ``assumed`` where 
 - memory-bound work (norms, rotary, activations, permutation, the optimizer) at the HBM's 4.8 TB/s
   (datasheet) over the bytes the step's tensors take (``MEMORY_PASSES`` passes over the
   activations of each layer, assumed; the optimizer reads and writes its shards once);
+- the weights' traffic of every microbatch: each device reads the weights it computes with (its gathered
+  FSDP shards) in the forward and again for the input gradients (once more under full recompute), writes
+  the weight gradients, and with accumulation reads and writes the gradient sum. A step of many small
+  microbatches pays this once per microbatch, which is why MBS 1 x 64 runs slower than MBS 4 x 16 on one
+  H100 although their FLOPs are equal (bench/results/plans.md);
+- the H100 (``H100``): the H200's compute rates (same SMs, clocks and power) with its own memory, 80 GB of
+  HBM3 at 3.35 TB/s (datasheet); the planner and auto-fit take it from the device's kind;
 - links: NVLink 900 GB/s per GPU (datasheet; 450 each way) at an assumed 0.8 for all-gather /
   reduce-scatter; the MoE all-to-all at the measured rates (EP = 2 on one host, bench/results/moe_layer.md:
   fixed-size all_to_all ~220 GB/s, ragged ~80 GB/s: the dropless path is ragged); across
@@ -24,9 +31,11 @@ Rates (``H200``; ``measured`` says where a number comes from, ``assumed`` where 
   critical path; the pipeline's bubbles cost ``(S - 1) / (M x R)`` of the decoder's time.
 
 The sum is scaled by one factor measured end to end: the model's own estimate of recipe h200
-(proxy model, one H200, MBS 10, selective recompute, bf16 parameters and AdamW state) against its
-measured 716.5 ms a step (bench/results/step.md: 52,252 useful tokens/s, MFU 40.7%), so every
-estimate here is "what the measured step would take at this size", not a datasheet bound.
+(proxy model, one H200, MBS 11, selective recompute, bf16 parameters and AdamW state) against its
+measured step (bench/results/step.md: 61,095 useful tokens/s, MFU 47.6%: ~674 ms a step), so every
+estimate here is "what the measured step would take at this size", not a datasheet bound. The H100's
+measured points (bench/results/step.md, plans.md) check the model's ranking of micro batches
+(tests/plan/test_time.py).
 """
 
 from __future__ import annotations
@@ -70,14 +79,25 @@ class Hardware:
 
 
 H200 = Hardware()
+H100 = dataclasses.replace(H200, name="H100", memory_gib=80.0, hbm_bytes=3.35e12)  # SXM: HBM3 80 GB, 3.35 TB/s
+HARDWARE = {"h100": H100, "h200": H200}
+
+
+def hardware_of(device_kind: str | None) -> Hardware:
+    """The rates of a GPU from its ``device_kind`` ("NVIDIA H100 80GB HBM3" -> H100); the H200's otherwise."""
+    kind = (device_kind or "").lower()
+    return next((hw for key, hw in HARDWARE.items() if key in kind), H200)
+
+
 MEMORY_PASSES = 12  # passes over each layer's activations by memory-bound kernels, forward + backward (assumed)
 # launch / idle per layer and microbatch (bench/results/plans.md: ~20 ms idle, 35 layers)
 LAUNCH_S_PER_LAYER = 0.55e-3
 OVERLAP = 0.8  # share of the compute FSDP / gradient collectives can hide behind (assumed)
-# the recipe-h200 point the scale factor is measured at (bench/results/step.md)
-REFERENCE = {"model": "proxy", "mbs": 10, "seq": 4096, "patches": 3136, "image_patches": 784,
-             "step_s": 0.7165, "useful_tokens_per_s": 52252.0}
-FILL = REFERENCE["useful_tokens_per_s"] * REFERENCE["step_s"] / (REFERENCE["mbs"] * REFERENCE["seq"])  # 0.914
+FILL = 0.914  # useful / all token slots of the proxy data's packed rows (bench/results/step.md's runs)
+# the recipe-h200 point the scale factor is measured at (bench/results/step.md: one H200, MBS 11)
+REFERENCE = {"model": "proxy", "mbs": 11, "seq": 4096, "patches": 3136, "image_patches": 784,
+             "useful_tokens_per_s": 61095.0}
+REFERENCE["step_s"] = REFERENCE["mbs"] * REFERENCE["seq"] * FILL / REFERENCE["useful_tokens_per_s"]
 
 
 @dataclasses.dataclass
@@ -163,7 +183,15 @@ def _memory_bound_bytes(model: Any, g: Geometry, knobs: Any, devices: int) -> di
     trainable = sum(s.local for s in shards if s.param.trainable and s.param.group not in knobs.frozen)
     pb, sb = DTYPE_BYTES[knobs.param_dtype], DTYPE_BYTES[knobs.state_dtype]
     opt = trainable * (2 * pb + 4 + 4 * sb)  # read + write params and both moments, read the float32 gradient
-    return {"activations": dec + vis, "optimizer": opt}
+    # per microbatch: the weights a device computes with (FSDP shards gathered) read in the forward and for the
+    # input gradients (+1 under full recompute), the weight gradients written, the gradient sum read + written
+    gathered = sum(s.local * s.fsdp_size for s in shards)
+    trained = sum(s.local * s.fsdp_size for s in shards if s.param.trainable and s.param.group not in knobs.frozen)
+    reads = 3 if knobs.tower("text")[0] == "full" else 2
+    weights = gathered * pb * reads + trained * c
+    if micro > 1:
+        weights += trainable * DTYPE_BYTES[knobs.accum_dtype] * 2
+    return {"activations": dec + vis, "optimizer": opt, "weights": weights * micro}
 
 
 def _raw_time(model: Any, g: Geometry, knobs: Any, comm: Any, hw: Hardware, image_patches: int,
@@ -182,6 +210,7 @@ def _raw_time(model: Any, g: Geometry, knobs: Any, comm: Any, hw: Hardware, imag
     mem = _memory_bound_bytes(model, g, knobs, devices)
     compute["memory_bound"] = mem["activations"] / hw.hbm_bytes
     compute["optimizer"] = mem["optimizer"] / hw.hbm_bytes
+    compute["weights"] = mem["weights"] / hw.hbm_bytes
     layers = g.layer_runs(model.text_config.num_hidden_layers) + (model.vision_config.depth if g.patches else 0)
     compute["launch"] = LAUNCH_S_PER_LAYER * layers * knobs.grad_accum
     # communication: intra-host at the link rate, the part crossing hosts at the network's
@@ -240,13 +269,13 @@ def sources(hw: Hardware = H200) -> str:
         "Measured (bench/): dense GEMM {:.0f} TFLOP/s (README); experts dropless {:.0f}, capacity 1.25 {:.0f} "
         "(moe_layer.md); decoder attention {:.0f}, vision attention {:.0f} fwd+bwd at 3.5x forward "
         "(attention.md, second probe); all-to-all {:.0f} GB/s fixed-size, {:.0f} ragged (moe_layer.md, EP 2); "
-        "the whole step: recipe h200 716.5 ms (step_h200.md; the scale factor {:.3f}); useful / all tokens "
-        "{:.3f} and trained / all {:.3f} (the proxy data, same run).".format(
+        "the whole step: recipe h200 at MBS {} {:.1f} ms (step.md; the scale factor {:.3f}); useful / all tokens "
+        "{:.3f} and trained / all {:.3f} (the proxy data).".format(
             hw.dense_flops / 1e12, hw.experts_dropless_flops / 1e12, hw.experts_capacity_flops / 1e12,
             hw.attention_flops / 1e12, hw.vision_attention_flops / 1e12, hw.a2a_bytes / 1e9, hw.ragged_a2a_bytes / 1e9,
-            reference_scale(), FILL, 0.437),
-        "Datasheet: {:.0f} GiB HBM ({:.0%} usable, assumed), {:.1f} TB/s HBM, 989 TFLOP/s bf16, NVLink 900 GB/s per "
-        "GPU.".format(hw.memory_gib, hw.usable_fraction, hw.hbm_bytes / 1e12),
+            REFERENCE["mbs"], REFERENCE["step_s"] * 1e3, reference_scale(), FILL, 0.437),
+        "Datasheet ({}): {:.0f} GiB HBM ({:.0%} usable, assumed), {:.2f} TB/s HBM, 989 TFLOP/s bf16, NVLink 900 GB/s "
+        "per GPU.".format(hw.name, hw.memory_gib, hw.usable_fraction, hw.hbm_bytes / 1e12),
         "Assumed: NVLink collectives at 0.8 of 450 GB/s each way; across hosts {:.0f} Gb/s per {}-GPU host at {:.0%}; "
         "FSDP / gradient collectives hidden behind up to {:.0%} of the compute, TP / EP / PP exposed, CP half; {} "
         "memory-bound passes over each layer's activations; {:.2f} ms launch / idle a layer; balanced experts; one "
