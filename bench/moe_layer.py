@@ -14,7 +14,8 @@ synchronisation (the device time of a call, :func:`time_calls`; each synchronise
 ``ms_synchronised``), HF's steps by CUDA events around each (the device span of a step).
 
 GPU: ``python -m bench.moe_layer --out bench_moe.json`` (one H200), add ``--ep 2`` on two; ``--ep 8 --ep-hosts 2``
-on one 8-GPU host times the hierarchical dispatcher (``fsdp`` 2 x ``expert`` 4) beside the flat one.
+on one 8-GPU host times the hierarchical dispatcher (``fsdp`` 2 x ``expert`` 4) beside the flat one;
+``--dispatch-chunks 2,4`` adds those dispatchers with their exchange in chunks (``compute.moe.dispatch_chunks``).
 CPU smoke run (tiny shapes): ``python -m bench.moe_layer --tiny --ep 2`` (``--ep 8 --ep-hosts 2``).
 
 The triton backend's kernels are a ``compute.moe.kernels`` section (``moevlm_jax.parallelism.kernels``), given as
@@ -87,6 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ep-hosts", type=int, default=1,
                    help="split the --ep devices into this many host groups (mesh fsdp x expert, 'exp' over both) and "
                         "add the hierarchical dispatcher; on one host: its cost against the flat all-to-all")
+    p.add_argument("--dispatch-chunks", default="",
+                   help="comma list of compute.moe.dispatch_chunks > 1 also timed for the dropless alltoall (and "
+                        "hierarchical) dispatchers under --ep: one chunk's exchange overlapping another's experts")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers/torch comparison")
     p.add_argument("--no-check", action="store_true", help="skip the float32 reference checks (saves compiles)")
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
@@ -520,9 +524,14 @@ def bench_ep(name: str, shape: dict, args: argparse.Namespace, dtype: Any, repor
         dispatchers = [("alltoall", backend), ("allgather", backend), ("alltoall", "hybrid")]
         if hosts > 1:
             dispatchers.append(("hierarchical", backend))
-        for dispatcher, be in dispatchers:
-            variant, label = f"ep{n} {dispatcher} ({be})", f"{dispatcher}{' hybrid' * (be == 'hybrid')}"
-            opts = dict(backend=be, dispatcher=dispatcher,
+        chunked = [int(c) for c in args.dispatch_chunks.split(",") if c.strip() and int(c) > 1]
+        dispatchers = [(d, be, 1) for d, be in dispatchers] + [
+            (d, backend, c) for c in chunked for d in ("alltoall", "hierarchical") if d != "hierarchical" or hosts > 1]
+        for dispatcher, be, chunks in dispatchers:
+            tag = f" x{chunks} chunks" if chunks > 1 else ""
+            variant = f"ep{n} {dispatcher}{tag} ({be})"
+            label = f"{dispatcher}{' hybrid' * (be == 'hybrid')}{tag}"
+            opts = dict(backend=be, dispatcher=dispatcher, dispatch_chunks=chunks,
                         capacity_factor=args.capacity_factor if be == "hybrid" else None, kernels=args.kernels_config)
 
             def go(opts=opts, variant=variant):

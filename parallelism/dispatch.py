@@ -36,6 +36,11 @@ tensor-parallel (ETP) axes. Per device:
      the two agree; cross-host rows fall by the routing's dedup factor (remote (token, expert)
      pairs / remote (token, host) pairs). Needs an outer EP axis: refused otherwise (config load and
      here), since with none it would be the flat exchange under another name.
+
+   ``alltoall`` and ``hierarchical`` (dropless) take ``chunks`` (``compute.moe.dispatch_chunks``): a device's
+   token rows split into that many independent chunks, each routed, exchanged, computed and returned on its
+   own, so that XLA's asynchronous collectives and its scheduler can move one chunk while the experts compute
+   another. Rows are independent, so the outputs and gradients are the unchunked ones.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class MoeOptions:
     overflow_backend: str | None = None  # "hybrid": the grouped-matmul backend of the overflow rows
     hybrid_overflow: float = 0.25  # "hybrid": static overflow rows, a fraction of the expected rows
     kernels: KernelsConfig = DEFAULT_KERNELS  # the Triton backend's fusions, kernels and tiles
+    chunks: int = 1  # alltoall / hierarchical, dropless: token chunks dispatched one after another (overlap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,12 +282,39 @@ def _split_replicated(topo: ExpertTopology, *arrays: jax.Array) -> tuple[jax.Arr
     return tuple(jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=0) for a in arrays)
 
 
+def chunk_sizes(rows: int, chunks: int) -> list[int]:
+    """``rows`` split into ``min(chunks, rows)`` static chunks whose sizes differ by at most one."""
+    n = max(min(chunks, rows), 1)
+    return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+
+
+def _chunked(core: Callable[..., tuple[jax.Array, jax.Array]]) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """An EP dispatcher over this device's token rows (those replicated over EP axes split first) in
+    ``opts.chunks`` chunks, each routed, exchanged, computed and returned on its own: the chunks are independent
+    programs, so XLA's asynchronous collectives and its scheduler can move one chunk while the experts compute
+    another. Dropless only (a capacity is per token group: chunks would change which assignments drop)."""
+
+    def run(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions):
+        x, idx, w = _split_replicated(topo, x, idx, w)
+        sizes = chunk_sizes(x.shape[0], opts.chunks if opts.capacity_factor is None else 1)
+        outs, dropped, start = [], jnp.zeros((), jnp.int32), 0
+        for n in sizes:
+            part = (jax.lax.slice_in_dim(a, start, start + n, axis=0) for a in (x, idx, w))
+            out, d = core(*part, w_gate_up, w_down, topo, opts)
+            outs.append(out)
+            dropped, start = dropped + d, start + n
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=0)
+        if topo.ep_replicated_axes:
+            out = jax.lax.all_gather(out, topo.ep_replicated_axes, axis=0, tiled=True)
+        return out, dropped
+
+    return run
+
+
+@_chunked
 def _alltoall(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions):
-    x, idx, w = _split_replicated(topo, x, idx, w)
     plan, cap = _plan(idx, w, w_gate_up.shape[0] * topo.ep, opts)
     out = _exchange_experts(x, w, plan, cap, w_gate_up, w_down, topo.expert_axes, topo.ep, opts)
-    if topo.ep_replicated_axes:
-        out = jax.lax.all_gather(out, topo.ep_replicated_axes, axis=0, tiled=True)
     return out, plan.dropped
 
 
@@ -381,6 +414,7 @@ def host_exchanges(impl: str, outer: Axes, hosts: int, block: int, sent: jax.Arr
     return there, back
 
 
+@_chunked
 def _hierarchical(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions):
     """Two-level expert parallelism: each token row crosses to a host once (the hosts' experts it routes to
     deduplicated), carrying its top-k routing restricted to that host's experts; the receiving device (the relay,
@@ -389,7 +423,6 @@ def _hierarchical(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeO
     (token, host), and sends that back over the outer axes, where the source sums its hosts' partials. Drops
     (capacity) are decided where the tokens live, as the flat dispatcher does, so the result equals it; the inner
     exchange is sized to drop nothing more (a relay holds <= hosts x C assignments of an expert)."""
-    x, idx, w = _split_replicated(topo, x, idx, w)
     outer, inner = host_split_axes(topo.expert_axes)
     po, pi = topo.size(outer), topo.size(inner)
     el, k, t = w_gate_up.shape[0], idx.shape[1], x.shape[0]
@@ -422,8 +455,6 @@ def _hierarchical(x, idx, w, w_gate_up, w_down, topo: ExpertTopology, opts: MoeO
     r_plan = route_plan(r_idx, r_w, eh, inner_cap, opts.drop_policy)  # drops nothing (inner_cap holds them)
     partial = _exchange_experts(r_rows, r_w, r_plan, inner_cap, w_gate_up, w_down, inner, pi, opts)
     out = sum_rows(back(partial), src, slot, po, False)  # the hosts' partial sums
-    if topo.ep_replicated_axes:
-        out = jax.lax.all_gather(out, topo.ep_replicated_axes, axis=0, tiled=True)
     return out, plan.dropped
 
 

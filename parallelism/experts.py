@@ -22,6 +22,10 @@ Options (all optional):
 - ``drop_policy``: ``"probs"`` (keep the highest routing weights) or ``"position"`` (earliest tokens).
 - ``a2a_impl``: ``"auto"`` (GPU: ragged, else dense), ``"ragged"`` (``jax.lax.ragged_all_to_all``;
   not implemented on XLA:CPU) or ``"dense"`` (fixed-size ``all_to_all``, worst-case buffers).
+- ``dispatch_chunks``: ``"alltoall"`` / ``"hierarchical"``, dropless: each device's token rows dispatched in this
+  many independent chunks (route, exchange, experts, return each), so that XLA's asynchronous collectives can move
+  one chunk while the experts compute another (1: one exchange; a capacity factor needs 1, its drops are per token
+  group).
 - ``kernels``: the ``triton`` backend's fusions, GPU kernels and tiles
   (:class:`~moevlm_jax.parallelism.kernels.KernelsConfig` or a mapping of its fields).
 """
@@ -70,6 +74,9 @@ class ExpertsConfig:
     a2a_impl: Literal["auto", "ragged", "dense"] = "auto"  # auto (GPU: ragged_all_to_all, else fixed-size all_to_all)
     hybrid_overflow: float = 0.25  # hybrid only: the overflow buffer's rows as a fraction of the assignments
     kernels: KernelsConfig = KernelsConfig()  # the triton backend's fusions, GPU kernels and tiles
+    # alltoall / hierarchical, dropless: token chunks dispatched one after another, so that one chunk's exchange
+    # can overlap another's experts (1: one exchange; the overlap is XLA's scheduler's, unmeasured on GPUs here)
+    dispatch_chunks: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.kernels, Mapping):
@@ -82,6 +89,7 @@ class ExpertsConfig:
                              f"{self.hybrid_overflow!r}")
         if self.backend in ("capacity", "hybrid") and self.capacity_factor is None:
             raise ValueError(f"compute.moe.capacity_factor: backend '{self.backend}' needs one, e.g. 1.25")
+        _check_chunks(self.dispatch_chunks, self.capacity_factor, self.dispatcher, "compute.moe.")
 
     def options(self) -> dict[str, Any]:
         """Keyword options for :func:`experts_forward` (each field as it is; ``kernels`` stays a KernelsConfig)."""
@@ -95,6 +103,17 @@ class ExpertsConfig:
         elif backend == "hybrid":
             backend = resolve_backend("auto", platform)
         return self.kernels.summary(backend, platform)
+
+
+def _check_chunks(chunks: Any, factor: Any, dispatcher: str, prefix: str = "") -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{prefix}dispatch_chunks must be an integer >= 1, got {chunks!r}")
+    if chunks > 1 and factor is not None:
+        raise ValueError(f"{prefix}dispatch_chunks {chunks} needs dropless experts ({prefix}capacity_factor null): "
+                         "a capacity is per token group, chunks would change which assignments drop")
+    if chunks > 1 and dispatcher not in ("auto", "alltoall", "hierarchical"):
+        raise ValueError(f"{prefix}dispatch_chunks {chunks} splits the all-to-all exchanges of the 'alltoall' and "
+                         f"'hierarchical' dispatchers; dispatcher {dispatcher!r} has none")
 
 
 DEFAULT_OPTIONS: dict[str, Any] = ExpertsConfig().options()
@@ -153,13 +172,14 @@ def resolve_options(topo: ExpertTopology, **options: Any) -> MoeOptions:
         raise ValueError(f"unknown a2a_impl {a2a!r}; choose one of {('auto',) + A2A_IMPLS}")
     if a2a == "ragged" and platform == "cpu" and dispatcher in ("alltoall", "hierarchical") and factor is None:
         raise ValueError("a2a_impl 'ragged' uses jax.lax.ragged_all_to_all, not implemented on XLA:CPU; use 'dense'")
+    _check_chunks(o["dispatch_chunks"], factor, dispatcher)
     kernels = o["kernels"]
     if isinstance(kernels, Mapping):
         kernels = KernelsConfig(**kernels)
     if not isinstance(kernels, KernelsConfig):
         raise TypeError(f"kernels must be a KernelsConfig or a mapping of its fields, got {kernels!r}")
     return MoeOptions(backend, dispatcher, None if factor is None else float(factor), o["drop_policy"], a2a, overflow,
-                      float(o["hybrid_overflow"]), kernels)
+                      float(o["hybrid_overflow"]), kernels, o["dispatch_chunks"])
 
 
 def _validate(x, topk_idx, topk_weights, w_gate_up, w_down, topo: ExpertTopology, opts: MoeOptions) -> jax.Array:

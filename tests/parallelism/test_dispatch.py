@@ -16,7 +16,7 @@ from moevlm_jax.parallelism.dispatch import (
     resolve_topology,
     shard_map_unchecked,
 )
-from moevlm_jax.parallelism.experts import experts_forward, experts_forward_with_stats
+from moevlm_jax.parallelism.experts import ExpertsConfig, experts_forward, experts_forward_with_stats
 from moevlm_jax.parallelism.permute import expert_capacity
 from tests.parallelism.moe_reference import assert_close, dense_reference, make_problem, probe, value_and_grads
 from tests.xla_options import FAST
@@ -324,9 +324,11 @@ def host_steps():
     c = jnp.asarray(probe(*x.shape))
     done = {}
 
-    def get(dispatcher, factor=None):
-        if (dispatcher, factor) not in done:
+    def get(dispatcher, factor=None, chunks=1):
+        if (dispatcher, factor, chunks) not in done:
             opts = dict(dispatcher=dispatcher, **(dict(HOST_CAPACITY, capacity_factor=factor) if factor else {}))
+            if chunks > 1:
+                opts["dispatch_chunks"] = chunks
 
             def loss(x, w, a, b, idx):
                 out = experts_forward(x, idx, w, a, b, **opts)
@@ -337,8 +339,8 @@ def host_steps():
                 compiled = step.lower(x, w, a, b, idx).compile(FAST)
             (_, out), grads = compiled(x, w, a, b, idx)
             found, _ = hlo.collectives(compiled.as_text(), mesh.axis_names, mesh.devices.shape, hlo.mesh_hosts(mesh, 4))
-            done[dispatcher, factor] = (out, grads, found)
-        return done[dispatcher, factor]
+            done[dispatcher, factor, chunks] = (out, grads, found)
+        return done[dispatcher, factor, chunks]
 
     return problem, get
 
@@ -401,6 +403,33 @@ def test_hierarchical_cuts_cross_host_bytes(host_steps, factor):
     print(f"{'capacity' if factor else 'dropless'}: bytes from the other host flat {_across(flat):.0f}, "
           f"hierarchical {_across(hier):.0f} (x{ratio:.2f}); the routing's dedup factor {dedup:.2f}")
     assert ratio >= dedup, (ratio, dedup, hlo.summarize(flat), hlo.summarize(hier))
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "hierarchical"])
+def test_dispatch_chunks_give_the_unchunked_results_in_that_many_exchanges(host_steps, dispatcher):
+    """``dispatch_chunks`` 3 (uneven chunks of a device's 8 token rows: 3, 3, 2): outputs and every gradient equal the
+    one-exchange dispatcher's (rows are independent), and the compiled step holds three times the exchanges over
+    the host axis, moving the same bytes in all (each chunk's blocks a third as large)."""
+    _, get = host_steps
+    one, three = get(dispatcher), get(dispatcher, chunks=3)
+    assert_close(three[0], one[0], what=f"{dispatcher} chunks forward")
+    assert_close(three[1], one[1], what=f"{dispatcher} chunks")
+
+    def exchanges(found):
+        return [c for c in found if c.kind in ("all-to-all", "ragged-all-to-all") and c.across > 0]
+
+    assert len(exchanges(three[2])) == 3 * len(exchanges(one[2])) > 0, (hlo.summarize(one[2]), hlo.summarize(three[2]))
+    moved = [sum(c.across * c.runs for c in exchanges(f[2])) for f in (one, three)]
+    assert moved[1] == pytest.approx(moved[0], rel=0.02), moved
+
+
+def test_dispatch_chunks_refused_where_they_would_change_the_result():
+    with pytest.raises(ValueError, match="dispatch_chunks 2 needs dropless experts"):
+        ExpertsConfig(dispatch_chunks=2, capacity_factor=1.25, backend="capacity")
+    with pytest.raises(ValueError, match="dispatcher 'allgather' has none"):
+        ExpertsConfig(dispatch_chunks=2, dispatcher="allgather")
+    with pytest.raises(ValueError, match="integer >= 1"):
+        ExpertsConfig(dispatch_chunks=0)
 
 
 def test_host_exchanges_ragged_moves_the_valid_rows_there_and_back():
