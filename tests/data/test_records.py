@@ -139,17 +139,27 @@ def test_images_named_twice_or_partly_inline_are_bad_records():
     assert from_llava({**_hf_messages(["a.jpg"]), "images": ["a.jpg"]})[1] == ["a.jpg"]  # the same file twice: fine
 
 
-def test_convert_counts_video_and_audio_entries(tmp_path):
-    """The ArrayRecord converter (records hold encoded images only) counts entries with video or audio."""
+def test_convert_writes_video_entries_and_counts_audio(tmp_path):
+    """The ArrayRecord converter writes every form of video entry (the file's bytes in the record, as read back by
+    ``decode_record``), counts a placeholder without its video and a video that cannot be decoded, and counts audio
+    as ``unsupported_media``."""
     from moevlm_jax.data.config import ImageConfig
+    from moevlm_jax.data.records import decode_record
 
     (tmp_path / "a.jpg").write_bytes(jpeg_bytes(64, 48, seed=1))
-    (tmp_path / "clip.mp4").write_bytes(b"\x00")
+    clip = write_mp4(tmp_path / "clip.mp4", moving_square(8), fps=4).read_bytes()
     for entry, want in _entries():
         if want == "unsupported_media" or "video" in json.dumps(entry):
             record, reason, detail = prepare_entry(entry, tmp_path, ImageConfig())
-            assert (record, reason) == (None, "unsupported_media" if want != "video_count_mismatch"
-                                        else "video_count_mismatch"), detail
+            if isinstance(want, str):
+                assert (record, reason) == (None, want), detail
+            else:
+                assert reason is None, detail
+                decoded = decode_record(record)
+                assert decoded["videos"] == [clip] and len(decoded["images"]) == want - 1
+    (tmp_path / "clip.mp4").write_bytes(b"\x00")
+    record, reason, detail = prepare_entry(_entries()[7][0], tmp_path, ImageConfig())
+    assert (record, reason) == (None, "corrupt_video") and "clip.mp4" in detail
     with pytest.raises(UnsupportedMedia):
         from_llava({"conversations": [{"from": "human", "value": "<audio> hi"}, {"from": "gpt", "value": "x"}]})
 
