@@ -1,4 +1,8 @@
-"""Qwen-VL video processing: decode (PyAV, or a folder of frame images) -> sample frames -> resize -> temporal patches.
+"""Qwen-VL video processing: decode (PyAV, or frame images) -> sample frames -> resize -> temporal patches.
+
+A video is a file (or its encoded bytes, as ``data.records`` stores it) or its frame images: a folder of them (in
+natural name order), a list of their paths, or a list of their encoded bytes (a record's video stored as frames);
+the frames are sampled and decoded alike whichever form holds them.
 
 Equal to HF's ``Qwen3VLVideoProcessor`` (Qwen3-VL and Qwen3.5 share it) except for the resize kernel:
 
