@@ -1,11 +1,24 @@
 """The sample record: conversation + image payloads + metadata, and its ArrayRecord encoding.
 
-A record (in memory) is ``{"messages": [...], "images": [bytes | {"path": str}], "videos": [bytes | {"path": ...}],
-"meta": {...}}``: HF-style messages whose ``{"type": "image"}`` / ``{"type": "video"}`` items refer to ``images`` /
-``videos`` in order. On disk each ArrayRecord entry is ``b"MVLR" | u8 version | u32 header length | JSON header |
-image bytes... | video bytes...``; the header holds messages, meta and each image's (``video_sizes``: each video's)
-byte length. Images and videos are stored as their original encoded files (JPEG/PNG/..., mp4/...), never
-re-encoded; a record without videos has no ``video_sizes`` and decodes without a ``videos`` key.
+A record (in memory) is ``{"messages": [...], "images": [bytes | {"path": str}], "videos": [bytes | [bytes, ...] |
+{"path": ...}], "meta": {...}}``: HF-style messages whose ``{"type": "image"}`` / ``{"type": "video"}`` items refer to
+``images`` / ``videos`` in order. A video is an encoded file (bytes), the encoded frame images of one video in
+order (a list of bytes), or a path (a file, a folder of frame images or a list of frame image paths).
+
+On disk each ArrayRecord entry is ``b"MVLR" | u8 version | u32 header length | JSON header | image bytes... |
+video bytes...``. The JSON header holds ``messages``, ``meta``, ``image_sizes`` (each image's byte length) and, in a
+record with videos, ``video_sizes``: one entry a video, the byte length of an encoded file (an int) or the byte
+lengths of its frame images in order (a list of ints), their bytes following each other in that order. Images,
+video files and frames are stored as their original encoded files (JPEG/PNG/..., mp4/webm/...), never re-encoded.
+Versions:
+
+- 1: ``video_sizes`` entries are ints (video files) only; a record without videos has no ``video_sizes`` and
+  decodes without a ``videos`` key. :func:`encode_record` still writes version 1 for every record that holds no
+  video stored as frames, so that such records stay byte-identical and readable by older code.
+- 2: a ``video_sizes`` entry may be a list (a video stored as its frame images, e.g. a folder of frames: the
+  frames of the folder in natural name order, all of them, sampled at decode time as the folder would be).
+
+:func:`decode_record` reads both versions.
 
 ``from_llava`` accepts LLaVA ``conversations`` (``from``: human/gpt, ``<image>`` / ``<video>`` placeholders,
 ``image`` / ``video``: str or list), ShareGPT/LLaMA-Factory ``messages`` + ``images`` / ``videos``, and the ``messages``
@@ -14,8 +27,8 @@ form of HF processors' chat templates and TRL, whose content items name their im
 ``image_url`` / ``video_url`` too). A video is a file, a folder of frame images or a list of frame image paths
 (``data.video``). Audio (an ``<audio>`` placeholder, an ``audio`` item or an ``audio`` / ``audios`` key) raises
 :class:`UnsupportedMedia`, so that such a sample is counted as skipped rather than trained on its text alone.
-:func:`encode_record` takes encoded video files (the built-in clips of ``data.vqa``); ``data.convert`` does not embed a
-LLaVA entry's video files yet and counts such entries as ``unsupported_media``.
+``data.convert`` embeds a LLaVA entry's images and videos (files as they are, frame folders / lists as their
+frames); :func:`encode_record` also writes the built-in clips of ``data.vqa``.
 """
 
 from __future__ import annotations
@@ -27,7 +40,8 @@ from collections.abc import Mapping
 from typing import Any
 
 MAGIC = b"MVLR"
-VERSION = 1
+VERSION = 2  # the newest version written (see the module docstring); 1 is written where it suffices
+VERSIONS = (1, 2)  # versions decode_record reads
 _HEAD = struct.Struct("<4sBI")
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -48,46 +62,78 @@ class RecordError(ValueError):
 
 
 class UnsupportedMedia(RecordError):
-    """A record holding media the pipeline cannot use (audio; video in ArrayRecord shards): counted as
-    ``unsupported_media``."""
+    """A record holding media the pipeline cannot use (audio): counted as ``unsupported_media``."""
+
+
+VideoBytes = bytes | list[bytes]  # an encoded video file, or the encoded frame images of one video in order
 
 
 def encode_record(messages: list[dict[str, Any]], images: list[bytes], meta: Mapping[str, Any] | None = None,
-                  videos: list[bytes] = ()) -> bytes:
-    """Serialise a record (messages, encoded image bytes, meta, encoded video files) to one ArrayRecord entry."""
+                  videos: list[VideoBytes] = ()) -> bytes:
+    """Serialise a record (messages, encoded image bytes, meta, videos: encoded files or lists of encoded frame
+    images) to one ArrayRecord entry; version 1 unless a video is stored as frames."""
     header: dict[str, Any] = {"messages": messages, "image_sizes": [len(b) for b in images], "meta": dict(meta or {})}
+    payload = list(images)
+    version = 1
     if videos:
-        header["video_sizes"] = [len(b) for b in videos]
+        sizes: list[int | list[int]] = []
+        for video in videos:
+            if isinstance(video, (bytes, bytearray, memoryview)):
+                sizes.append(len(video))
+                payload.append(bytes(video))
+            else:  # a list of frames
+                frames = [bytes(f) for f in video]
+                if not frames:
+                    raise RecordError("a video stored as frames has no frames")
+                sizes.append([len(f) for f in frames])
+                payload += frames
+                version = 2
+        header["video_sizes"] = sizes
     head = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
-    return b"".join([_HEAD.pack(MAGIC, VERSION, len(head)), head, *images, *videos])
+    return b"".join([_HEAD.pack(MAGIC, version, len(head)), head, *payload])
+
+
+def _video_sizes(header: Mapping[str, Any], version: int) -> list[int | list[int]]:
+    sizes: list[int | list[int]] = []
+    for s in header.get("video_sizes", []):
+        if isinstance(s, list):
+            if version < 2 or not s:
+                raise TypeError(f"video_sizes entry {s!r} in a version {version} record")
+            sizes.append([int(f) for f in s])
+        else:
+            sizes.append(int(s))
+    return sizes
 
 
 def decode_record(data: bytes) -> dict[str, Any]:
-    """Parse an ArrayRecord entry back into ``{"messages", "images": [bytes], "meta"}`` (and ``"videos": [bytes]``
-    when it holds videos)."""
+    """Parse an ArrayRecord entry back into ``{"messages", "images": [bytes], "meta"}`` (and ``"videos"``: each an
+    encoded file (bytes) or its frame images (a list of bytes), when it holds videos)."""
     if len(data) < _HEAD.size:
         raise RecordError(f"record of {len(data)} bytes is shorter than its header")
     magic, version, head_len = _HEAD.unpack_from(data)
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version not in VERSIONS:
         raise RecordError(f"not a moevlm record (magic {magic!r}, version {version})")
     start = _HEAD.size
     try:
         header = json.loads(data[start:start + head_len])
         sizes = [int(s) for s in header["image_sizes"]]
-        video_sizes = [int(s) for s in header.get("video_sizes", [])]
+        video_sizes = _video_sizes(header, version)
         messages = header["messages"]
     except (ValueError, KeyError, TypeError) as e:
         raise RecordError(f"bad record header: {e}") from None
     offset = start + head_len
-    if offset + sum(sizes) + sum(video_sizes) != len(data):
-        raise RecordError(f"record payload is {len(data) - offset} bytes, header says {sum(sizes) + sum(video_sizes)}")
-    payload = []
-    for s in sizes + video_sizes:
-        payload.append(bytes(data[offset:offset + s]))
+    flat = sizes + [f for s in video_sizes for f in (s if isinstance(s, list) else [s])]
+    if any(s < 0 for s in flat) or offset + sum(flat) != len(data):
+        raise RecordError(f"record payload is {len(data) - offset} bytes, header says {sum(flat)}")
+
+    def take(s: int) -> bytes:
+        nonlocal offset
         offset += s
-    record = {"messages": messages, "images": payload[:len(sizes)], "meta": header.get("meta", {})}
+        return bytes(data[offset - s:offset])
+
+    record = {"messages": messages, "images": [take(s) for s in sizes], "meta": header.get("meta", {})}
     if video_sizes:
-        record["videos"] = payload[len(sizes):]
+        record["videos"] = [[take(f) for f in s] if isinstance(s, list) else take(s) for s in video_sizes]
     return record
 
 

@@ -1,4 +1,8 @@
-"""Qwen-VL video processing: decode (PyAV, or a folder of frame images) -> sample frames -> resize -> temporal patches.
+"""Qwen-VL video processing: decode (PyAV, or frame images) -> sample frames -> resize -> temporal patches.
+
+A video is a file (or its encoded bytes, as ``data.records`` stores it) or its frame images: a folder of them (in
+natural name order), a list of their paths, or a list of their encoded bytes (a record's video stored as frames);
+the frames are sampled and decoded alike whichever form holds them.
 
 Equal to HF's ``Qwen3VLVideoProcessor`` (Qwen3-VL and Qwen3.5 share it) except for the resize kernel:
 
@@ -121,7 +125,9 @@ def frame_files(folder: Path) -> list[Path]:
     return sorted(files, key=lambda p: _natural_key(p.name))
 
 
-def _read_frames(files: Sequence[Path], cfg: VideoConfig, image_cfg: ImageConfig) -> Clip:
+def _read_frames(files: Sequence[Path | bytes], cfg: VideoConfig, image_cfg: ImageConfig) -> Clip:
+    """The sampled frames of a video given as its frame images in order: paths, or their encoded bytes (a record's
+    video stored as frames); either way the same frames are sampled and decoded alike."""
     if not files:
         raise VideoSkip("corrupt_video", "no frame images (" + ", ".join(FRAME_SUFFIXES) + ")")
     if len(files) > cfg.max_decode_frames:
@@ -129,20 +135,23 @@ def _read_frames(files: Sequence[Path], cfg: VideoConfig, image_cfg: ImageConfig
     indices = sample_frame_indices(len(files), None, cfg)
     frames = []
     for i in indices:
+        frame = files[i]
+        name = f"{i + 1} of {len(files)} ({len(frame)} bytes)" if isinstance(frame, bytes) else str(frame)
         try:
-            data = Path(files[i]).read_bytes()
+            data = frame if isinstance(frame, bytes) else Path(frame).read_bytes()
         except OSError as e:
-            raise VideoSkip("corrupt_video", f"cannot read frame {files[i]}: {e}") from None
+            raise VideoSkip("corrupt_video", f"cannot read frame {name}: {e}") from None
         try:
             frames.append(np.asarray(decode_image(data, image_cfg), np.uint8))
         except ImageSkip as e:
-            raise VideoSkip("corrupt_video", f"frame {files[i]}: {e}") from None
+            raise VideoSkip("corrupt_video", f"frame {name}: {e}") from None
     if len({f.shape for f in frames}) > 1:
         raise VideoSkip("corrupt_video", f"frames differ in size: {sorted({f.shape[:2] for f in frames})}")
     return Clip(np.stack(frames), indices, cfg.default_fps, len(files), frames_at_fps(len(files), None, cfg))
 
 
 def _decode_file(path: Path | bytes, cfg: VideoConfig) -> Clip:
+    """A video file, or its encoded bytes, decoded with PyAV: the sampled frames."""
     import av  # PyAV; imported here so that image-only pipelines never load FFmpeg
 
     source = io.BytesIO(path) if isinstance(path, bytes) else str(path)
@@ -186,16 +195,18 @@ def _decode_file(path: Path | bytes, cfg: VideoConfig) -> Clip:
                 frames_at_fps(total, fps, cfg))
 
 
-def decode_video(ref: str | Path | bytes | Sequence[str | Path], cfg: VideoConfig, image_cfg: ImageConfig) -> Clip:
+def decode_video(ref: str | Path | bytes | Sequence[str | Path | bytes], cfg: VideoConfig, image_cfg: ImageConfig
+                 ) -> Clip:
     """A video file (any container FFmpeg reads: mp4, webm, mkv, avi, ...), its encoded bytes (a record's payload),
-    a folder of frame images or a list of frame image paths -> the sampled frames (uint8 RGB). Raises
-    :class:`VideoSkip` with the reason."""
+    a folder of frame images, a list of frame image paths or a list of encoded frame images (a record's video stored
+    as frames) -> the sampled frames (uint8 RGB). Raises :class:`VideoSkip` with the reason."""
     if isinstance(ref, (bytes, bytearray, memoryview)):
         if not len(ref):
             raise VideoSkip("corrupt_video", "video of zero bytes")
         return _decode_file(bytes(ref), cfg)
     if not isinstance(ref, (str, Path)):
-        return _read_frames([Path(p) for p in ref], cfg, image_cfg)
+        return _read_frames([bytes(p) if isinstance(p, (bytes, bytearray, memoryview)) else Path(p) for p in ref],
+                            cfg, image_cfg)
     path = Path(ref)
     if path.is_dir():
         return _read_frames(frame_files(path), cfg, image_cfg)
@@ -206,14 +217,20 @@ def decode_video(ref: str | Path | bytes | Sequence[str | Path], cfg: VideoConfi
     return _decode_file(path, cfg)
 
 
+def frame_size(num_frames: int, height: int, width: int, cfg: VideoConfig, image_cfg: ImageConfig) -> tuple[int, int]:
+    """(height, width) every frame of a clip of ``num_frames`` sampled frames is resized to (HF's video
+    ``smart_resize``); an aspect ratio above 200 raises :class:`VideoSkip` (``extreme_aspect``)."""
+    try:
+        return smart_resize(max(num_frames, image_cfg.temporal_patch_size), height, width,
+                            image_cfg.temporal_patch_size, image_cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    except ValueError as e:
+        raise VideoSkip("extreme_aspect", str(e)) from None
+
+
 def resize_frames(frames: np.ndarray, cfg: VideoConfig, image_cfg: ImageConfig) -> np.ndarray:
     """uint8 [n, H, W, 3] -> uint8 [n, h, w, 3] at HF's video ``smart_resize`` size (PIL bicubic)."""
     n, height, width, _ = frames.shape
-    try:
-        h, w = smart_resize(max(n, image_cfg.temporal_patch_size), height, width, image_cfg.temporal_patch_size,
-                            image_cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    except ValueError as e:
-        raise VideoSkip("extreme_aspect", str(e)) from None
+    h, w = frame_size(n, height, width, cfg, image_cfg)
     if (h, w) == (height, width):
         return frames
     return np.stack([np.asarray(Image.fromarray(f).resize((w, h), resample=Image.Resampling.BICUBIC), np.uint8)

@@ -241,10 +241,10 @@ ImageRef = str | Path | bytes | Image.Image
 @dataclasses.dataclass(frozen=True)
 class Video:
     """A video of a prompt, beside its images in the same media list: a file FFmpeg reads, its encoded bytes, a
-    folder of frame images or a list of frame image paths; decoded and sampled as the data pipeline does
-    (``data.video``)."""
+    folder of frame images, a list of frame image paths or of encoded frame images (a record's video stored as
+    frames); decoded and sampled as the data pipeline does (``data.video``)."""
 
-    source: str | Path | bytes | tuple[str, ...]
+    source: str | Path | bytes | tuple[str, ...] | tuple[bytes, ...]
 
 
 MediaRef = ImageRef | Video
@@ -368,10 +368,10 @@ def generate(model: Any, tokenizer: Tokenizer, prompts: Sequence[str | Sequence[
 
 
 def record_questions(record: Mapping[str, Any]) -> list[tuple[list[MediaRef], list[dict[str, Any]], str]]:
-    """A data record (``data.records``: ``{"messages", "images": [bytes | {"path"}], "videos": [bytes | {"path"}]}``,
-    e.g. a held-out sample) -> one ``(media, messages, answer)`` per assistant turn: the conversation up to that
-    turn's user message (earlier answers as recorded), the images and videos (:class:`Video`) it refers to in
-    prompt order, the turn's text."""
+    """A data record (``data.records``: ``{"messages", "images": [bytes | {"path"}], "videos": [bytes | [bytes] |
+    {"path"}]}``, e.g. a held-out sample) -> one ``(media, messages, answer)`` per assistant turn: the conversation up
+    to that turn's user message (earlier answers as recorded), the images and videos (:class:`Video`) it refers to
+    in prompt order, the turn's text."""
     def ref(r: Any) -> Any:
         r = r["path"] if isinstance(r, Mapping) else r
         return tuple(r) if isinstance(r, list) else r

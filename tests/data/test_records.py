@@ -139,17 +139,27 @@ def test_images_named_twice_or_partly_inline_are_bad_records():
     assert from_llava({**_hf_messages(["a.jpg"]), "images": ["a.jpg"]})[1] == ["a.jpg"]  # the same file twice: fine
 
 
-def test_convert_counts_video_and_audio_entries(tmp_path):
-    """The ArrayRecord converter (records hold encoded images only) counts entries with video or audio."""
+def test_convert_writes_video_entries_and_counts_audio(tmp_path):
+    """The ArrayRecord converter writes every form of video entry (the file's bytes in the record, as read back by
+    ``decode_record``), counts a placeholder without its video and a video that cannot be decoded, and counts audio
+    as ``unsupported_media``."""
     from moevlm_jax.data.config import ImageConfig
+    from moevlm_jax.data.records import decode_record
 
     (tmp_path / "a.jpg").write_bytes(jpeg_bytes(64, 48, seed=1))
-    (tmp_path / "clip.mp4").write_bytes(b"\x00")
+    clip = write_mp4(tmp_path / "clip.mp4", moving_square(8), fps=4).read_bytes()
     for entry, want in _entries():
         if want == "unsupported_media" or "video" in json.dumps(entry):
             record, reason, detail = prepare_entry(entry, tmp_path, ImageConfig())
-            assert (record, reason) == (None, "unsupported_media" if want != "video_count_mismatch"
-                                        else "video_count_mismatch"), detail
+            if isinstance(want, str):
+                assert (record, reason) == (None, want), detail
+            else:
+                assert reason is None, detail
+                decoded = decode_record(record)
+                assert decoded["videos"] == [clip] and len(decoded["images"]) == want - 1
+    (tmp_path / "clip.mp4").write_bytes(b"\x00")
+    record, reason, detail = prepare_entry(_entries()[7][0], tmp_path, ImageConfig())
+    assert (record, reason) == (None, "corrupt_video") and "clip.mp4" in detail
     with pytest.raises(UnsupportedMedia):
         from_llava({"conversations": [{"from": "human", "value": "<audio> hi"}, {"from": "gpt", "value": "x"}]})
 
@@ -169,3 +179,41 @@ def test_read_record_roots_llava_media(tmp_path):
     assert read_record(encode_record(record["messages"], [b"x"]))["images"] == [b"x"]
     with pytest.raises(RecordError):
         read_record({"llava": None})
+
+
+def test_record_versions_and_videos_as_frames(tmp_path):
+    """Version 1 (video files only) is still written and read as before; a video stored as frames makes a version 2
+    record whose frames come back in order and decode as the frame files do; malformed headers are RecordErrors."""
+    import struct
+
+    from moevlm_jax.data.config import ImageConfig, VideoConfig
+    from moevlm_jax.data.records import decode_record, encode_record
+    from moevlm_jax.data.video import decode_video
+    from tests.data.video_files import write_frame_folder
+
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "image"}, {"type": "video"}]}]
+    old = json.dumps({"messages": messages, "image_sizes": [3], "meta": {}, "video_sizes": [2, 4]},
+                     separators=(",", ":")).encode()
+    v1 = struct.pack("<4sBI", b"MVLR", 1, len(old)) + old + b"img" + b"v1" + b"v2v2"  # as the version 1 writer did
+    assert encode_record(messages, [b"img"], {}, videos=[b"v1", b"v2v2"]) == v1
+    assert decode_record(v1) == {"messages": messages, "images": [b"img"], "meta": {}, "videos": [b"v1", b"v2v2"]}
+    assert "videos" not in decode_record(encode_record(messages, [b"img"]))
+
+    v2 = encode_record(messages, [b"img"], {"id": 7}, videos=[[b"f1", b"frame2", b"f"], b"file"])
+    assert v2[4] == 2
+    assert decode_record(v2) == {"messages": messages, "images": [b"img"], "meta": {"id": 7},
+                                 "videos": [[b"f1", b"frame2", b"f"], b"file"]}
+    with pytest.raises(RecordError, match="no frames"):
+        encode_record(messages, [], videos=[[]])
+    for bad in (v2[:-1], v2[:4] + b"\x03" + v2[5:], v1[:4] + b"\x01" + v2[5:]):  # short, unknown version, lists in v1
+        with pytest.raises(RecordError):
+            decode_record(bad)
+
+    folder = write_frame_folder(tmp_path / "frames", moving_square(15))
+    frames = [(folder / f"frame_{i}.png").read_bytes() for i in range(1, 16)]
+    cfg, image_cfg = VideoConfig(min_pixels=4096, max_pixels=32768), ImageConfig()
+    want = decode_video(folder, cfg, image_cfg)
+    got = decode_video(decode_record(encode_record(messages[:1], [], videos=[frames]))["videos"][0], cfg, image_cfg)
+    np.testing.assert_array_equal(got.frames, want.frames)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    assert (got.fps, got.total) == (want.fps, want.total) == (24.0, 15)

@@ -22,13 +22,14 @@ def moving_square(n: int, height: int = 48, width: int = 64, seed: int = 0) -> n
     return frames
 
 
-def write_mp4(path: Path, frames: np.ndarray, fps: int = 10) -> Path:
-    """Encode frames as an MPEG-4 mp4 with PyAV (high quality, so decoded frames stay close to the drawn ones)."""
+def write_mp4(path: Path, frames: np.ndarray, fps: int = 10, codec: str = "mpeg4") -> Path:
+    """Encode frames with PyAV, MPEG-4 Part 2 by default (high quality, so decoded frames stay close to the drawn
+    ones); the container follows the file name (``.mp4``, ``.mkv``, ``.avi``; ``.webm`` with ``codec="libvpx"``)."""
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
+        stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
-        stream.options = {"qscale": "2"}
+        stream.options = {"qscale": "2"} if codec == "mpeg4" else {"crf": "10", "b": "1M"}
         for f in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
                 container.mux(packet)
