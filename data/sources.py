@@ -25,7 +25,7 @@ import numpy as np
 from moevlm_jax.data.config import DataConfig, DataError, source_params
 from moevlm_jax.data.mock import MockSource, mock_label
 from moevlm_jax.data.photos import PhotoSource
-from moevlm_jax.data.vqa import ensure_vqa
+from moevlm_jax.data.vqa import ensure_vqa, generate_in_background
 
 log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -251,6 +251,15 @@ def dataset_source(path: str | Path) -> dict[str, Any] | None:
     raise DataError(f"--data {p}: cannot tell what dataset this folder is: expected ArrayRecord shards "
                     "(*.array_record, from python -m moevlm_jax.data.convert) or images "
                     f"({', '.join(IMAGE_SUFFIXES)}) with captions; for a LLaVA file give the .json / .jsonl itself")
+
+
+def prepare_in_background(cfg: DataConfig) -> Any:
+    """Start making what the source needs on disk before it can be read, in a thread, where that is work (the
+    built-in VQA set not yet in the cache): a future, or None where nothing is to be made. The sources built
+    later wait for it (``data.vqa.ensure_vqa``)."""
+    if cfg.kind != "vqa":
+        return None
+    return generate_in_background(source_params(cfg.source), cfg.resolved_cache_dir())
 
 
 def build_source(cfg: DataConfig, split: str = "train") -> tuple[Any, str]:

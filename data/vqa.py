@@ -30,6 +30,7 @@ processes for large sets, and is cached under ``<cache_dir>/vqa/<hash of the par
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import importlib.util
 import io
@@ -41,6 +42,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from fractions import Fraction
@@ -385,62 +387,95 @@ def dataset_dir(params: Mapping[str, Any], cache_dir: Path) -> Path:
 POOL_WORTH_S = 30.0
 
 
+# sets being generated in this process (by :func:`generate_in_background`), by their cache directory: a caller of
+# ensure_vqa for the same set waits for that generation instead of making a second copy
+_GENERATING: dict[Path, concurrent.futures.Future] = {}
+_GENERATING_LOCK = threading.Lock()
+
+
+def generate_in_background(source: Mapping[str, Any], cache_dir: Path) -> concurrent.futures.Future | None:
+    """Start generating the set into the cache in a thread (None where it is there already): the train command
+    calls it before its fit check and compiles, so that a new machine makes the built-in data while XLA compiles.
+    :func:`ensure_vqa` of the same set then waits for it."""
+    root = dataset_dir(vqa_params(source), cache_dir)
+    if (root / "manifest.json").exists():
+        return None
+    with _GENERATING_LOCK:
+        if root not in _GENERATING:
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vqa-generate")
+            _GENERATING[root] = pool.submit(_generate, vqa_params(source), root)
+            pool.shutdown(wait=False)
+        return _GENERATING[root]
+
+
 def ensure_vqa(source: Mapping[str, Any], cache_dir: Path, split: str, processes: int | None = None) -> list[str]:
     """ArrayRecord shard paths of a split, generating the set into the cache first if needed (``processes``: the
     worker processes that make it; None: as many as cores where the set would take over ``POOL_WORTH_S`` here)."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
     params = vqa_params(source)
     if split not in SPLITS:
         raise ValueError(f"vqa split must be one of {list(SPLITS)}, got {split!r}")
     root = dataset_dir(params, cache_dir)
     manifest = root / "manifest.json"
+    with _GENERATING_LOCK:
+        pending = _GENERATING.get(root)
+    if pending is not None:
+        pending.result()  # a generation started in the background: its set (or its error)
     if not manifest.exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=root.name + ".tmp", dir=root.parent))
-        start = time.time()
-        total = params["num_train"] + params["num_heldout"]
-        pool = None
-        try:
-            shards: dict[str, list[str]] = {}
-            for name, count in (("train", params["num_train"]), ("heldout", params["num_heldout"])):
-                size = int(params["shard_size"])
-                shards[name] = []
-                for s0 in range(0, count, size):
-                    path = tmp / f"{name}-{s0 // size:05d}.array_record"
-                    writer = ArrayRecordWriter(str(path), "group_size:1")
-                    step = 32
-                    jobs = [(params, name, i, min(i + step, s0 + size, count))
-                            for i in range(s0, min(s0 + size, count), step)]
-                    if pool is None and jobs:  # time one chunk: processes where the rest outlasts starting them
-                        t0 = time.time()
-                        for rec in _chunk(jobs[0]):
-                            writer.write(rec)
-                        jobs = jobs[1:]
-                        left = (time.time() - t0) / step * total
-                        procs = processes or (min(os.cpu_count() or 1, 16) if left > POOL_WORTH_S else 1)
-                        if procs > 1:
-                            pool = mp.get_context("spawn").Pool(procs)
-                    for records in (pool.imap(_chunk, jobs) if pool else map(_chunk, jobs)):
-                        for rec in records:
-                            writer.write(rec)
-                    writer.close()
-                    shards[name].append(path.name)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        finally:
-            if pool:
-                pool.close()
-                pool.join()
-        info = {"params": params, "version": GENERATOR_VERSION, "shards": shards, "chance": chance(params),
-                "answers": {k: list(v) for k, v in answer_sets(params).items()}, "seconds": round(time.time() - start,
-                                                                                                  2)}
-        (tmp / "manifest.json").write_text(json.dumps(info, indent=1))
-        try:
-            os.replace(tmp, root)  # atomic: a concurrent builder either wins or finds it done
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        log.info("generated VQA set %s (%d samples) in %.1fs", root, total, time.time() - start)
+        _generate(params, root, processes)
     info = json.loads(manifest.read_text())
     return [str(root / name) for name in info["shards"][split]]
+
+
+def _generate(params: Mapping[str, Any], root: Path, processes: int | None = None) -> None:
+    """Write the set's shards and manifest under ``root`` (atomically: a concurrent builder either wins or finds
+    it done)."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    if (root / "manifest.json").exists():
+        return
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=root.name + ".tmp", dir=root.parent))
+    start = time.time()
+    total = params["num_train"] + params["num_heldout"]
+    pool = None
+    try:
+        shards: dict[str, list[str]] = {}
+        for name, count in (("train", params["num_train"]), ("heldout", params["num_heldout"])):
+            size = int(params["shard_size"])
+            shards[name] = []
+            for s0 in range(0, count, size):
+                path = tmp / f"{name}-{s0 // size:05d}.array_record"
+                writer = ArrayRecordWriter(str(path), "group_size:1")
+                step = 32
+                jobs = [(params, name, i, min(i + step, s0 + size, count))
+                        for i in range(s0, min(s0 + size, count), step)]
+                if pool is None and jobs:  # time one chunk: processes where the rest outlasts starting them
+                    t0 = time.time()
+                    for rec in _chunk(jobs[0]):
+                        writer.write(rec)
+                    jobs = jobs[1:]
+                    left = (time.time() - t0) / step * total
+                    procs = processes or (min(os.cpu_count() or 1, 16) if left > POOL_WORTH_S else 1)
+                    if procs > 1:
+                        pool = mp.get_context("spawn").Pool(procs)
+                for records in (pool.imap(_chunk, jobs) if pool else map(_chunk, jobs)):
+                    for rec in records:
+                        writer.write(rec)
+                writer.close()
+                shards[name].append(path.name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if pool:
+            pool.close()
+            pool.join()
+    info = {"params": params, "version": GENERATOR_VERSION, "shards": shards, "chance": chance(params),
+            "answers": {k: list(v) for k, v in answer_sets(params).items()}, "seconds": round(time.time() - start,
+                                                                                              2)}
+    (tmp / "manifest.json").write_text(json.dumps(info, indent=1))
+    try:
+        os.replace(tmp, root)  # atomic: a concurrent builder either wins or finds it done
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("generated VQA set %s (%d samples) in %.1fs", root, total, time.time() - start)

@@ -149,10 +149,13 @@ def main(argv: list[str] | None = None, *, stop_after: int | None = None) -> int
     # SIGTERM / SIGINT from here on: a stop request (training.faults), honoured before the first step too
     with StopSignals() as stop:
         try:
+            from moevlm_jax.data.sources import prepare_in_background
             from moevlm_jax.plan.autofit import auto_fit
             from moevlm_jax.training.loop import apply_compilation_cache, run
 
             cfg = from_args(args)
+            # a new machine makes the built-in data set while the fit check and the step compile
+            prepare_in_background(cfg.data)
             try:
                 if args.auto_fit:  # the persistent cache first: a rerun loads the fit check's compiles too
                     apply_compilation_cache(cfg.train.compilation_cache_dir)

@@ -106,6 +106,40 @@ def test_generation_is_deterministic_fast_and_cached(tmp_path):
     assert ArrayRecordSource(paths)[5] == make_record(params, "train", 5)
 
 
+def test_a_set_generated_in_the_background_is_made_once_and_waited_for(tmp_path, monkeypatch):
+    """The train command starts the built-in set in a thread (data.sources.prepare_in_background) before its fit
+    check: the loader's ensure_vqa of the same set waits for that generation, makes no second copy, and reads the
+    records the foreground generation writes."""
+    import threading
+
+    from moevlm_jax.data import vqa
+    from moevlm_jax.data.config import DataConfig, VqaConfig
+    from moevlm_jax.data.sources import ArrayRecordSource, prepare_in_background
+
+    source = {"num_train": 40, "num_heldout": 4}
+    started, release, calls = threading.Event(), threading.Event(), []
+    real = vqa._generate
+
+    def generate(*a, **k):
+        calls.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(vqa, "_generate", generate)
+    cfg = DataConfig(source=VqaConfig(**source), cache_dir=str(tmp_path / "bg"))
+    future = prepare_in_background(cfg)
+    assert future is not None and started.wait(30)
+    threading.Timer(0.5, release.set).start()  # ensure_vqa below comes while the generation is in flight
+    paths = ensure_vqa(source, tmp_path / "bg", "train")
+    assert future.done() and len(calls) == 1 and calls[0].startswith("vqa-generate"), calls
+    assert prepare_in_background(cfg) is None  # there now: nothing to start
+    monkeypatch.setattr(vqa, "_generate", real)
+    direct = ArrayRecordSource(ensure_vqa(source, tmp_path / "fg", "train", processes=1))
+    background = ArrayRecordSource(paths)
+    assert [background[i] for i in range(40)] == [direct[i] for i in range(40)]
+
+
 def test_worker_processes_write_the_records_this_process_writes(tmp_path):
     """``processes=2`` (the path large sets take: the first chunk here, the rest in spawned workers) writes
     exactly the shards one process writes."""
