@@ -118,6 +118,7 @@ class Plan:
 
 
 MAX_CHECKS = 2  # compiled checks of alternatives a fit makes: the chosen setting and at most one fallback
+CALIBRATED_SLACK = 1.05  # after a check: skip a candidate over the limit by more than this, scaled by XLA / estimate
 
 
 def device_memory_bytes(devices: Sequence[Any]) -> float | None:
@@ -219,6 +220,9 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     pool = [e for e in ranked if e.fits or (banded and in_doubt(e))]
     pool.sort(key=lambda e: (-e.tokens_per_s, e.candidate.accum_dtype != "float32", e.memory.total))
     checks = 0
+    # XLA's total / the estimate, from the last compiled check of this run: a candidate whose estimate scaled by it
+    # is still over the limit (CALIBRATED_SLACK) is not worth a check
+    ratio = compiled_total / current.memory.total if compiled_total else None
     used = compiled_total if compiled_total is not None else current.memory.total
     why = (f"does not fit: {used / GIB:.1f} GiB {'compiled' if compiled_total is not None else 'estimated'} "
            f"> {w.limit_bytes / GIB:.1f} GiB usable; largest parts (estimate): "
@@ -226,7 +230,8 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
                                                                key=lambda kv: -kv[1])[:3]))
     for e in pool if banded else pool[: max(top, 1) * 4]:
         if in_doubt(e):
-            if banded and checks == MAX_CHECKS:
+            hopeless = ratio is not None and e.memory.total * ratio > w.limit_bytes * CALIBRATED_SLACK
+            if banded and (checks == MAX_CHECKS or hopeless):
                 continue
             checks += 1
             try:
@@ -235,6 +240,7 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
             except Exception as err:  # noqa: BLE001
                 e.compiled = {"error": f"{type(err).__name__}: {err}"[:300]}
                 continue
+            ratio = e.compiled["total_bytes"] / e.memory.total
             if not e.fits:
                 continue
         change = e.candidate.overrides(cfg, len(devices))
@@ -250,9 +256,13 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
 
 def _alternatives(base: Candidate, w: Workload, allow: set[str]) -> list[Candidate]:
 
+    def same(layout: Any) -> tuple:  # what a layout does, whatever its name
+        mesh = {a: n for a, n in layout.resolved_mesh_shape(w.devices).items() if n > 1}
+        return repr(layout.rules), sorted(mesh.items()), repr(layout.options)
+
     layouts = [(base.preset, base.layout)]
-    if "layout" in allow:
-        layouts += [lp for lp in fitted_layouts(w.model, w.devices, w.hosts) if lp[1].name != base.layout.name]
+    if "layout" in allow:  # the other presets fitted to these devices, less those that are the run's layout again
+        layouts += [lp for lp in fitted_layouts(w.model, w.devices, w.hosts) if same(lp[1]) != same(base.layout)]
     recompute = RECOMPUTE if "recompute" in allow else ((base.recompute, base.recompute_modules),)
     dtypes = DTYPES if "dtypes" in allow else ((base.param_dtype, base.state_dtype),)
     freeze = (base.freeze_vision, True) if "freeze" in allow else (base.freeze_vision,)
