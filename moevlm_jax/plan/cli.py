@@ -9,8 +9,10 @@ float32 / bfloat16 parameters and AdamW state, frozen vision, dropless / capacit
 per-device memory by part, the per-step communication by mesh axis and across hosts, and the
 estimated step time and useful tokens/s (``moevlm_jax.plan.search``; what is measured and what is
 assumed: ``moevlm_jax/plan/time.py``, ``moevlm_jax/plan/memory.py``). ``--compile`` adds XLA's compiled
-memory analysis of the leading candidates' real train step (compiles, never runs it; on CPU with
-``--host-devices N`` for up to 8 devices; the CPU backend's figure, marked ``*``, is for XLA:CPU's
+memory analysis of the leading candidates' real train step (compiles, never runs it) for ``--devices N``
+over ``--hosts``: on CPU as N host devices (``--host-devices``), on a GPU machine with fewer GPUs under JAX's
+mock GPU topology (``moevlm_jax.plan.compiled``: the whole job's program compiled on one GPU); the CPU
+backend's figure, marked ``*``, is for XLA:CPU's
 step: its attention path and buffers differ from the GPU's, so its analytic counterpart for the same
 backend is printed next to it). Writes ``plan.txt``, ``results.json``, ``results.csv`` and
 ``plan.png`` (estimated tokens/s against per-device memory, the memory limit as a line) to ``--out``.
@@ -35,9 +37,9 @@ from moevlm_jax.perf.memory import default_patches
 from moevlm_jax.plan import fit as planfit
 from moevlm_jax.plan import report as plan_report
 from moevlm_jax.plan import search as planner
+from moevlm_jax.plan.compiled import prepare_backend
 from moevlm_jax.plan.time import H200, HARDWARE, hardware_of, sources
 from moevlm_jax.schema import overrides_tree
-from moevlm_jax.tools.memory import set_host_devices
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -83,11 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point (``python -m moevlm_jax.plan``, ``moevlm-plan``)."""
     args = parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # what the train command lets a step use
-    if args.compile and os.environ.get("JAX_PLATFORMS", "") in ("", "cpu"):
-
-        want = args.host_devices or args.devices
-        if want and want <= 8 and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-            set_host_devices(want)
+    if args.compile and (args.host_devices or args.devices):
+        # the devices the compiled check needs, before jax starts: CPU host devices, or on a GPU machine with fewer
+        # GPUs than --devices JAX's mock GPU topology (plan.compiled): XLA's memory for N devices on this box
+        cpu = os.environ.get("JAX_PLATFORMS", "") == "cpu" or args.host_devices is not None
+        prepare_backend(args.host_devices or args.devices, "cpu" if cpu else "auto", "auto")
     ensure_collective_threads()  # XLA:CPU host devices: pool threads for their collectives, before jax starts
 
 
@@ -141,9 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     estimates = planner.rank(planner.estimate(c, w, compute) for c in cands)
     if args.compile:
+        per_host = max(devices // max(args.hosts, 1), 1)
         planfit.check_compiled(estimates, w, min(args.compile_top, args.top),
                                compiler_options={"xla_backend_optimization_level": 0}
-                               if jax.devices()[0].platform == "cpu" else None)
+                               if jax.devices()[0].platform == "cpu" else None,
+                               hosts=[int(x.id) // per_host for x in jax.devices()[:devices]])
         estimates = planner.rank(estimates)
     title = (f"plan: {model.name} on {devices} x {hw.name} ({args.hosts} host{'s' if args.hosts > 1 else ''}, "
              f"{memory:.0f} GiB, {w.limit_bytes / 2**30:.0f} usable), seq {seq}, global batch {w.global_batch}, "

@@ -75,20 +75,22 @@ def compile_candidate(c: Candidate, w: Workload, devices: Sequence[Any] | None =
 def compiled_memory(c: Candidate, w: Workload, devices: Sequence[Any] | None = None, *, compute: Any = None,
                     optimizer: Any = None, patches: int | None = None,
                     compiler_options: Mapping[str, Any] | None = None, ahead: bool = False,
-                    dest: bool = False, steps: int = 1000) -> dict[str, Any]:
+                    dest: bool = False, steps: int = 1000, hosts: Sequence[int] | None = None) -> dict[str, Any]:
     """XLA's compiled memory analysis of the candidate's train step (``memory_report``) on ``devices``
     (default: all; their count must be the workload's), plus the analytic estimate for the same backend
     (``ahead`` / ``dest`` / ``steps``: :func:`compile_candidate`'s)."""
     return compile_candidate(c, w, devices, compute=compute, optimizer=optimizer, patches=patches,
-                             compiler_options=compiler_options, ahead=ahead, dest=dest, steps=steps).report
+                             compiler_options=compiler_options, ahead=ahead, dest=dest, steps=steps,
+                             hosts=hosts).report
 
 
 def check_compiled(estimates: Sequence[Estimate], w: Workload, top: int, devices: Sequence[Any] | None = None,
-                   compiler_options: Mapping[str, Any] | None = None) -> None:
-    """Attach the compiled memory analysis to the first ``top`` estimates (in place; errors recorded)."""
+                   compiler_options: Mapping[str, Any] | None = None, hosts: Sequence[int] | None = None) -> None:
+    """Attach the compiled memory analysis to the first ``top`` estimates (in place; errors recorded;
+    ``hosts``: each device's host, for meshes hybrid over hosts)."""
     for e in estimates[:top]:
         try:
-            e.compiled = compiled_memory(e.candidate, w, devices, compiler_options=compiler_options)
+            e.compiled = compiled_memory(e.candidate, w, devices, compiler_options=compiler_options, hosts=hosts)
         except Exception as err:  # noqa: BLE001 - a candidate that does not compile is reported, not fatal
             e.compiled = {"error": f"{type(err).__name__}: {err}"[:300]}
 

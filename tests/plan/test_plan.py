@@ -19,6 +19,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -291,3 +295,28 @@ def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert (out / "plan.txt").read_text().startswith("plan: tiny")
     assert any(r["cross_host_gb"] > 0 for r in rows)  # 2 hosts of 4: FSDP over 8 crosses them
     assert math.isclose(sum(r["fits"] for r in rows), sum(1 for r in rows if r["memory_gib"] <= 0.5 * 0.95), abs_tol=0)
+
+
+def test_cli_compiles_for_more_devices_than_the_process_has(tmp_path):
+    """``--devices 16 --hosts 2 --compile`` in a process with no device count set: the CLI makes the 16 devices
+    before jax starts (CPU host devices here; on a GPU machine JAX's mock GPU topology, plan.compiled) and
+    attaches XLA's memory analysis of the leading candidate's step, compiled on a mesh over the two hosts."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    out = tmp_path / "plan"
+    proc = subprocess.run([sys.executable, "-m", "moevlm_jax.plan", "--model", "tiny-v512", "--devices", "16",
+                           "--hosts", "2", "--compile", "--compile-top", "1", "--top", "2", "--layouts", "fsdp",
+                           "--seq-len", "64", "--patches", "0", "--global-batch", "16", "--max-mbs", "1",
+                           "--dtypes", "bfloat16/bfloat16", "--experts", "dropless", "--platform", "cpu",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("plan: tiny-v512 on 16 x H200 (2 hosts"), proc.stdout[:500]
+    compiled = [line for line in proc.stdout.splitlines() if line.startswith("compiled: ")]
+    assert len(compiled) == 1 and "data2 fsdp8" in compiled[0] and "XLA (cpu)" in compiled[0], compiled
+    rows = json.loads((out / "results.json").read_text())
+    first = rows[0]
+    assert first["compiled_platform"] == "cpu" and first["compiled_gib"] > 0 and not first["compiled_error"], first
+    # XLA:CPU's step beside the analytic estimate for the same backend (the 10% check: the accuracy test above)
+    assert 0.5 < first["analytic_same_backend_gib"] / first["compiled_gib"] < 2, first
