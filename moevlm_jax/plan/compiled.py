@@ -27,6 +27,14 @@ within a host and at the per-GPU InfiniBand rate when its group spans hosts (eve
 bytes; the slowest sets the pace); an all-to-all or permute sends to every peer at once:
 ``max(within / NVLink, across / InfiniBand)``. Collectives are summed one after the other, with no overlap
 with compute or each other: the time the step would spend if nothing hid them.
+
+Predicted step (``predicted_step``; columns "pred"): the local shard cannot run a program whose collectives are
+mocked, so one device's compute is the planner's time model (``plan.time``: kernel rates measured on the H100 /
+H200, scaled to the measured recipe-h200 step) and the compiled collectives are added at the link rates, FSDP
+gathers and gradient reductions hidden behind up to ``plan.time.OVERLAP`` of the layers' compute as the planner
+assumes, the rest exposed; useful tokens/s per GPU and MFU (model FLOPs without recompute over the dense bf16 peak)
+follow. On one GPU (no collectives) it is the planner's step, checked against the measured steps in
+tests/plan/test_time.py.
 """
 
 from __future__ import annotations
@@ -49,8 +57,8 @@ from moevlm_jax.parallelism import hlo
 from moevlm_jax.parallelism.cpu_threads import ensure_collective_threads
 from moevlm_jax.plan.fit import candidate_of, compile_candidate, device_memory_bytes, workload_of
 from moevlm_jax.plan.memory import GIB
-from moevlm_jax.plan.search import estimate
-from moevlm_jax.plan.time import H200
+from moevlm_jax.plan.search import candidate_geometry, estimate, knobs_of
+from moevlm_jax.plan.time import H200, HARDWARE, OVERLAP, model_flops
 from moevlm_jax.training.capture import backend_started, merge_flags
 
 RING = ("all-gather", "reduce-scatter", "all-reduce")
@@ -123,6 +131,22 @@ def comm_time(c: hlo.Collective, links: Links) -> float:
     return max(c.within / links.nvlink_bytes, c.across / links.ib_bytes)
 
 
+DP_AXES = frozenset({"data", "fsdp"})  # ring collectives over these alone: FSDP gathers and gradient reductions
+
+
+def predicted_step(planned: Any, found: Sequence[hlo.Collective], links: Links) -> dict[str, float]:
+    """One device's step: the planner's compute (its time model, ``plan.time``) plus the compiled program's
+    collectives at the link rates, exposed as the planner assumes (``plan.time.step_time``): ring collectives over
+    the data-parallel axes alone (FSDP gathers, gradient reductions) hide behind up to ``OVERLAP`` of the layers'
+    compute, every other collective (tensor, expert, context, pipeline, all-to-all) is on the critical path."""
+    compute = planned.time.compute_s
+    layers = compute - planned.time.compute.get("optimizer", 0.0)
+    hidable = sum(comm_time(c, links) for c in found if c.kind in RING and c.axes and set(c.axes) <= DP_AXES)
+    other = sum(comm_time(c, links) for c in found) - hidable
+    exposed = max(hidable - OVERLAP * layers, (1 - OVERLAP) * hidable) + other
+    return {"compute_s": compute, "exposed_comm_s": exposed, "step_s": compute + exposed}
+
+
 def compiled_layout(cfg: Any, target: Target, devices: Sequence[Any] | None = None, *,
                     compiler_options: Mapping[str, Any] | None = None, hlo_path: Path | None = None) -> dict[str, Any]:
     """One layout's row: the run ``cfg`` (a RunConfig for ``target.gpus`` devices) compiled on the first
@@ -130,7 +154,8 @@ def compiled_layout(cfg: Any, target: Target, devices: Sequence[Any] | None = No
     (``hlo_path``: the compiled HLO text is written there too)."""
     devices = list(devices if devices is not None else jax.devices())[: target.gpus]
     n, hosts = target.gpus, target.hosts
-    w = workload_of(cfg, n, hosts=hosts, device_memory_gib=target.memory, platform="gpu")
+    hw = HARDWARE[target.gpu]
+    w = workload_of(cfg, n, hosts=hosts, device_memory_gib=target.memory, platform="gpu", hw=hw)
     cand = candidate_of(cfg, n)
     planned = estimate(cand, w, cfg.compute)
     host_of = [int(d.id) // target.gpus_per_host for d in devices]
@@ -148,6 +173,8 @@ def compiled_layout(cfg: Any, target: Target, devices: Sequence[Any] | None = No
     for r in rows:
         r["time_s"] = sum(comm_time(c, links) for c in found if c.kind == r["kind"] and c.sliced == r["sliced"]
                           and ("x".join(c.axes) or "-") == r["axes"])
+    pred = predicted_step(planned, found, links)
+    flops = model_flops(w.model, candidate_geometry(cand, w), knobs_of(cand, w, cfg.compute), w.image_patches, w.fill)
     rep = step.report
     limit = target.memory * GIB * H200.usable_fraction
     if devices[0].platform == "gpu" and target.spec.name.lower() in devices[0].device_kind.lower():
@@ -168,6 +195,10 @@ def compiled_layout(cfg: Any, target: Target, devices: Sequence[Any] | None = No
         "planner_comm_bytes": planned.comm.total(), "planner_across_bytes": planned.comm.total_cross(),
         "trip_counts_known": known, "collectives": rows, "instructions": [c.as_dict() for c in found],
         "links": dataclasses.asdict(links), "compile_s": rep["compile_s"],
+        "predicted_compute_s": pred["compute_s"], "predicted_exposed_comm_s": pred["exposed_comm_s"],
+        "predicted_step_s": pred["step_s"],
+        "predicted_tokens_per_s_per_gpu": w.global_batch * w.seq * w.fill / pred["step_s"] / n,
+        "predicted_mfu": flops / pred["step_s"] / n / hw.peak_flops,
     }
 
 
@@ -178,7 +209,8 @@ def _gb(x: float) -> str:
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """One line a layout, then its collectives by kind and mesh axes."""
     head = ["layout", "mesh", "fits", "peak GiB", "limit GiB", "planner GiB", "temp GiB", "comm GB", "within GB",
-            "across GB", "comm ms", "planner comm GB", "planner across GB"]
+            "across GB", "comm ms", "planner comm GB", "planner across GB", "pred step ms", "pred tok/s/GPU",
+            "pred MFU"]
     body, detail = [], []
     for r in rows:
         if "error" in r:
@@ -190,7 +222,8 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
                      f"{r['limit_bytes'] / GIB:.1f}", f"{r['planner_bytes'] / GIB:.2f}",
                      f"{r['temp_bytes'] / GIB:.2f}", _gb(r["comm_bytes"]), _gb(r["comm_within_bytes"]),
                      _gb(r["comm_across_bytes"]), f"{r['comm_s'] * 1e3:.2f}", _gb(r["planner_comm_bytes"]),
-                     _gb(r["planner_across_bytes"])])
+                     _gb(r["planner_across_bytes"]), f"{r['predicted_step_s'] * 1e3:.1f}",
+                     f"{r['predicted_tokens_per_s_per_gpu']:,.0f}", f"{r['predicted_mfu']:.1%}"])
         detail.append(f"{r['layout']} collectives a step per device ({r['platform']} compile, "
                       f"{'trip counts from XLA' if r['trip_counts_known'] else 'some trip counts inferred'}"
                       + ("; '+ slice': an all-reduce each device slices, XLA:GPU's reduce-scatter"

@@ -170,6 +170,13 @@ def _flop_parts(model: Any, g: Geometry, knobs: Any, image_patches: int, fill: f
     return parts
 
 
+def model_flops(model: Any, g: Geometry, knobs: Any, image_patches: int = 784, fill: float = FILL) -> float:
+    """Training FLOPs of one step over the whole batch without the recompute's extra forwards (MFU's count)."""
+    plain = dataclasses.replace(knobs, recompute="none", recompute_modules=(), vision_recompute="none",
+                                vision_recompute_modules=())
+    return float(sum(_flop_parts(model, g, plain, image_patches, fill).values()))
+
+
 def _memory_bound_bytes(model: Any, g: Geometry, knobs: Any, devices: int) -> dict[str, float]:
     """Bytes per device the memory-bound work moves: activations per layer, the optimizer's shards."""
     t, v = model.text_config, model.vision_config

@@ -121,3 +121,27 @@ def test_mock_topology_and_target(monkeypatch):
     links = compiled.Links(nvlink_gb_s=100.0, ib_gbit_s=400.0)
     assert compiled.comm_time(ring, links) == 175.0 / 50e9  # a ring over hosts: InfiniBand's pace
     assert compiled.comm_time(a2a, links) == max(37.5 / 100e9, 50.0 / 50e9)
+
+
+def test_predicted_step_adds_the_compiled_collectives_to_the_planners_compute(run):
+    """Each row's predicted step: the planner's compute plus the compiled collectives at the link rates, FSDP
+    gathers / gradient reductions hidden behind up to OVERLAP of the layers' compute, the rest (here EP's
+    all-to-all) exposed; tokens/s per GPU and MFU from it (hand-computed from the row's own numbers)."""
+    from moevlm_jax.plan.time import OVERLAP
+
+    _, out, rows, _ = run
+    for r in rows.values():
+        links = compiled.Links(**r["links"])
+        found = [hlo.Collective(**c) for c in r["instructions"]]
+        dp = sum(compiled.comm_time(c, links) for c in found
+                 if c.kind in compiled.RING and c.axes and set(c.axes) <= {"fsdp", "data"})
+        rest = r["comm_s"] - dp
+        assert r["predicted_exposed_comm_s"] >= rest + (1 - OVERLAP) * dp - 1e-12
+        assert r["predicted_exposed_comm_s"] <= rest + dp + 1e-12
+        assert r["predicted_step_s"] == pytest.approx(r["predicted_compute_s"] + r["predicted_exposed_comm_s"])
+        tokens = 8 * 128 * 0.914 / r["predicted_step_s"] / r["gpus"]  # OVERRIDES: 8 rows of 128; the proxy fill
+        assert r["predicted_tokens_per_s_per_gpu"] == pytest.approx(tokens)
+        assert 0 < r["predicted_mfu"] < 1
+    assert rows["ep"]["predicted_exposed_comm_s"] > 0  # the experts' all-to-all is on the critical path
+    text = (out / "compiled.txt").read_text()
+    assert "pred tok/s/GPU" in text.splitlines()[1]
