@@ -27,7 +27,7 @@ def _trainer(options):
 
 
 def test_rows_over_the_bound_select_the_fallback_step(tmp_path):
-    (batch,) = host_batches(1)
+    (batch,) = host_batches(1, rows=2)  # 2 rows: the bound check needs rows of several images, not a full batch
     images = int(np.max(batch["patch_segment_ids"]))
     assert images >= 2  # rows holding several images: a vision bound of 1 is exceeded
     within, over = _trainer({}), _trainer({"vision_max_segments": 1})
