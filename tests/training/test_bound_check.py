@@ -14,6 +14,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
+from tests.parallelism.test_layouts import random_params
 from tests.training.train_setup import COMPUTE, host_batches
 
 # quick compiles (tests/xla_options.py): both steps compiled alike
@@ -33,11 +34,9 @@ def test_rows_over_the_bound_select_the_fallback_step(tmp_path):
     within, over = _trainer({}), _trainer({"vision_max_segments": 1})
     a, b = within.prepare(batch), over.prepare(batch)
     assert a.bounded and not b.bounded
-    state = within.init_state(seed=0)
-    initial = jax.device_get(state["params"])
-    sa, ma = within.step(state, a)
-    # the same seed-0 parameters, given: the attention options change the step, not the parameters (one
-    # initialiser compiled, not two)
+    # the same parameters for both, drawn in numpy (the layout tests' random_params: no initialiser compiled)
+    initial = random_params(load_model_config("tiny"))
+    sa, ma = within.step(within.init_state(seed=0, params=initial), a)
     sb, mb = over.step(over.init_state(seed=0, params=initial), b)
     assert [k[-1] for k in within.compiled] == [True] and [k[-1] for k in over.compiled] == [False]
     for k in ("loss", "grad_norm"):
