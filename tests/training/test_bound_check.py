@@ -14,6 +14,7 @@ from moevlm_jax.model.compute import ComputeConfig
 from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.training.config import OptimizerConfig
 from moevlm_jax.training.trainer import Trainer
+from tests.parallelism.test_layouts import random_params
 from tests.training.train_setup import COMPUTE, host_batches
 
 # quick compiles (tests/xla_options.py): both steps compiled alike
@@ -27,14 +28,16 @@ def _trainer(options):
 
 
 def test_rows_over_the_bound_select_the_fallback_step(tmp_path):
-    (batch,) = host_batches(1)
+    (batch,) = host_batches(1, rows=2)  # 2 rows: the bound check needs rows of several images, not a full batch
     images = int(np.max(batch["patch_segment_ids"]))
     assert images >= 2  # rows holding several images: a vision bound of 1 is exceeded
     within, over = _trainer({}), _trainer({"vision_max_segments": 1})
     a, b = within.prepare(batch), over.prepare(batch)
     assert a.bounded and not b.bounded
-    sa, ma = within.step(within.init_state(seed=0), a)
-    sb, mb = over.step(over.init_state(seed=0), b)
+    # the same parameters for both, drawn in numpy (the layout tests' random_params: no initialiser compiled)
+    initial = random_params(load_model_config("tiny"))
+    sa, ma = within.step(within.init_state(seed=0, params=initial), a)
+    sb, mb = over.step(over.init_state(seed=0, params=initial), b)
     assert [k[-1] for k in within.compiled] == [True] and [k[-1] for k in over.compiled] == [False]
     for k in ("loss", "grad_norm"):
         assert float(mb[k]) == pytest.approx(float(ma[k]), rel=1e-6)

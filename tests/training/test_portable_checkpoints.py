@@ -21,7 +21,7 @@ from moevlm_jax.schema import to_plain
 from moevlm_jax.training.checkpoint import Checkpointer
 from moevlm_jax.training.trainer import Trainer
 from tests.parallelism.packed_batch import packed_batch
-from tests.parallelism.test_layouts import COMPUTE, FAST, OPTIMIZER
+from tests.parallelism.test_layouts import COMPUTE, FAST, OPTIMIZER, random_params
 from tests.training.train_setup import damage_checkpoint
 
 # quick compiles (tests/xla_options.py): fsdp's step and export compiled alike
@@ -61,7 +61,8 @@ def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("portable")
     config = load_model_config("tiny-v512")
     trainer = _trainer(config, "fsdp")
-    state = trainer.init_state(seed=3)
+    # parameters drawn in numpy (the layout tests' random_params: no initialiser compiled); any state is saved
+    state = trainer.init_state(seed=3, params=random_params(config))
     return tmp, config, trainer, state, _run_dir(tmp, config, "fsdp", state)
 
 

@@ -32,6 +32,9 @@ from tests.xla_options import FAST  # LLVM optimisations off: a third of the com
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
 
 STEPS = 16
+# 4 rows a step: the step's cost follows its rows (the 248320-token LM head); over 16 steps of 4 rows the loss
+# still falls to ~0.19 of its start (the check: < 0.35)
+ROWS = 4
 
 
 def test_qwen3_5_tiny_learns_the_builtin_vqa_data(tmp_path):
@@ -49,7 +52,7 @@ def test_qwen3_5_tiny_learns_the_builtin_vqa_data(tmp_path):
 
     import moevlm_jax.data as data
 
-    loader = data.build_loader(raw_data, batch_size=8)
+    loader = data.build_loader(raw_data, batch_size=ROWS)
     try:
         hosts = [next(loader) for _ in range(STEPS)]
     finally:

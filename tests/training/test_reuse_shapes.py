@@ -14,10 +14,12 @@ from moevlm_jax.model.registry import load_model_config
 from moevlm_jax.schema import ConfigError
 from moevlm_jax.training.config import OptimizerConfig, TrainConfig
 from moevlm_jax.training.trainer import Trainer
-from tests.training.train_setup import COMPUTE, ROWS, SEQ_LEN, host_batches
+from tests.training.train_setup import COMPUTE, SEQ_LEN, host_batches
 
 # quick compiles (tests/xla_options.py): the padded and the batch's own step compiled alike
 pytestmark = pytest.mark.usefixtures("legacy_emitters")
+# rows of the steps run here: what is checked is which step runs a batch and that its result is the batch's own
+ROWS = 4
 
 
 def _trainer(reuse: bool) -> Trainer:
@@ -145,7 +147,7 @@ def test_the_loop_reserves_the_largest_bucket(monkeypatch, tmp_path, bucket):
 
 
 def test_a_smaller_batch_runs_the_larger_compiled_step_with_its_own_result(tmp_path):
-    (batch,) = host_batches(1)
+    (batch,) = host_batches(1, rows=ROWS)
     wider = _with_patches(batch, 16)  # the same samples with a larger patch bucket: the same step result
     reuse, plain = _trainer(True), _trainer(False)
     reuse.step(reuse.init_state(seed=0), reuse.prepare(wider))
@@ -166,11 +168,11 @@ def test_a_step_compiled_ahead_runs_the_batches_of_its_shape_with_their_own_resu
     compiles as usual."""
     from moevlm_jax.training.trainer import _train_step
 
-    (batch,) = host_batches(1)
+    (batch,) = host_batches(1, rows=ROWS)
     patches = batch["pixel_values"].shape[1]
     ahead, plain = _trainer(True), _trainer(True)
     capacity = ahead.largest_capacity(ROWS, SEQ_LEN)
-    assert capacity == SEQ_LEN * ROWS // 2  # 8 rows x 128 tokens: 512 is a capacity step
+    assert capacity == SEQ_LEN * ROWS // 2  # 4 rows x 128 tokens: 256 is a capacity step
     ahead.reserve_patches(patches, capacity=capacity)
     ahead.compile_ahead(ahead.abstract_state(), ahead.abstract_batch(ROWS, SEQ_LEN, patches), capacity)
     state = ahead.init_state(seed=0)
@@ -194,7 +196,7 @@ def test_an_eval_step_compiled_ahead_runs_the_eval_batches_of_its_shape_with_the
     trainer's eval of the unpadded batch; a batch of another shape compiles as usual."""
     from moevlm_jax.training.trainer import _eval_step
 
-    (batch,) = host_batches(1)
+    (batch,) = host_batches(1, rows=ROWS)
     patches = batch["pixel_values"].shape[1] + 8  # the reserved bucket above the batch's: its rows padded
     ahead, plain = _trainer(True), _trainer(False)
     capacity = ahead.largest_capacity(ROWS, SEQ_LEN)
@@ -236,7 +238,8 @@ def test_the_loop_compiles_the_first_step_ahead(tmp_path):
     data.write_text(yaml.safe_dump(data_config()))
     cfg = load_config("cpu-default", model="tiny", data=str(data), run_dir=str(tmp_path / "run"), overrides=[
         "train.steps=2", "train.checkpointing=false", "train.eval_every=0", "train.eval_batches=2",
-        "train.show_answers=0", "train.tensorboard=false", "train.compile=ahead", "compute.dtype=float32"])
+        "train.show_answers=0", "train.tensorboard=false", "train.compile=ahead", "compute.dtype=float32",
+        f"train.seq_len={SEQ_LEN}"])
     summary = loop.run(cfg, progress=False)
     # and the evaluation at the end ran the eval step compiled ahead, every held-out batch (no other compile)
     assert summary["compiled_ahead"] == 2 and summary["evals_compiled_ahead"] >= 1, summary
