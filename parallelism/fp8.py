@@ -70,6 +70,11 @@ class Fp8Config:
     dense: bool = True
     experts: bool = True  # the routed experts' grouped matmuls
     vision: bool = False  # the vision tower's and the merger's GEMMs
+    # the experts' grouped GEMMs: qdq (quantise-dequantise around the compute-dtype grouped matmul, any backend) |
+    # triton (parallelism/gmm_fp8.py: Pallas-Triton kernels reading the fp8 operands, the scales applied inside;
+    # needs compute.moe.backend triton). qdq until a GPU benchmark shows the kernel faster: it is untimed
+    # (bench/results/fp8.md, "Next: the FP8 grouped GEMM kernel")
+    experts_kernel: Literal["qdq", "triton"] = "qdq"
 
     def __post_init__(self) -> None:
         if self.recipe not in ("none", "tensor", "blockwise"):
@@ -79,6 +84,8 @@ class Fp8Config:
         for key in ("forward_format", "grad_format"):
             if getattr(self, key) not in FORMATS:
                 raise ValueError(f"compute.fp8.{key} must be one of {sorted(FORMATS)}, got {getattr(self, key)!r}")
+        if self.experts_kernel not in ("qdq", "triton"):
+            raise ValueError(f"compute.fp8.experts_kernel must be qdq or triton, got {self.experts_kernel!r}")
 
     @property
     def enabled(self) -> bool:
