@@ -144,11 +144,15 @@ def test_experts_on_the_fp8_kernels_equal_quantise_dequantise(recipe, monkeypatc
 def test_experts_kernel_needs_the_triton_backend():
     from moevlm_jax.model.compute import ComputeConfig
     from moevlm_jax.parallelism.experts import experts_forward
+    from moevlm_jax.schema import to_plain
 
     section = {"recipe": "tensor", "experts_kernel": "triton"}
     with pytest.raises(ValueError, match="experts_kernel 'triton'.*not 'ragged_dot'"):
         ComputeConfig.from_dict({"moe": {"backend": "ragged_dot"}, "fp8": section})
-    assert ComputeConfig.from_dict({"moe": {"backend": "triton"}, "fp8": section}).fp8.experts_kernel == "triton"
+    on = ComputeConfig.from_dict({"moe": {"backend": "triton"}, "fp8": section})
+    assert on.fp8.experts_kernel == "triton"
+    plain = to_plain(on)  # what config.yaml holds
+    assert plain["fp8"]["experts_kernel"] == "triton" and ComputeConfig.from_dict(plain) == on
     # inert where the experts are not in FP8
     ComputeConfig.from_dict({"moe": {"backend": "ragged_dot"}, "fp8": {**section, "experts": False}})
     with pytest.raises(ValueError, match="experts_kernel must be qdq or triton"):
