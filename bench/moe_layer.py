@@ -21,7 +21,7 @@ CPU smoke run (tiny shapes): ``python -m bench.moe_layer --tiny --ep 2`` (``--ep
 FP8 (``--fp8 [VARIANTS]``, instead of the above): the layer forward + backward on the triton backend in bf16 and with
 the experts' GEMMs in FP8 (``compute.fp8``, experts only): ``qdq_*`` quantise-dequantise around the bf16 kernels,
 ``kernel_*`` the fp8 kernels (``compute.fp8.experts_kernel: triton``, ``parallelism/gmm_fp8.py``), each recipe
-(``tensor``, ``blockwise``; ``*_e4m3g``: e4m3 gradients, every product an fp8 MMA), one process; each row's relative
+(``tensor``, ``blockwise``; ``*_e4m3g``: e4m3 gradients, d(x) an fp8 MMA too), one process; each row's relative
 errors of (y, d x, d router, d w_gate_up, d w_down) against the bf16 row's and a kernel row's against its qdq row's
 (the same recipe: bf16-rounding-sized where the kernel is right). ``python -m bench.moe_layer --fp8 --out fp8.json``.
 

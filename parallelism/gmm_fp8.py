@@ -18,7 +18,8 @@ Scales (the layouts :func:`parallelism.fp8.quantize` gives, reshaped):
   blockwise  x / the gradient: 1 x B blocks along their columns, passed transposed ``[cols / B, M]`` (a tile's row
              scales are one contiguous load); w: B x B blocks ``[G, K / B, N / B]``. gmm (and d(x)): inside the K
              loop, each K block's partial product times its rows' scales times its weight block's scale before it
-             joins the accumulator (DeepSeek-V3's promotion), so ``block_k`` and ``block_n`` divide B (cut to it).
+             joins the accumulator (DeepSeek-V3's promotion), so ``block_k`` and ``block_n`` divide B (cut to it; in
+             tgmm too, whose output tile then lies in one scale block of each operand).
              tgmm: its contraction is the rows, and both operands' scales are per row (x's 1 x B blocks along K, the
              gradient's along N: what the recipe's d(w) GEMM multiplies, ``fp8.operands`` / ``fp8.output``); a scale
              that varies along the contraction cannot be applied to an fp8 product after the MMA, so each
@@ -30,8 +31,8 @@ Scales (the layouts :func:`parallelism.fp8.quantize` gives, reshaped):
 Mixed fp8 operands: Pallas-Triton's dot lowering refuses operands of two element types (jax/_src/pallas/triton/
 lowering.py: "a and b must have the same element type"), though Hopper's wgmma takes e5m2 x e4m3. With
 ``grad_format: e5m2`` (the default) both backward kernels therefore convert their two fp8 tiles to bf16 in registers
-(exact: every e4m3 / e5m2 value is a bf16 value) and run a bf16 MMA; with ``grad_format: e4m3`` every product is an
-fp8 MMA. The forward is e4m3 x e4m3 in both recipes.
+(exact: every e4m3 / e5m2 value is a bf16 value) and run a bf16 MMA; with ``grad_format: e4m3`` they are fp8 MMAs
+(but the blockwise d(w), dequantised as above). The forward is e4m3 x e4m3 in both recipes.
 
 K and N not multiples of B: ``fp8.quantize`` zero-pads the operands to whole blocks; the kernels run on the padded
 sizes and the outputs are cut back. Rows past ``sum(group_sizes)`` are zeroed before quantising (the per-tensor scale
