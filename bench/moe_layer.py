@@ -18,6 +18,13 @@ on one 8-GPU host times the hierarchical dispatcher (``fsdp`` 2 x ``expert`` 4) 
 ``--dispatch-chunks 2,4`` adds those dispatchers with their exchange in chunks (``compute.moe.dispatch_chunks``).
 CPU smoke run (tiny shapes): ``python -m bench.moe_layer --tiny --ep 2`` (``--ep 8 --ep-hosts 2``).
 
+FP8 (``--fp8 [VARIANTS]``, instead of the above): the layer forward + backward on the triton backend in bf16 and with
+the experts' GEMMs in FP8 (``compute.fp8``, experts only): ``qdq_*`` quantise-dequantise around the bf16 kernels,
+``kernel_*`` the fp8 kernels (``compute.fp8.experts_kernel: triton``, ``parallelism/gmm_fp8.py``), each recipe
+(``tensor``, ``blockwise``; ``*_e4m3g``: e4m3 gradients, d(x) an fp8 MMA too), one process; each row's relative
+errors of (y, d x, d router, d w_gate_up, d w_down) against the bf16 row's and a kernel row's against its qdq row's
+(the same recipe: bf16-rounding-sized where the kernel is right). ``python -m bench.moe_layer --fp8 --out fp8.json``.
+
 The triton backend's kernels are a ``compute.moe.kernels`` section (``moevlm_jax.parallelism.kernels``), given as
 ``--kernels KEY=VALUE`` (e.g. ``--kernels fusions=[gather] --kernels mosaic_gpu_tiles.dw.seg_rows=8192``) and
 recorded in the JSON's ``meta.kernels``. These environment variables override it, read when the CLI starts:
@@ -53,6 +60,9 @@ SHAPES = {
     "235b-a22b": dict(hidden=4096, experts=128, top_k=8, inter=1536),
 }
 TINY = {"tiny": dict(hidden=64, experts=8, top_k=2, inter=32)}
+# --fp8: bf16, then per recipe quantise-dequantise before the kernels (a kernel row's errors are against its qdq row)
+FP8_VARIANTS = ("bf16", "qdq_tensor", "kernel_tensor", "qdq_blockwise", "kernel_blockwise", "qdq_blockwise_e4m3g",
+                "kernel_blockwise_e4m3g")
 TOL = {"bfloat16": 2e-2, "float32": 1e-4}  # relative to a float32 reference; bf16 rounding alone is ~4e-3
 JIT_OPTIONS: dict[str, Any] = {}  # --tiny: {"xla_backend_optimization_level": 0}, compile time only
 
@@ -96,6 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="bfloat16 (GPU default) or float32 (CPU default)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes and few iterations (CPU crash test)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--fp8", nargs="?", const=",".join(FP8_VARIANTS), default=None, metavar="VARIANTS",
+                   help="time the layer in bf16 and with the experts in FP8 instead (comma list of "
+                        f"{', '.join(FP8_VARIANTS)}; default all; bf16 first: the errors are against it)")
     p.add_argument("--kernels", action="append", default=[], metavar="KEY=VALUE",
                    help="a compute.moe.kernels setting (repeatable), e.g. fusions=[gather]; the MOEVLM_* variables "
                         "of the module docstring override these")
@@ -316,6 +329,9 @@ class Report(list):
                          f"x ceil {r['vs_ceiling_paired']:.3f}")
         if "gbps" in r:
             notes.append(f"{r['gbps']:.1f} GB/s ({r['bytes_per_device'] / 1e6:.1f} MB/device)")
+        for key, what in (("rel_errs_vs_bf16", "vs bf16"), ("rel_errs_vs_qdq", "vs qdq")):
+            if key in r:
+                notes.append(f"rel err {what} (y, dx, drouter, dwgu, dwd) " + " ".join(f"{v:.1e}" for v in r[key]))
         if "max_rel_err" in r:
             notes.append(f"max rel err {r['max_rel_err']:.2e} {'OK' if r['ok'] else 'FAIL'}")
         for key in ("skipped", "error"):
@@ -341,6 +357,55 @@ def check(report: Report, base: dict, label: str, got: Any, ref: Any, dtype: Any
     errs = [rel_err(got[0][1], ref[0][1])] + [rel_err(g, r) for g, r in zip(got[1], ref[1])]
     tol = TOL[jnp.dtype(dtype).name]
     report.add(dict(base, variant=f"check {label} vs f32", max_rel_err=max(errs), rel_errs=errs, ok=max(errs) < tol))
+
+
+# ----------------------------------------------------------------------------- FP8
+
+
+def fp8_variant(variant: str) -> Any:
+    """The ``compute.fp8`` section of a ``--fp8`` variant (experts only), None for bf16."""
+    from moevlm_jax.parallelism.fp8 import Fp8Config
+
+    if variant == "bf16":
+        return None
+    if variant not in FP8_VARIANTS:
+        raise SystemExit(f"unknown --fp8 variant {variant!r}; choose from {FP8_VARIANTS}")
+    mode, recipe, *grad = variant.split("_")
+    return Fp8Config(recipe=recipe, dense=False, experts=True, experts_kernel="triton" if mode == "kernel" else "qdq",
+                     grad_format="e4m3" if grad else "e5m2")
+
+
+def bench_fp8(name: str, shape: dict, args: argparse.Namespace, dtype: Any, report: Report) -> None:
+    """The layer on the triton backend in bf16 and with the experts in FP8, errors against bf16 (and qdq)."""
+    h, e, k, i, t = shape["hidden"], shape["experts"], shape["top_k"], shape["inter"], args.tokens
+    inp = make_inputs(shape, t, args.zipf, dtype)
+    xs = (inp["x"], inp["router"], inp["w_gate_up"], inp["w_down"], inp["probe"])
+    base = dict(shape=name, tokens=t, hidden=h, experts=e, top_k=k, inter=i)
+    flops = expert_flops(t * k, h, i)
+
+    def errs(got: Any, ref: Any) -> list[float]:
+        return [rel_err(got[0][1], ref[0][1])] + [rel_err(g, r) for g, r in zip(got[1], ref[1])]
+
+    kept: dict[str, Any] = {}  # bf16's result, and a qdq result until its kernel row (weight gradients: GBs each)
+    for variant in [v for v in args.fp8.split(",") if v]:
+        cfg = fp8_variant(variant)
+
+        def go(cfg=cfg, variant=variant):
+            step = layer_step(k, backend="triton", kernels=args.kernels_config, fp8_config=cfg)
+            ms, synced, out = time_calls(step, xs, args.iters, min(args.warmup, args.iters), rounds=args.rounds)
+            row = dict(base, variant=f"fp8 {variant}", ms=ms, ms_synchronised=synced, flops=flops)
+            if "bf16" in kept and variant != "bf16":
+                row["rel_errs_vs_bf16"] = errs(out, kept["bf16"])
+            pair = variant.replace("kernel_", "qdq_", 1)
+            if variant.startswith("kernel_") and pair in kept:
+                row["rel_errs_vs_qdq"] = errs(out, kept.pop(pair))
+            report.add(row)
+            return out
+
+        out = guarded(report, base, f"fp8 {variant}", go)
+        if out is not None and (variant == "bf16" or variant.startswith("qdq_")):
+            kept[variant] = out
+        del out
 
 
 # ----------------------------------------------------------------------------- single device
@@ -638,6 +703,9 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     report = Report(path=args.out, meta=meta)
     for name in names:
+        if args.fp8:
+            bench_fp8(name, shapes[name], args, dtype, report)
+            continue
         bench_shape(name, shapes[name], args, dtype, report)
         if args.ep > 1:
             bench_ep(name, shapes[name], args, dtype, report)

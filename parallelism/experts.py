@@ -240,6 +240,11 @@ def experts_forward_with_stats(
     (global counts of dropped and of all (token, expert) assignments)."""
     topo = resolve_topology(None if logical.in_manual_region() else logical.current())
     opts = resolve_options(topo, **options)
+    if (fp8_config is not None and fp8_config.at("experts") is not None and fp8_config.experts_kernel == "triton"
+            and opts.backend != "triton"):
+        raise ValueError(f"compute.fp8.experts_kernel 'triton' (the FP8 grouped-matmul kernels) needs the experts' "
+                         f"backend 'triton'; this run's resolves to {opts.backend!r} (set compute.moe.backend: triton "
+                         "or compute.fp8.experts_kernel: qdq)")
     w4 = _validate(x, topk_idx, topk_weights, w_gate_up, w_down, topo, opts)
     log.debug("experts: %s on %s", opts, topo)
     axes = tuple(topo.mesh.axis_names) if topo.mesh is not None else ()  # run_experts' shard_map: all manual

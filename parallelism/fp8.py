@@ -11,8 +11,8 @@ before both gradient GEMMs, which reuse the forward's quantised operands. ``Fp8C
              fp8 arrays to the dot itself (:func:`dot`), which XLA:GPU compiles to cuBLASLt's FP8 GEMM
   blockwise  1 x B blocks along the contraction axis for activations and gradients, B x B blocks for
              weights (B = ``block``: 128 as in DeepSeek-V3 and Megatron's Hopper blockwise recipe):
-             one outlier spoils only its block. Here in quantise-dequantise form: the numerics of
-             the recipe; its speed needs a GEMM kernel that consumes the block scales.
+             one outlier spoils only its block. The dense GEMMs in quantise-dequantise form: the numerics
+             of the recipe; the experts can run on kernels that consume the block scales (below).
 
 Everything else keeps the compute dtype or float32: the router, norms, softmax, attention's core, the
 LM head and the loss (``Fp8Config`` names which GEMMs: the decoder's dense ones, the experts', the
@@ -23,13 +23,17 @@ e4m3 x e4m3 (forward), e5m2 x e4m3 (both gradient GEMMs) with float32 accumulati
 applied to the output, in one custom VJP (:func:`tensor_gemm`) that keeps the fp8 operands as its
 residuals. On the H200 that form compiles to ``__cublas$lt$matmul$f8``, where the quantise-dequantise
 form below stays a bf16 GEMM after a dequantise pass (bench/results/fp8.md sections 3-4). Everything else
-(the blockwise recipe, the experts) is written as quantise-dequantise (:func:`qdq`): a tensor is rounded
-onto its scaled fp8 grid and carried on in its own dtype, so that every backend runs it (CPU tests, the
+(the blockwise recipe, the experts by default) is written as quantise-dequantise (:func:`qdq`): a tensor is
+rounded onto its scaled fp8 grid and carried on in its own dtype, so that every backend runs it (CPU tests, the
 Triton / ragged-dot experts) and the numerics are the recipe's exactly; the operand's gradient passes straight
 through the rounding (:func:`quantized`), and :func:`grad_quantized` rounds the incoming gradient of
 a GEMM's output. The experts' grouped matmuls are reached through :func:`scope`, which
 ``parallelism.experts.experts_forward`` opens with the config it was given (the grouped-matmul
-kernels below it take no fp8 argument).
+kernels below it take no fp8 argument). With ``experts_kernel: triton`` (backend triton) the experts instead
+run ``parallelism.gmm_fp8``: Pallas-Triton grouped-matmul kernels that read the fp8 operands and apply both
+recipes' scales inside (the blockwise forward and d(x) per K block; the blockwise d(w), whose row scales vary
+along its contraction, dequantised in registers), in one custom VJP that quantises the output gradient once and
+keeps the forward's fp8 operands; same numerics, not yet timed on a GPU (the default stays ``qdq``).
 """
 
 from __future__ import annotations
@@ -70,6 +74,11 @@ class Fp8Config:
     dense: bool = True
     experts: bool = True  # the routed experts' grouped matmuls
     vision: bool = False  # the vision tower's and the merger's GEMMs
+    # the experts' grouped GEMMs: qdq (quantise-dequantise around the compute-dtype grouped matmul, any backend) |
+    # triton (parallelism/gmm_fp8.py: Pallas-Triton kernels reading the fp8 operands, the scales applied inside;
+    # needs compute.moe.backend triton). qdq until a GPU benchmark shows the kernel faster: it is untimed
+    # (bench/results/fp8.md, "Next: the FP8 grouped GEMM kernel")
+    experts_kernel: Literal["qdq", "triton"] = "qdq"
 
     def __post_init__(self) -> None:
         if self.recipe not in ("none", "tensor", "blockwise"):
@@ -79,6 +88,8 @@ class Fp8Config:
         for key in ("forward_format", "grad_format"):
             if getattr(self, key) not in FORMATS:
                 raise ValueError(f"compute.fp8.{key} must be one of {sorted(FORMATS)}, got {getattr(self, key)!r}")
+        if self.experts_kernel not in ("qdq", "triton"):
+            raise ValueError(f"compute.fp8.experts_kernel must be qdq or triton, got {self.experts_kernel!r}")
 
     @property
     def enabled(self) -> bool:

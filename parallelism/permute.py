@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from moevlm_jax.parallelism import fp8, gmm_mgpu, gmm_triton, permute_triton
+from moevlm_jax.parallelism import fp8, gmm_fp8, gmm_mgpu, gmm_triton, permute_triton
 from moevlm_jax.parallelism.grouped_matmul import capacity_matmul, grouped_matmul, mgpu_takes, plain_gmm, plain_tgmm
 from moevlm_jax.parallelism.kernels import DEFAULT_KERNELS, KernelsConfig
 
@@ -245,7 +245,8 @@ def swiglu(h: jax.Array, row_w: jax.Array | None = None) -> jax.Array:
 
 def _fp8_gemm(matmul: Callable, lhs: jax.Array, rhs: jax.Array, q: fp8.ExpertsScope | None, *args: Any,
               **kwargs: Any) -> jax.Array:
-    """``matmul(lhs, rhs [G, K, N], ...)``, in FP8 when ``q`` holds a recipe (per expert: ``rhs``'s first axis)."""
+    """``matmul(lhs, rhs [G, K, N], ...)``, in FP8 when ``q`` holds a recipe (per expert: ``rhs``'s first axis):
+    quantise-dequantise around it (``compute.fp8.experts_kernel: qdq``)."""
     if q is None:
         return matmul(lhs, rhs, *args, **kwargs)
     lhs, rhs = fp8.operands(lhs, rhs, q.cfg, rhs_batch_dims=1, lhs_axes=q.row_axes, rhs_axes=q.weight_axes)
@@ -274,10 +275,21 @@ def expert_ffn(
     # FP8 scales each operand by its amax over every row: unwritten rows (any values, NaN included) would set it
     gmm = functools.partial(grouped_matmul, backend=backend, zero_tail_rows=zero_tail_rows or q is not None,
                             kernels=kernels)
+    if q is not None and q.cfg.experts_kernel == "triton":  # the fp8 kernels (parallelism/gmm_fp8.py), own VJP
+        if backend != "triton":
+            raise ValueError(f"compute.fp8.experts_kernel 'triton' runs on the experts' backend 'triton', not "
+                             f"{backend!r}")
+
+        def matmul(lhs, rhs, q, sizes):  # rows past sum(group_sizes) zero, in d(lhs) too
+            return gmm_fp8.grouped_matmul(lhs, rhs, sizes, q.cfg, q.row_axes, q.weight_axes)
+    else:
+        def matmul(lhs, rhs, q, sizes):
+            return _fp8_gemm(gmm, lhs, rhs, q, sizes)
+
     with jax.named_scope(FFN_SCOPE):
-        h = checkpoint_name(_fp8_gemm(gmm, rows, w_gate_up, q, group_sizes), MOE_GATE_UP)
+        h = checkpoint_name(matmul(rows, w_gate_up, q, group_sizes), MOE_GATE_UP)
         act = checkpoint_name(swiglu(h), MOE_ACT)
-        y = _fp8_gemm(gmm, act, w_down, q, group_sizes)
+        y = matmul(act, w_down, q, group_sizes)
     return checkpoint_name(y, MOE_EXPERT_OUT)
 
 

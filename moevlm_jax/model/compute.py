@@ -231,6 +231,11 @@ class ComputeConfig:
                    f"compute.xla_flags: {name} is compute.capture's (set compute.capture / capture_scopes instead)")
             _check(name not in names, f"compute.xla_flags names a flag twice: {list(self.xla_flags)}")
             names.add(name)
+        _check(self.fp8.at("experts") is None or self.fp8.experts_kernel != "triton"
+               or self.moe.backend in ("triton", "auto"),
+               "compute.fp8.experts_kernel 'triton' (the FP8 grouped-matmul kernels) runs on compute.moe.backend "
+               f"'triton' (or 'auto', which is triton on GPUs), not {self.moe.backend!r}; or set "
+               "compute.fp8.experts_kernel: qdq")
 
     def stack_recompute(self, tower: str = "text") -> tuple[str, tuple[str, ...]]:
         """(mode, recompute modules) for the decoder ("text") or the vision tower ("vision")."""

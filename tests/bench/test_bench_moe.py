@@ -98,3 +98,20 @@ def test_paired_run_reports_the_ratio_to_the_ceiling_timed_beside_it(tmp_path):
     row = next(r for r in json.loads(out.read_text())["results"] if r["variant"] == "triton")
     assert row["ms_paired"] > 0 and row["ceiling_ms_paired"] > 0
     assert row["vs_ceiling_paired"] == row["ceiling_ms_paired"] / row["ms_paired"]
+
+
+def test_fp8_mode_times_bf16_qdq_and_the_kernels_with_their_errors(tmp_path, capsys):
+    """``--fp8``: the layer in bf16 (float32 on CPU), quantise-dequantise and on the fp8 kernels, one process; the
+    kernel's errors against qdq at float32 rounding, both FP8 rows' against bf16 at FP8's size."""
+    out = tmp_path / "fp8.json"
+    rc = bench_moe.main(["--tiny", "--fp8", "bf16,qdq_blockwise,kernel_blockwise", "--iters", "1", "--rounds", "1",
+                         "--out", str(out)])
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"fp8 bf16", "fp8 qdq_blockwise", "fp8 kernel_blockwise"}, table
+    assert all(r["ms"] > 0 for r in rows.values())
+    for name in ("fp8 qdq_blockwise", "fp8 kernel_blockwise"):
+        assert len(rows[name]["rel_errs_vs_bf16"]) == 5 and min(rows[name]["rel_errs_vs_bf16"]) > 1e-2, rows[name]
+    assert max(rows["fp8 kernel_blockwise"]["rel_errs_vs_qdq"]) < 1e-5
+    assert bench_moe.fp8_variant("kernel_blockwise_e4m3g").grad_format == "e4m3"
