@@ -397,13 +397,14 @@ def generate_in_background(source: Mapping[str, Any], cache_dir: Path) -> concur
     """Start generating the set into the cache in a thread (None where it is there already): the train command
     calls it before its fit check and compiles, so that a new machine makes the built-in data while XLA compiles.
     :func:`ensure_vqa` of the same set then waits for it."""
-    root = dataset_dir(vqa_params(source), cache_dir)
+    params = vqa_params(source)
+    root = dataset_dir(params, cache_dir)
     if (root / "manifest.json").exists():
         return None
     with _GENERATING_LOCK:
         if root not in _GENERATING:
             pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vqa-generate")
-            _GENERATING[root] = pool.submit(_generate, vqa_params(source), root)
+            _GENERATING[root] = pool.submit(_generate, params, root)
             pool.shutdown(wait=False)
         return _GENERATING[root]
 

@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_host = max(devices // max(args.hosts, 1), 1)
         planfit.check_compiled(estimates, w, min(args.compile_top, args.top),
                                compiler_options={"xla_backend_optimization_level": 0}
-                               if jax.devices()[0].platform == "cpu" else None,
+                               if d.platform == "cpu" else None,
                                hosts=[int(x.id) // per_host for x in jax.devices()[:devices]])
         estimates = planner.rank(estimates)
     title = (f"plan: {model.name} on {devices} x {hw.name} ({args.hosts} host{'s' if args.hosts > 1 else ''}, "

@@ -25,6 +25,7 @@ from moevlm_jax.plan.search import (
     candidate_compute,
     candidate_geometry,
     estimate,
+    fastest_first,
     fitted_layouts,
     knobs_of,
     rank,
@@ -220,7 +221,7 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     # checks every fitting candidate it meets
     banded = band is not None and math.isfinite(band[1])
     pool = [e for e in ranked if e.fits or (banded and in_doubt(e))]
-    pool.sort(key=lambda e: (-e.tokens_per_s, e.candidate.accum_dtype != "float32", e.memory.total))
+    pool.sort(key=fastest_first)
     checks = 0
     # XLA's total / the estimate, from the last compiled check of this run: a candidate whose estimate scaled by it
     # is still over the limit (CALIBRATED_SLACK) is not worth a check

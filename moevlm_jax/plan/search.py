@@ -419,12 +419,15 @@ def enumerate_candidates(w: Workload, *, presets: Iterable[str] = PRESETS, pin: 
     return out
 
 
+def fastest_first(e: Estimate) -> tuple:
+    """Sort key: fastest first; of equal speed a float32 gradient sum first, then the least memory."""
+    return -e.tokens_per_s, e.candidate.accum_dtype != "float32", e.memory.total
+
+
 def rank(estimates: Iterable[Estimate]) -> list[Estimate]:
-    """Fitting candidates first, fastest first (of equal speed: a float32 gradient sum first, then the
-    least memory); then the rest by memory."""
+    """Fitting candidates first, fastest first (:func:`fastest_first`); then the rest by memory."""
     est = list(estimates)
-    fit = sorted((e for e in est if e.fits),
-                 key=lambda e: (-e.tokens_per_s, e.candidate.accum_dtype != "float32", e.memory.total))
+    fit = sorted((e for e in est if e.fits), key=fastest_first)
     rest = sorted((e for e in est if not e.fits), key=lambda e: e.memory.total)
     return fit + rest
 
@@ -434,5 +437,5 @@ def plan(w: Workload, **kw: Any) -> list[Estimate]:
     return rank(estimate(c, w) for c in enumerate_candidates(w, **kw))
 
 
-__all__ = ["Candidate", "Estimate", "Workload", "enumerate_candidates", "estimate", "fitted_layouts", "plan", "rank",
-           "settings"]
+__all__ = ["Candidate", "Estimate", "Workload", "enumerate_candidates", "estimate", "fastest_first", "fitted_layouts",
+           "plan", "rank", "settings"]
