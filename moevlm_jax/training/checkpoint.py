@@ -1,13 +1,22 @@
 """Training checkpoints with orbax: the train state pytree plus the data iterator state.
 
 Each step directory ``<run_dir>/checkpoints/<step>/`` holds two items:
-``state`` (``StandardSave``: params, optimizer state, step, rng key ... any pytree of arrays, typed
-PRNG keys and ``None`` leaves included, written sharded by every process) and ``data`` (``JsonSave``:
-the data iterator's ``get_state()``, a JSON-able dict or grain's bytes). Saves are periodic
-(``save_interval_steps``) and asynchronous (the arrays are copied off the devices before ``save``
-returns, the files are written in the background); ``max_to_keep`` newest steps are kept.
-Restoring takes an abstract target (``jax.ShapeDtypeStruct`` leaves with ``.sharding``) so arrays
-land directly on a mesh, in that layout, whatever layout they were saved from.
+``state`` (orbax's PyTree format, as ``StandardSave`` writes it: params, optimizer state, step, rng key
+... any pytree of arrays, typed PRNG keys and ``None`` leaves included, written sharded by every
+process) and ``data`` (``JsonSave``: the data iterator's ``get_state()``, a JSON-able dict or grain's
+bytes). Saves are periodic (``save_interval_steps``) and asynchronous (the arrays are copied off the
+devices before ``save`` returns, the files are written in the background); ``max_to_keep`` newest steps
+are kept. Restoring takes an abstract target (``jax.ShapeDtypeStruct`` leaves with ``.sharding``) so
+arrays land directly on a mesh, in that layout, whatever layout they were saved from.
+
+A periodic save holds one host copy of the process's whole state until it is written (so that training
+can go on updating, and donating, the device arrays meanwhile). A *streamed* save
+(``save(..., streamed=True)``, the end of a run) holds at most ``stream_host_gb`` of it at once: the
+arrays are copied off the devices in batches of that size after ``save`` is called, each batch written
+before the next is copied (orbax's ``save_device_host_concurrent_gb``, which applies only to arrays whose
+transfer is deprioritized); the state must not change meanwhile, so a streamed save returns once it is
+on disk. An array larger than the budget is a batch of its own. :attr:`Checkpointer.last_host_peak_bytes`
+is what the last save held on the host at most, counted from orbax's transfer / write callbacks.
 
 A checkpoint can be damaged after its commit (a truncated data file from a full disk or a partial
 copy): only reading it tells. :func:`first_restorable` tries steps newest first and skips one that
@@ -28,6 +37,7 @@ import dataclasses
 import gc
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,6 +46,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# orbax has no public name for these two (the one place this module reaches into orbax's internals; written
+# against orbax-checkpoint 0.12.8): the priority the jax.Array handler's callback gives each array (only arrays
+# given ASYNCHRONOUS_DEPRIORITIZED are held to save_device_host_concurrent_gb), and the array-metadata store the
+# default jax.Array handler writes with (so that the files are StandardSave's). Should either move, this import
+# fails when the module loads, before anything is saved or restored.
+from orbax.checkpoint._src.metadata.array_metadata_store import Store as _ArrayMetadataStore
+from orbax.checkpoint._src.serialization.types import TransferPriority as _TransferPriority
 
 from moevlm_jax.parallelism.multihost import agreed_max
 from moevlm_jax.schema import ConfigError
@@ -87,6 +105,84 @@ def abstract_like(tree: PyTree, shardings: PyTree | None = None, mesh: Mesh | No
     return jax.tree.map(leaf, tree, shardings)
 
 
+class _ExpectedOrbaxWarning(logging.Filter):
+    """Drops the warning orbax logs (through absl) at each streamed save, whose arrays are all deprioritized on
+    purpose: "No prioritized params found for saving. D2H for all values will be scheduled asynchronously"."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No prioritized params found for saving")
+
+
+logging.getLogger("absl").addFilter(_ExpectedOrbaxWarning())
+
+
+def local_bytes(x: Any) -> int:
+    """The bytes of ``x``'s data this process holds (each distinct shard once, replicas not counted again): what
+    a save of ``x`` can copy to this process's host at most; 0 for a leaf that is not a ``jax.Array``."""
+    if not isinstance(x, jax.Array):
+        return 0
+    shards = {tuple((i.start, i.stop, i.step) for i in s.index) for s in x.addressable_shards}
+    return len(shards) * int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize
+
+
+class HostBytes:
+    """The jax.Array handler's serialization callback (orbax's ``SerializationStatusCallback``): the transfer
+    priority of each array (SYNCHRONOUS, all copied before ``save`` returns; ASYNCHRONOUS_DEPRIORITIZED while a
+    streamed save runs, copied in memory-budgeted batches after it), and the state's bytes on the host, counted
+    from the transfer's end to the write's (each array's :func:`local_bytes`), with their ``peak``. orbax calls it
+    from its own threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.streamed = False
+        self.sizes: dict[str, int] = {}
+        self.held = self.peak = 0
+        self.unknown: set[str] = set()  # arrays orbax reported that the state given to start() does not have
+
+    def start(self, state: PyTree, streamed: bool) -> None:
+        """Before a save of ``state`` (none other under way): the sizes of its arrays, the counts reset."""
+        sizes = {jax.tree_util.keystr(path): local_bytes(x)
+                 for path, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+        with self._lock:
+            self.streamed, self.sizes, self.held, self.peak, self.unknown = streamed, sizes, 0, 0, set()
+
+    def _size(self, keypath: Any) -> int:
+        key = jax.tree_util.keystr(tuple(keypath))
+        if key not in self.sizes:
+            self.unknown.add(key)
+        return self.sizes.get(key, 0)
+
+    def key_priority(self, keypath: Any) -> _TransferPriority:
+        return _TransferPriority.ASYNCHRONOUS_DEPRIORITIZED if self.streamed else _TransferPriority.SYNCHRONOUS
+
+    def on_transfer_start(self, keypath: Any) -> None:
+        pass
+
+    def on_transfer_end(self, keypath: Any) -> None:
+        with self._lock:
+            self.held += self._size(keypath)
+            self.peak = max(self.peak, self.held)
+
+    def on_write_start(self, keypath: Any) -> None:
+        pass
+
+    def on_write_end(self, keypath: Any) -> None:
+        with self._lock:
+            self.held -= self._size(keypath)
+
+
+def state_handler(host_bytes: HostBytes, stream_host_gb: float) -> ocp.PyTreeCheckpointHandler:
+    """The ``state`` item's handler: StandardSave's (the same files), with a type registry whose jax.Array
+    handler reports to ``host_bytes`` and a device-to-host budget of ``stream_host_gb`` GB (10**9 bytes) for the
+    arrays ``host_bytes`` deprioritizes (a streamed save's)."""
+    handlers = [(t, ocp.type_handlers.ArrayHandler(array_metadata_store=_ArrayMetadataStore(), callback=host_bytes)
+                 if t is jax.Array else ocp.type_handlers.get_type_handler(t))
+                for t in ocp.type_handlers.supported_types()]
+    return ocp.PyTreeCheckpointHandler(
+        save_device_host_concurrent_gb=stream_host_gb,
+        type_handler_registry=ocp.type_handlers.create_type_handler_registry(*handlers))
+
+
 def _jsonable(obj: Any) -> Any:
     """numpy scalars/arrays -> python, bytes -> {__bytes_b64__: ...}, so JsonSave can write it."""
     if isinstance(obj, bytes):
@@ -113,19 +209,37 @@ def _from_jsonable(obj: Any) -> Any:
 
 
 class Checkpointer:
-    """Periodic, retained, async orbax checkpoints of (train state, data iterator state)."""
+    """Periodic, retained, async orbax checkpoints of (train state, data iterator state); a streamed save
+    (the end of a run) holds at most ``stream_host_gb`` GB of the state on the host at once."""
 
     def __init__(self, directory: str | Path, *, save_every: int = 500, keep: int = 3,
-                 async_save: bool = True) -> None:
+                 async_save: bool = True, stream_host_gb: float = 2.0) -> None:
+        if not stream_host_gb > 0:
+            raise ValueError(f"stream_host_gb={stream_host_gb}: a streamed save's host budget must be > 0")
         self.directory = Path(directory).absolute()
         self.save_every = save_every
+        self.stream_host_gb = stream_host_gb
+        self.host_bytes = HostBytes()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             save_interval_steps=max(save_every, 1),
             enable_async_checkpointing=async_save,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+            "state": state_handler(self.host_bytes, stream_host_gb), "data": ocp.JsonCheckpointHandler()})
+
+    @property
+    def last_host_peak_bytes(self) -> int:
+        """The most bytes of the state the last save held on this process's host at once (once it is written:
+        after :meth:`wait`; a streamed save has waited): the state's :func:`local_bytes` for a periodic save, at
+        most ``max(stream_host_gb, the largest array)`` for a streamed one."""
+        return self.host_bytes.peak
+
+    @property
+    def last_state_bytes(self) -> int:
+        """This process's bytes of the state the last save wrote (the sum of its arrays' :func:`local_bytes`)."""
+        return sum(self.host_bytes.sizes.values())
 
     def latest_step(self) -> int | None:
         """The newest finished checkpoint's step, or None."""
@@ -143,20 +257,27 @@ class Checkpointer:
         return periodic or self.manager.reached_preemption(step)
 
     def save(self, step: int, state: PyTree, data_state: dict[str, Any] | bytes | None = None, *,
-             force: bool = False) -> bool:
+             force: bool = False, streamed: bool = False) -> bool:
         """Start saving ``state`` (arrays, any sharding) and ``data_state`` at ``step`` if it is a
-        save step (or ``force``); returns whether a save started. Non-blocking when async."""
+        save step (or ``force``); returns whether a save started. Non-blocking when async, unless
+        ``streamed``: then at most ``stream_host_gb`` of the state is on the host at once, copied off the
+        devices while the save runs, and this returns once the checkpoint is on disk (the state must not
+        change, or be donated, before)."""
         if step in self.manager.all_steps():
             return False
         if not force and not self.should_save(step):
             return False
+        self.manager.wait_until_finished()  # as manager.save does first: the previous save's counts are final
+        self.host_bytes.start(state, streamed)
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
+            state=ocp.args.PyTreeSave(state),
             data=ocp.args.JsonSave(_jsonable({"iterator": data_state})),
         )
         started = self.manager.save(step, args=args, force=True)
         if started:
-            log.info("checkpoint: saving step %d to %s", step, self.directory)
+            log.info("checkpoint: saving step %d to %s%s", step, self.directory, " (streamed)" if streamed else "")
+            if streamed:
+                self.manager.wait_until_finished()
         return started
 
     def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, Any]:
@@ -189,7 +310,8 @@ class Checkpointer:
 
     def _read(self, target: PyTree, step: int) -> tuple[PyTree, Any]:
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+            state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
+            data=ocp.args.JsonRestore()))
         log.info("checkpoint: restored step %d from %s", step, self.directory)
         return out["state"], _from_jsonable(out["data"] or {}).get("iterator")
 

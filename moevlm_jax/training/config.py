@@ -75,6 +75,10 @@ class TrainConfig:
     checkpointing: bool = True  # false: no checkpoints at all (benchmarks, smoke runs; MaxText's enable_checkpointing)
     keep_checkpoints: int = 3  # checkpoints kept on disk (older ones deleted)
     async_checkpointing: bool = True  # write checkpoints in the background
+    # GB (10**9 bytes) of this process's state on the host at once while the final checkpoint is written (copied
+    # off the devices and written in batches of this size, a larger array alone); periodic checkpoints hold one
+    # whole host copy, so that training goes on while they are written
+    checkpoint_host_gb: float = 2.0
     freeze_vision_model: bool = False  # no gradients / optimizer state for the vision tower
     freeze_vision_projection: bool = False  # ... for the merger and the deepstack mergers
     freeze_language_model: bool = False  # ... for the decoder, embeddings and LM head
@@ -128,6 +132,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         coerce_fields(self, "train")  # types, as the loader checks them
+        if not self.checkpoint_host_gb > 0:
+            raise ValueError(f"train.checkpoint_host_gb={self.checkpoint_host_gb}: the final checkpoint's host "
+                             "budget must be > 0 (GB)")
         if self.resume_step is not None and self.resume_step < 1:
             raise ValueError(f"train.resume_step={self.resume_step}: checkpoint steps start at 1 (null: the newest "
                              "checkpoint that restores)")

@@ -165,9 +165,10 @@ class CheckpointHook(Hook):
     def save_final(self, ctx: LoopContext, step: int) -> bool:
         """The end of a run's checkpoint with the least host memory alongside: the data iterator's state read,
         then the training loader closed (its worker processes and the batches they buffer gone before the
-        state's host copy is made), then the state written and waited for, so that its host copy is freed
-        before the final evaluation and the answers run. The loader is closed also without checkpointing.
-        Returns whether a checkpoint was written."""
+        state is copied to the host), then the state streamed to disk (at most ``train.checkpoint_host_gb`` of
+        it on the host at once, see :meth:`Checkpointer.save`) and waited for, before the final evaluation and
+        the answers run. The loader is closed also without checkpointing. Returns whether a checkpoint was
+        written."""
         data_state, failed = None, None
         if self.enabled:
             try:
@@ -179,13 +180,17 @@ class CheckpointHook(Hook):
             return False
         if failed is not None:
             return self._failed(step, failed)
-        started = self._write(ctx, step, data_state, force=True)
+        started = self._write(ctx, step, data_state, force=True, streamed=True)
         self.wait()
+        if started and step in self.checkpointer.all_steps():
+            ckpt = self.checkpointer
+            log.info("final checkpoint streamed: at most %.1f MB of the state on the host at once (of %.1f MB)",
+                     ckpt.last_host_peak_bytes / 1e6, ckpt.last_state_bytes / 1e6)
         return started
 
-    def _write(self, ctx: LoopContext, step: int, data_state: Any, force: bool) -> bool:
+    def _write(self, ctx: LoopContext, step: int, data_state: Any, force: bool, streamed: bool = False) -> bool:
         try:  # orbax writes each process's own shards of the device arrays (no gather to one host)
-            return self.checkpointer.save(step, ctx.state, data_state, force=force)
+            return self.checkpointer.save(step, ctx.state, data_state, force=force, streamed=streamed)
         except Exception as e:  # noqa: BLE001 - a disk / storage fault must not lose the run
             return self._failed(step, e)
 

@@ -106,7 +106,8 @@ def _run(cfg: RunConfig, stop: StopSignals, stop_after: int | None, progress: bo
         stop.phase = "compile"
     policy.start(trainer, abstract)  # compiles while the state initialises and the data pipeline starts
     checkpoints = CheckpointHook(Checkpointer(cfg.run_dir / "checkpoints", save_every=tr.checkpoint_every,
-                                              keep=tr.keep_checkpoints, async_save=tr.async_checkpointing),
+                                              keep=tr.keep_checkpoints, async_save=tr.async_checkpointing,
+                                              stream_host_gb=tr.checkpoint_host_gb),
                                  enabled=tr.checkpointing)
     ctx, records = _context(cfg, trainer, abstract, resumable, checkpoints.checkpointer, progress)
     start = records.start

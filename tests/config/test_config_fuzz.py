@@ -23,6 +23,7 @@ CASES = [
     (["train.log_every=0"], "train.log_every"),
     (["train.eval_every=-1"], "train.eval_every"),
     (["train.keep_checkpoints=0"], "train.keep_checkpoints"),
+    (["train.checkpoint_host_gb=0"], "train.checkpoint_host_gb"),
     (["train.freeze_vision_model=maybe"], "train.freeze_vision_model"),
     (["train.global_batch_size=7"], "train.global_batch_size"),
     (["train.init_from=/nonexistent/hf_model"], "train.init_from"),

@@ -1,14 +1,17 @@
 """Checkpoints: sharded save/restore (same and different sharding), retention, iterator state, resume; a
-damaged checkpoint (a data file truncated after its commit) skipped for the newest that restores, kept on disk."""
+damaged checkpoint (a data file truncated after its commit) skipped for the newest that restores, kept on disk;
+a streamed save within its host budget; a checkpoint of the StandardSave format restored."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -198,3 +201,65 @@ def test_first_restorable_reason_is_the_innermost_cause():
     assert [(s.step, s.reason) for s in skipped] == [(4, "ValueError: OUT_OF_RANGE: byte range of step 4"),
                                                      (3, "ValueError: OUT_OF_RANGE: byte range of step 3")]
     assert error_reason(RuntimeError("y" * 1000)).endswith("...") and len(error_reason(RuntimeError("y" * 1000))) == 300
+
+
+def _host_bytes(x) -> int:
+    """What a one-process save copies of ``x`` to the host: its data, a PRNG key's as its key data."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x).nbytes
+
+
+def test_a_streamed_save_holds_at_most_its_budget_on_the_host(tmp_path):
+    mesh = _mesh((8,), ("fsdp",))
+    state = _train_state(mesh, P("fsdp"))  # arrays sharded over the 8 devices, replicated ones, scalars, a key
+    state["embed"] = jax.device_put(jnp.arange(256 * 64, dtype=jnp.float32).reshape(256, 64) / 3,
+                                    NamedSharding(mesh, P("fsdp")))  # 64 KiB: larger than the budget
+    sizes = [_host_bytes(x) for x in jax.tree.leaves(state)]
+    total, largest, budget = sum(sizes), max(sizes), 2000
+    assert largest == 65536 and total - largest > budget  # the rest alone is over the budget too
+    with Checkpointer(tmp_path, save_every=1, keep=3, stream_host_gb=budget / 1e9) as ckpt:
+        assert ckpt.save(1, state, {"at": 1})  # periodic: the whole state copied to the host before save returns
+        ckpt.wait()
+        assert (ckpt.last_host_peak_bytes, ckpt.last_state_bytes, ckpt.host_bytes.held) == (total, total, 0)
+        assert ckpt.save(2, state, {"at": 2}, streamed=True)
+        assert ckpt.all_steps() == [1, 2]  # on disk when save returns
+        peak = ckpt.last_host_peak_bytes
+        assert ckpt.last_state_bytes == total and ckpt.host_bytes.held == 0 and not ckpt.host_bytes.unknown
+        # the largest array alone in its batch, every other batch under the budget
+        assert largest <= peak <= max(budget, largest) and peak < total, (peak, total)
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2):
+        restored, it = ckpt.restore(abstract_like(state), step=step)
+        _assert_bitwise_equal(restored, state)
+        assert it == {"at": step}
+    assert restored["embed"].sharding == state["embed"].sharding
+    ckpt.close()
+
+
+def _files(step_dir):
+    """The files of a checkpoint but its array data (content-named), as relative paths."""
+    return sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*")
+                  if p.is_file() and "d" not in p.relative_to(step_dir).parts)
+
+
+def test_a_checkpoint_written_by_standard_save_restores(tmp_path):
+    """Checkpoints before streamed saves were written with StandardSave (StandardCheckpointHandler): the same
+    files as now (only the handler's name in the step's metadata differs), and they restore."""
+    state = _train_state(_mesh((8,), ("fsdp",)), P("fsdp"))
+    old = ocp.CheckpointManager(tmp_path / "old", options=ocp.CheckpointManagerOptions(create=True),
+                                item_names=("state", "data"))
+    old.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                        data=ocp.args.JsonSave({"iterator": {"next_index": 40}})))
+    old.close()
+    with Checkpointer(tmp_path / "old") as ckpt:
+        restored = ckpt.restore_newest(abstract_like(state))
+    assert restored.step == 5 and restored.data_state == {"next_index": 40} and not restored.skipped
+    _assert_bitwise_equal(restored.state, state)
+
+    with Checkpointer(tmp_path / "new", async_save=False) as ckpt:
+        assert ckpt.save(5, state, {"next_index": 40}, force=True, streamed=True)
+    old_dir, new_dir = tmp_path / "old" / "5", tmp_path / "new" / "5"
+    assert _files(old_dir) == _files(new_dir) and "state/array_metadatas/process_0" in _files(new_dir)
+    assert json.loads((old_dir / "state" / "_METADATA").read_text()) == \
+        json.loads((new_dir / "state" / "_METADATA").read_text())

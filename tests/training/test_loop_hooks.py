@@ -1,7 +1,10 @@
 """The loop's hooks (moevlm_jax.training.hooks): every event fires in order, the train job's own hooks
 (evaluation, checkpoints, plot) before those a caller adds, with what each put in the summary and on disk
-when the next one runs."""
+when the next one runs; the final checkpoint streamed within train.checkpoint_host_gb."""
 from __future__ import annotations
+
+import logging
+import re
 
 import jax
 import pytest
@@ -9,6 +12,7 @@ import yaml
 
 from moevlm_jax.config.run import load_config
 from moevlm_jax.training import loop
+from moevlm_jax.training.checkpoint import Checkpointer
 from moevlm_jax.training.hooks import Hook
 from moevlm_jax.training.metrics import read_metrics
 from tests.training.train_setup import data_config
@@ -70,15 +74,37 @@ def _on_disk(ctx) -> list[str]:
     return sorted(p.name for p in (ctx.run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def test_hooks_fire_in_order(tmp_path, monkeypatch):
+def recorded_saves(monkeypatch) -> list[dict]:
+    """Each checkpoint Checkpointer.save starts: its step, whether streamed, the state's bytes and largest array,
+    the host budget and the most of the state on the host at once (by the time save returns: a periodic save
+    has copied all of it, a streamed one is written)."""
+    saves: list[dict] = []
+    save = Checkpointer.save
+
+    def recorded(self, step, state, data_state=None, *, force=False, streamed=False):
+        started = save(self, step, state, data_state, force=force, streamed=streamed)
+        if started:
+            sizes = [x.nbytes for x in jax.tree.leaves(state)]
+            saves.append({"step": step, "streamed": streamed, "total": sum(sizes), "largest": max(sizes),
+                          "budget": self.stream_host_gb * 1e9, "peak": self.last_host_peak_bytes})
+        return started
+
+    monkeypatch.setattr(Checkpointer, "save", recorded)
+    return saves
+
+
+def test_hooks_fire_in_order(tmp_path, monkeypatch, caplog):
     data = tmp_path / "data.yaml"
     data.write_text(yaml.safe_dump(data_config()))
     cfg = load_config("cpu-default", model="tiny", data=str(data), run_dir=str(tmp_path / "run"), overrides=[
         "train.steps=3", "train.eval_every=2", "train.eval_batches=1", "train.checkpoint_every=2",
-        "train.show_answers=0", "train.tensorboard=false", "train.log_every=1", "compute.dtype=float32"])
+        "train.show_answers=0", "train.tensorboard=false", "train.log_every=1", "compute.dtype=float32",
+        "train.checkpoint_host_gb=0.05"])
     rec = Recording(last_step=3)
     monkeypatch.setattr(jax, "device_get", rec.device_get(jax.device_get))
-    summary = loop.run(cfg, progress=False, hooks=[rec])
+    saves = recorded_saves(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="moevlm_jax.train"):
+        summary = loop.run(cfg, progress=False, hooks=[rec])
     assert rec.events == [
         ("before_step", 1), ("after_step", 1, True), ("on_step", 1, []),
         # the evaluation every 2 steps ran before this hook's on_step
@@ -100,3 +126,13 @@ def test_hooks_fire_in_order(tmp_path, monkeypatch):
     # jax.device_get brings over is at most one parameter tensor (the metrics' scalars), not the state
     assert rec.end_host_copies and max(rec.end_host_copies) <= rec.largest_param, (
         rec.end_host_copies, rec.largest_param)
+    # the periodic checkpoint (step 2) copied the whole state to the host at once; the final one (step 3) was
+    # streamed: at most train.checkpoint_host_gb (50 MB) of the state (121 MB) on the host at once
+    assert [(s["step"], s["streamed"]) for s in saves] == [(2, False), (3, True)]
+    periodic, final = saves
+    assert periodic["peak"] == periodic["total"]
+    assert final["largest"] <= final["peak"] <= max(final["budget"], final["largest"]) < final["total"], final
+    (line,) = [r.getMessage() for r in caplog.records if "final checkpoint streamed" in r.getMessage()]
+    assert re.fullmatch(r"final checkpoint streamed: at most ([\d.]+) MB of the state on the host at once "
+                        r"\(of ([\d.]+) MB\)", line).groups() == (f"{final['peak'] / 1e6:.1f}",
+                                                                     f"{final['total'] / 1e6:.1f}")
