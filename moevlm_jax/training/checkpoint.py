@@ -113,9 +113,6 @@ class _ExpectedOrbaxWarning(logging.Filter):
         return not str(record.msg).startswith("No prioritized params found for saving")
 
 
-logging.getLogger("absl").addFilter(_ExpectedOrbaxWarning())
-
-
 def local_bytes(x: Any) -> int:
     """The bytes of ``x``'s data this process holds (each distinct shard once, replicas not counted again): what
     a save of ``x`` can copy to this process's host at most; 0 for a leaf that is not a ``jax.Array``."""
@@ -273,11 +270,17 @@ class Checkpointer:
             state=ocp.args.PyTreeSave(state),
             data=ocp.args.JsonSave(_jsonable({"iterator": data_state})),
         )
-        started = self.manager.save(step, args=args, force=True)
-        if started:
-            log.info("checkpoint: saving step %d to %s%s", step, self.directory, " (streamed)" if streamed else "")
-            if streamed:
-                self.manager.wait_until_finished()
+        expected = _ExpectedOrbaxWarning()
+        if streamed:  # for this save only: no process-wide logging change
+            logging.getLogger("absl").addFilter(expected)
+        try:
+            started = self.manager.save(step, args=args, force=True)
+            if started:
+                log.info("checkpoint: saving step %d to %s%s", step, self.directory, " (streamed)" if streamed else "")
+                if streamed:
+                    self.manager.wait_until_finished()
+        finally:
+            logging.getLogger("absl").removeFilter(expected)
         return started
 
     def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, Any]:
