@@ -3,6 +3,7 @@ devices by XLA's compiled memory analysis of its own train step, and if not, the
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -120,7 +121,7 @@ class Plan:
         return text
 
 
-MAX_CHECKS = 2  # compiled checks of alternatives a fit makes: the chosen setting and at most one fallback
+MAX_CHECKS = 2  # compiled checks of alternatives a fit makes (the first two at once: _concurrent_checks)
 CALIBRATED_SLACK = 1.05  # after a check: skip a candidate over the limit by more than this, scaled by XLA / estimate
 
 
@@ -222,7 +223,18 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     banded = band is not None and math.isfinite(band[1])
     pool = [e for e in ranked if e.fits or (banded and in_doubt(e))]
     pool.sort(key=fastest_first)
-    checks = 0
+    # the first checks compiled at once (XLA's compiles run beside each other; a check is about a minute of a
+    # proxy-sized step on one GPU): the fastest in doubt and, when its estimate is over the limit, the fastest in
+    # doubt estimated within it, the likelier fit
+    early = _concurrent_checks(pool, in_doubt, w.limit_bytes) if banded else {}
+    if early:
+        def check(e: Estimate) -> dict[str, Any]:
+            return compiled_memory(e.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
+                                   compiler_options=compiler_options, **shapes)
+
+        with concurrent.futures.ThreadPoolExecutor(len(early), thread_name_prefix="fit-check") as ex:
+            early = {k: ex.submit(check, e) for k, e in early.items()}
+    checks = len(early)
     # XLA's total / the estimate, from the last compiled check of this run: a candidate whose estimate scaled by it
     # is still over the limit (CALIBRATED_SLACK) is not worth a check
     ratio = compiled_total / current.memory.total if compiled_total else None
@@ -234,12 +246,15 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     for e in pool if banded else pool[: max(top, 1) * 4]:
         if in_doubt(e):
             hopeless = ratio is not None and e.memory.total * ratio > w.limit_bytes * CALIBRATED_SLACK
-            if banded and (checks == MAX_CHECKS or hopeless):
+            if id(e) not in early and banded and (checks == MAX_CHECKS or hopeless):
                 continue
-            checks += 1
             try:
-                e.compiled = compiled_memory(e.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
-                                             compiler_options=compiler_options, **shapes)
+                if id(e) in early:
+                    e.compiled = early[id(e)].result()
+                else:
+                    checks += 1
+                    e.compiled = compiled_memory(e.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
+                                                 compiler_options=compiler_options, **shapes)
             except Exception as err:  # noqa: BLE001
                 e.compiled = {"error": f"{type(err).__name__}: {err}"[:300]}
                 continue
@@ -255,6 +270,22 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     return Plan(False, current, [], f"{why}. Nothing among {len(ranked)} alternatives ({', '.join(sorted(allow))}) "
                                     "fits these devices: more devices, a shorter sequence or a smaller model",
                 ranked, compiled_total, w.limit_bytes)
+
+
+def _concurrent_checks(pool: Sequence[Estimate], in_doubt: Any, limit: float) -> dict[int, Estimate]:
+    """The checks :func:`fit` compiles at once, by ``id``, from its pool (fastest first; a sure fit ends it, as
+    the checks past it are never reached): the first candidate in doubt and, when its estimate is over ``limit``,
+    the first in doubt estimated within it (the memory model errs on the high side, so the likelier fit). At most
+    ``MAX_CHECKS``."""
+    picks: list[Estimate] = []
+    for e in pool:
+        if not in_doubt(e):
+            break  # a sure fit: the answer, whatever the checks after it would say
+        if not picks or (picks[0].memory.total > limit >= e.memory.total):
+            picks.append(e)
+        if len(picks) == min(MAX_CHECKS, 2):
+            break
+    return {id(e): e for e in picks}
 
 
 def _alternatives(base: Candidate, w: Workload, allow: set[str]) -> list[Candidate]:
