@@ -276,3 +276,23 @@ def test_clips_answer_from_their_decoded_frames_and_leave_the_image_set_unchange
         assert sample["grids"][0, 1] in (4, 6) and sample["grids"][0, 1] == sample["grids"][0, 2]  # 64 or 96 px
         assert set(sample["answer_type"][sample["answer"] > 0].tolist()) == {QUESTION_TYPES.index(
             rec["meta"]["qtypes"][0])}
+
+
+def test_the_long_clip_proxy_preset_fills_its_bucket_within_its_row():
+    """configs/data/proxy_video.yaml (the GPU's 64-frame workload, bench/scripts/video_step.sh): a clip of it made at
+    full size decodes to its 64 frames of 448 x 448 px at 2 fps and goes through the sample pipeline as 32 frame pairs
+    of 28 x 28 patches, the preset's patch bucket exactly (25,088), in fewer tokens than its row: 6,272 video tokens
+    plus the timestamps and the question."""
+    cfg = load_data_config("proxy_video")
+    params = vqa_params(cfg.source)
+    raw = make_record(params, "train", 0)
+    rec = decode_record(raw)
+    clip = decode_video(rec["videos"][0], cfg.video, cfg.image)
+    assert len(clip.frames) == 64 and clip.fps == 2 and clip.frames.shape[1:] == (448, 448, 3)
+    assert read_clip_answer(clip.frames, rec["meta"]["qtypes"][0]) == rec["meta"]["answers"][0]
+    sample = SampleProcessor(cfg, eval_mode=True)(0, raw)
+    assert sample["videos"] == 1 and sample["grids"][0].tolist() == [32, 28, 28]
+    assert 32 * 28 * 28 == cfg.patch_buckets[-1] == 25088
+    assert sample["patches"].shape[0] == 25088
+    tokens = int(np.count_nonzero(sample["ids"] == 151656))  # the video placeholder's id (Qwen3-VL)
+    assert tokens == 25088 // 4 and tokens < len(sample["ids"]) <= cfg.seq_len
