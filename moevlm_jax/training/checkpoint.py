@@ -48,12 +48,16 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 # orbax has no public name for these two (the one place this module reaches into orbax's internals; written
-# against orbax-checkpoint 0.12.8): the priority the jax.Array handler's callback gives each array (only arrays
-# given ASYNCHRONOUS_DEPRIORITIZED are held to save_device_host_concurrent_gb), and the array-metadata store the
-# default jax.Array handler writes with (so that the files are StandardSave's). Should either move, this import
-# fails when the module loads, before anything is saved or restored.
-from orbax.checkpoint._src.metadata.array_metadata_store import Store as _ArrayMetadataStore
-from orbax.checkpoint._src.serialization.types import TransferPriority as _TransferPriority
+# against orbax-checkpoint 0.12.8, the version pyproject asks for): the priority the jax.Array handler's callback
+# gives each array (only arrays given ASYNCHRONOUS_DEPRIORITIZED are held to save_device_host_concurrent_gb), and the
+# array-metadata store the default jax.Array handler writes with (so that the files are StandardSave's). Where they
+# are missing (an environment that ignores the pin), checkpoints are orbax's plain PyTree ones and a streamed save is
+# an ordinary one, said in one line when it happens.
+try:
+    from orbax.checkpoint._src.metadata.array_metadata_store import Store as _ArrayMetadataStore
+    from orbax.checkpoint._src.serialization.types import TransferPriority as _TransferPriority
+except ImportError:  # pragma: no cover - only with an orbax other than the pinned one
+    _ArrayMetadataStore = _TransferPriority = None
 
 from moevlm_jax.parallelism.multihost import agreed_max
 from moevlm_jax.schema import ConfigError
@@ -172,6 +176,8 @@ def state_handler(host_bytes: HostBytes, stream_host_gb: float) -> ocp.PyTreeChe
     """The ``state`` item's handler: StandardSave's (the same files), with a type registry whose jax.Array
     handler reports to ``host_bytes`` and a device-to-host budget of ``stream_host_gb`` GB (10**9 bytes) for the
     arrays ``host_bytes`` deprioritizes (a streamed save's)."""
+    if _TransferPriority is None:
+        return ocp.PyTreeCheckpointHandler()
     handlers = [(t, ocp.type_handlers.ArrayHandler(array_metadata_store=_ArrayMetadataStore(), callback=host_bytes)
                  if t is jax.Array else ocp.type_handlers.get_type_handler(t))
                 for t in ocp.type_handlers.supported_types()]
@@ -227,6 +233,11 @@ class Checkpointer:
             "state": state_handler(self.host_bytes, stream_host_gb), "data": ocp.JsonCheckpointHandler()})
 
     @property
+    def streams(self) -> bool:
+        """Whether a ``streamed`` save holds at most ``stream_host_gb`` on the host (the installed orbax can)."""
+        return _TransferPriority is not None
+
+    @property
     def last_host_peak_bytes(self) -> int:
         """The most bytes of the state the last save held on this process's host at once (once it is written:
         after :meth:`wait`; a streamed save has waited): the state's :func:`local_bytes` for a periodic save, at
@@ -265,6 +276,9 @@ class Checkpointer:
         if not force and not self.should_save(step):
             return False
         self.manager.wait_until_finished()  # as manager.save does first: the previous save's counts are final
+        if streamed and not self.streams:
+            log.warning("checkpoint: orbax %s cannot stream a save (pyproject asks for >= 0.12.8): step %d is saved "
+                        "with one host copy of the state", getattr(ocp, "__version__", "?"), step)
         self.host_bytes.start(state, streamed)
         args = ocp.args.Composite(
             state=ocp.args.PyTreeSave(state),

@@ -182,7 +182,7 @@ class CheckpointHook(Hook):
             return self._failed(step, failed)
         started = self._write(ctx, step, data_state, force=True, streamed=True)
         self.wait()
-        if started and step in self.checkpointer.all_steps():
+        if started and step in self.checkpointer.all_steps() and self.checkpointer.streams:
             ckpt = self.checkpointer
             log.info("final checkpoint streamed: at most %.1f MB of the state on the host at once (of %.1f MB)",
                      ckpt.last_host_peak_bytes / 1e6, ckpt.last_state_bytes / 1e6)

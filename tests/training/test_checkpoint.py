@@ -237,6 +237,25 @@ def test_a_streamed_save_holds_at_most_its_budget_on_the_host(tmp_path):
     ckpt.close()
 
 
+def test_an_orbax_that_cannot_stream_saves_whole_and_says_so(tmp_path, monkeypatch, caplog):
+    """Without the pinned orbax's transfer priorities (an environment that ignores pyproject's pin) the state is
+    saved with orbax's plain PyTree handler: a streamed save is an ordinary one, waited for, said in one warning,
+    and it restores exactly."""
+    from moevlm_jax.training import checkpoint as ckpt_lib
+
+    monkeypatch.setattr(ckpt_lib, "_TransferPriority", None)
+    state = _train_state(_mesh((8,), ("fsdp",)), P("fsdp"))
+    with caplog.at_level(logging.WARNING, logger="moevlm_jax"), Checkpointer(tmp_path, stream_host_gb=1e-6) as ckpt:
+        assert not ckpt.streams
+        assert ckpt.save(3, state, {"at": 3}, force=True, streamed=True) and ckpt.all_steps() == [3]
+        restored, it = ckpt.restore(abstract_like(state), step=3)
+    _assert_bitwise_equal(restored, state)
+    assert it == {"at": 3}
+    assert [r.getMessage() for r in caplog.records if "cannot stream" in r.getMessage()] == [
+        f"checkpoint: orbax {ocp.__version__} cannot stream a save (pyproject asks for >= 0.12.8): step 3 is saved "
+        "with one host copy of the state"]
+
+
 def _files(step_dir):
     """The files of a checkpoint but its array data (content-named), as relative paths."""
     return sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*")
