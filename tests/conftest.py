@@ -153,31 +153,37 @@ def legacy_emitters():
 # after sharing their compiles and shrinking their batches): the xdist workers start on them, each module on
 # one worker (its module fixtures computed once), so that no long module is left running alone at the end;
 # the rest follow in collection order (tests/bench/ and tests/plan/: the former tests/tools/ modules).
-SLOW_MODULES = (
-    "tests/training/test_multiprocess.py",
-    "tests/parallelism/test_layouts.py",  # both families (360 s alone, 2026-12-07)
-    "tests/training/test_faults.py",
-    "tests/parallelism/test_layouts_cli.py",
-    "tests/training/test_train_cli.py",
-    "tests/plan/test_plan.py",
-    "tests/bench/test_bench.py",
-    "tests/training/test_train_fsdp.py",
-    "tests/training/test_portable_checkpoints.py",
-    "tests/parallelism/test_pipeline.py",
-    "tests/parallelism/test_fp8_trainer.py",
-    "tests/training/test_bf16_params.py",
-    "tests/plan/test_autofit.py",
-    "tests/plan/test_compiled.py",
-    "tests/training/test_qwen3_5_train.py",
-    "tests/model/test_parity.py",  # both families (161 s alone, 2026-12-07)
-    "tests/model/test_recompute.py",  # both families (136 s alone)
-    "tests/bench/test_sweep.py",
-    "tests/parallelism/test_dispatch.py",
-    "tests/training/test_dataset_paths.py",
-    "tests/parallelism/test_permute.py",
-    "tests/bench/test_hf_step.py",
-    "tests/training/test_bound_check.py",
-    "tests/inference/test_generate.py",
+SLOW_MODULES = (  # each module's time in a full run on 2 cores (2026-12-08, shared compile cache), longest first
+    "tests/parallelism/test_layouts.py",  # 221 s
+    "tests/training/test_multiprocess.py",  # 159 s
+    "tests/parallelism/test_layouts_cli.py",  # 144 s
+    "tests/training/test_faults.py",  # 124 s
+    "tests/parallelism/test_gmm_mgpu.py",  # 94 s
+    "tests/plan/test_plan.py",  # 80 s
+    "tests/bench/test_bench.py",  # 63 s
+    "tests/training/test_reuse_shapes.py",  # 56 s
+    "tests/training/test_train_fsdp.py",  # 53 s
+    "tests/model/test_parity.py",  # 53 s
+    "tests/plan/test_autofit.py",  # 51 s
+    "tests/parallelism/test_dispatch.py",  # 50 s
+    "tests/training/test_portable_checkpoints.py",  # 50 s
+    "tests/inference/test_generate.py",  # 48 s
+    "tests/training/test_train_cli.py",  # 48 s
+    "tests/parallelism/test_pipeline.py",  # 47 s
+    "tests/parallelism/test_permute.py",  # 45 s
+    "tests/bench/test_hf_step.py",  # 39 s
+    "tests/bench/test_sweep.py",  # 39 s
+    "tests/parallelism/test_fp8_trainer.py",  # 35 s
+    "tests/model/test_recompute.py",  # 34 s
+    "tests/training/test_bf16_params.py",  # 30 s
+    "tests/model/test_gated_deltanet.py",  # 28 s
+    "tests/training/test_qwen3_5_train.py",  # 28 s
+    "tests/bench/test_bench_moe.py",  # 26 s
+    "tests/model/test_compute.py",  # 24 s
+    "tests/bench/test_breakdown.py",  # 24 s
+    "tests/plan/test_compiled.py",  # 24 s
+    "tests/training/test_loop_hooks.py",  # 21 s
+    "tests/parallelism/test_grouped_matmul.py",  # 21 s
 )
 
 
