@@ -30,6 +30,7 @@ def _image_from_patches(pixel_values: np.ndarray, rc: np.ndarray, hw: tuple[int,
 def main(argv: Iterable[str] | None = None) -> int:
     """CLI entry point."""
     from moevlm_jax.data.loader import build_loader, throughput_line
+    from moevlm_jax.data.tokenizer import load_tokenizer
 
     parser = argparse.ArgumentParser(prog="python -m moevlm_jax.data.inspect", description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", default="vqa")
@@ -45,7 +46,7 @@ def main(argv: Iterable[str] | None = None) -> int:
 
     start = time.perf_counter()
     loader = build_loader(args.config, split=args.split, overrides=args.set)
-    tok = __import__("data.tokenizer", fromlist=["load_tokenizer"]).load_tokenizer(loader.config.tokenizer)
+    tok = load_tokenizer(loader.config.tokenizer)
     print(f"{loader.label} | split {args.split} | {loader.source_len} samples | eval={loader.eval_mode}")
     for n, batch in zip(range(args.batches), loader):
         print(f"\nbatch {n}:")
