@@ -29,8 +29,8 @@ if "MOEVLM_TEST_DATA_CACHE" not in os.environ:
 # One persistent compilation cache for the whole run, shared like the data cache (the workers and the tests'
 # subprocesses inherit it): a program compiled in one test module, worker or subprocess is loaded, not compiled
 # again, by the next that builds the same program (the same tiny model's train step under the CLI, the faults,
-# the checkpoints and the several-process tests; ~1,100 of ~6,100 compiles of a run, 21.6 -> 18.4 min on 2 cores,
-# 2026-12-08). Every program is cached (no minimum compile time). A test that sets its own
+# the checkpoints and the several-process tests; about a sixth of a run's compiles). Every program is cached (no
+# minimum compile time). A test that sets its own
 # ``train.compilation_cache_dir`` gets its own cache for that test (the fixture below restores this one).
 if "MOEVLM_TEST_JAX_CACHE" not in os.environ:
     os.environ["MOEVLM_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="moevlm-test-jax-cache-")
