@@ -199,11 +199,14 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     def in_doubt(e: Estimate) -> bool:
         return band is not None and band[0] <= e.memory.total / w.limit_bytes <= band[1]
 
+    def check(e: Estimate) -> dict[str, Any]:
+        return compiled_memory(e.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
+                               compiler_options=compiler_options, **shapes)
+
     compiled_total = None
     if in_doubt(current):
         try:
-            current.compiled = compiled_memory(current.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
-                                               compiler_options=compiler_options, **shapes)
+            current.compiled = check(current)
             compiled_total = float(current.compiled["total_bytes"])
         except Exception as err:  # noqa: BLE001 - fall back to the estimate, say so
             current.compiled = {"error": f"{type(err).__name__}: {err}"[:300]}
@@ -228,10 +231,6 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
     # doubt estimated within it, the likelier fit
     early = _concurrent_checks(pool, in_doubt, w.limit_bytes) if banded else {}
     if early:
-        def check(e: Estimate) -> dict[str, Any]:
-            return compiled_memory(e.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
-                                   compiler_options=compiler_options, **shapes)
-
         with concurrent.futures.ThreadPoolExecutor(len(early), thread_name_prefix="fit-check") as ex:
             early = {k: ex.submit(check, e) for k, e in early.items()}
     checks = len(early)
@@ -253,8 +252,7 @@ def fit(cfg: Any, devices: Sequence[Any] | None = None, *, device_memory_gib: fl
                     e.compiled = early[id(e)].result()
                 else:
                     checks += 1
-                    e.compiled = compiled_memory(e.candidate, w, devices, compute=compute, optimizer=cfg.optimizer,
-                                                 compiler_options=compiler_options, **shapes)
+                    e.compiled = check(e)
             except Exception as err:  # noqa: BLE001
                 e.compiled = {"error": f"{type(err).__name__}: {err}"[:300]}
                 continue
